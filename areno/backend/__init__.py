@@ -1,0 +1,1 @@
+"""Torch training backend: rank processes, FSDP2/DDP, shared-memory hand-off."""

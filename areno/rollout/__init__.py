@@ -1,0 +1,1 @@
+"""Rollout engines and the flat RolloutBatch layout they produce."""
