@@ -1,0 +1,238 @@
+"""RolloutBatch: one step's rollouts as flat arrays with offsets (CSR layout).
+
+Nothing here holds a per-token Python object: every transform is a vectorized
+pass over the flat arrays, and Python loops (if any) run over sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FINISH_STOP = 0
+FINISH_LENGTH = 1
+FINISH_ABORT = 2
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def _check_offsets(name: str, offsets: np.ndarray, n_values: int) -> None:
+    if offsets.ndim != 1 or offsets.size < 1:
+        raise ValueError(f"{name}: must be a 1-D array of at least one offset")
+    if offsets[0] != 0:
+        raise ValueError(f"{name}: must start at 0, got {int(offsets[0])}")
+    if offsets.size > 1 and np.any(np.diff(offsets) < 0):
+        bad = int(np.flatnonzero(np.diff(offsets) < 0)[0])
+        raise ValueError(f"{name}: not monotone at index {bad}")
+    if offsets[-1] != n_values:
+        raise ValueError(
+            f"{name}: last offset {int(offsets[-1])} != length of the values ({n_values})"
+        )
+
+
+def _check_dtype(name: str, arr: Any, dtype: np.dtype) -> None:
+    if not isinstance(arr, np.ndarray):
+        raise ValueError(f"{name}: expected a numpy array, got {type(arr).__name__}")
+    if arr.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {np.dtype(dtype)}, got {arr.dtype}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D array, got shape {arr.shape}")
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """N responses to P unique prompts, every token in one flat array.
+
+    prompt_ids:        [sum prompt lens] int32, unique prompts concatenated
+    prompt_offsets:    [P+1] int64, prompt p is prompt_ids[off[p]:off[p+1]]
+    response_ids:      [T] int32, all responses concatenated
+    response_offsets:  [N+1] int64
+    response_logprobs: [T] float32, sampler log-prob of each response token
+    group_index:       [N] int64, the prompt (0..P-1) response i answers
+    finish_reason:     [N] uint8, 0 stop / 1 length / 2 abort
+    """
+
+    prompt_ids: np.ndarray
+    prompt_offsets: np.ndarray
+    response_ids: np.ndarray
+    response_offsets: np.ndarray
+    response_logprobs: np.ndarray
+    group_index: np.ndarray
+    finish_reason: np.ndarray
+
+    def __post_init__(self) -> None:
+        _check_dtype("prompt_ids", self.prompt_ids, np.int32)
+        _check_dtype("prompt_offsets", self.prompt_offsets, np.int64)
+        _check_dtype("response_ids", self.response_ids, np.int32)
+        _check_dtype("response_offsets", self.response_offsets, np.int64)
+        _check_dtype("response_logprobs", self.response_logprobs, np.float32)
+        _check_dtype("group_index", self.group_index, np.int64)
+        _check_dtype("finish_reason", self.finish_reason, np.uint8)
+        _check_offsets("prompt_offsets", self.prompt_offsets, self.prompt_ids.size)
+        _check_offsets("response_offsets", self.response_offsets, self.response_ids.size)
+        if self.response_logprobs.size != self.response_ids.size:
+            raise ValueError(
+                f"response_logprobs: length {self.response_logprobs.size} != "
+                f"response_ids length {self.response_ids.size}"
+            )
+        n = self.num_responses
+        if self.group_index.size != n:
+            raise ValueError(f"group_index: length {self.group_index.size} != {n} responses")
+        if self.finish_reason.size != n:
+            raise ValueError(f"finish_reason: length {self.finish_reason.size} != {n} responses")
+        if n and (self.group_index.min() < 0 or self.group_index.max() >= self.num_prompts):
+            raise ValueError(f"group_index: values must lie in [0, {self.num_prompts})")
+        if n and self.finish_reason.max() > FINISH_ABORT:
+            raise ValueError("finish_reason: values must be 0 (stop), 1 (length) or 2 (abort)")
+
+    # -- sizes -------------------------------------------------------------
+    @property
+    def num_prompts(self) -> int:
+        return self.prompt_offsets.size - 1
+
+    @property
+    def num_responses(self) -> int:
+        return self.response_offsets.size - 1
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_ids.size)
+
+    @property
+    def prompt_lengths(self) -> np.ndarray:
+        """[P] int64"""
+        return np.diff(self.prompt_offsets)
+
+    @property
+    def response_lengths(self) -> np.ndarray:
+        """[N] int64"""
+        return np.diff(self.response_offsets)
+
+    def response_tokens(self, i: int) -> np.ndarray:
+        """View of response i's token ids (for tests and debugging)."""
+        return self.response_ids[self.response_offsets[i] : self.response_offsets[i + 1]]
+
+    def prompt_tokens(self, p: int) -> np.ndarray:
+        return self.prompt_ids[self.prompt_offsets[p] : self.prompt_offsets[p + 1]]
+
+    # -- construction ------------------------------------------------------
+    @staticmethod
+    def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
+        """Concatenate batches; prompts of later batches are renumbered. O(batches) Python."""
+        if not batches:
+            raise ValueError("concat: no batches")
+        if len(batches) == 1:
+            return batches[0]
+        p_shift = np.cumsum([0] + [b.num_prompts for b in batches[:-1]])
+        pt_shift = np.cumsum([0] + [b.prompt_ids.size for b in batches[:-1]])
+        rt_shift = np.cumsum([0] + [b.response_ids.size for b in batches[:-1]])
+        return RolloutBatch(
+            prompt_ids=np.concatenate([b.prompt_ids for b in batches]),
+            prompt_offsets=np.concatenate(
+                [np.zeros(1, np.int64)]
+                + [b.prompt_offsets[1:] + s for b, s in zip(batches, pt_shift)]
+            ).astype(np.int64),
+            response_ids=np.concatenate([b.response_ids for b in batches]),
+            response_offsets=np.concatenate(
+                [np.zeros(1, np.int64)]
+                + [b.response_offsets[1:] + s for b, s in zip(batches, rt_shift)]
+            ).astype(np.int64),
+            response_logprobs=np.concatenate([b.response_logprobs for b in batches]),
+            group_index=np.concatenate(
+                [b.group_index + s for b, s in zip(batches, p_shift)]
+            ).astype(np.int64),
+            finish_reason=np.concatenate([b.finish_reason for b in batches]),
+        )
+
+    # -- selection ---------------------------------------------------------
+    def select_responses(self, keep: np.ndarray) -> "RolloutBatch":
+        """Keep the responses where `keep` ([N] bool) is true; prompts left with no
+        response are dropped and group_index renumbered. One vectorized pass."""
+        keep = np.asarray(keep, dtype=bool)
+        if keep.shape != (self.num_responses,):
+            raise ValueError(f"keep: expected shape ({self.num_responses},), got {keep.shape}")
+        lengths = self.response_lengths
+        tok_keep = np.repeat(keep, lengths)
+        new_lengths = lengths[keep]
+        used = np.zeros(self.num_prompts, dtype=bool)
+        used[self.group_index[keep]] = True
+        remap = np.cumsum(used, dtype=np.int64) - 1
+        p_len = self.prompt_lengths
+        p_tok_keep = np.repeat(used, p_len)
+        return RolloutBatch(
+            prompt_ids=self.prompt_ids[p_tok_keep],
+            prompt_offsets=_offsets(p_len[used]),
+            response_ids=self.response_ids[tok_keep],
+            response_offsets=_offsets(new_lengths),
+            response_logprobs=self.response_logprobs[tok_keep],
+            group_index=remap[self.group_index[keep]],
+            finish_reason=self.finish_reason[keep],
+        )
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    out = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def offsets_from_lengths(lengths: np.ndarray) -> np.ndarray:
+    """[n] lengths -> [n+1] int64 offsets starting at 0."""
+    return _offsets(np.asarray(lengths, dtype=np.int64))
+
+
+def group_sizes(group_index: np.ndarray, num_groups: int) -> np.ndarray:
+    """[P] int64 number of responses per prompt."""
+    return np.bincount(group_index, minlength=num_groups).astype(np.int64)
+
+
+def zero_variance_groups(
+    rewards: np.ndarray, group_index: np.ndarray, num_groups: int, atol: float = 0.0
+) -> np.ndarray:
+    """[P] bool: groups whose rewards are all equal (max - min <= atol), including
+    groups of one. Such groups carry no GRPO signal."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    gmax = np.full(num_groups, -np.inf)
+    gmin = np.full(num_groups, np.inf)
+    np.maximum.at(gmax, group_index, rewards)
+    np.minimum.at(gmin, group_index, rewards)
+    return (gmax - gmin) <= atol
+
+
+def keep_nonzero_variance(rewards: np.ndarray, batch: RolloutBatch, atol: float = 0.0) -> np.ndarray:
+    """[N] bool mask of responses whose group has reward variance."""
+    zv = zero_variance_groups(rewards, batch.group_index, batch.num_prompts, atol)
+    return ~zv[batch.group_index]
+
+
+def overlong_mask(batch: RolloutBatch) -> np.ndarray:
+    """[N] bool: responses cut by the length limit (finish_reason == length)."""
+    return batch.finish_reason == FINISH_LENGTH
+
+
+def _batch_decode(tokenizer: Any, ids: np.ndarray, offsets: np.ndarray, skip_special_tokens: bool) -> list[str]:
+    """One batched decode of the CSR sequences ids[offsets[i]:offsets[i+1]].
+
+    transformers' `batch_decode` loops over sequences in Python, so a fast
+    tokenizer is decoded with the Rust `decode_batch` (one call, parallel).
+    The ids cross into Rust as lists: the binding needs them, they live only
+    for that call, and lists convert faster than numpy scalars (measured).
+    """
+    if offsets.size <= 1:
+        return []
+    pieces = [p.tolist() for p in np.split(ids, offsets[1:-1])]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.decode_batch(pieces, skip_special_tokens=skip_special_tokens)
+    return tokenizer.batch_decode(pieces, skip_special_tokens=skip_special_tokens)
+
+
+def decode_completions(tokenizer: Any, batch: RolloutBatch, skip_special_tokens: bool = True) -> list[str]:
+    """Decode every response in ONE batched tokenizer call -> N strings."""
+    return _batch_decode(tokenizer, batch.response_ids, batch.response_offsets, skip_special_tokens)
+
+
+def decode_prompts(tokenizer: Any, batch: RolloutBatch, skip_special_tokens: bool = False) -> list[str]:
+    """Decode the P unique prompts in one batched call -> P strings."""
+    return _batch_decode(tokenizer, batch.prompt_ids, batch.prompt_offsets, skip_special_tokens)
