@@ -1,0 +1,68 @@
+"""Group-relative advantages, vectorized over all groups at once.
+
+Every mode works from per-group sums gathered with `np.bincount` (no Python
+loop over groups), so groups may differ in size.
+
+  grpo:   A_i = (r_i - mean_g) / (std_g + eps)          (Shao et al. 2024, DeepSeekMath)
+  drgrpo: A_i = r_i - mean_g                            (Liu et al. 2025, Dr. GRPO:
+          dividing by std up-weights easy/hard prompts)
+  rloo:   A_i = r_i - mean_{j in g, j != i} r_j         (Ahmadian et al. 2024)
+          = G/(G-1) * (r_i - mean_g)
+
+std is the population std (ddof=0), as in the GRPO reference implementations.
+A group of one, or one whose rewards are all equal, gets advantage 0 exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+AdvantageMode = Literal["grpo", "drgrpo", "rloo"]
+ADVANTAGE_MODES: tuple[str, ...] = ("grpo", "drgrpo", "rloo")
+
+
+def group_advantages(
+    rewards: np.ndarray,
+    group_index: np.ndarray,
+    *,
+    mode: AdvantageMode = "grpo",
+    eps: float = 1e-6,
+    num_groups: int | None = None,
+) -> np.ndarray:
+    """[N] rewards, [N] int64 group ids -> [N] float32 advantages."""
+    if mode not in ADVANTAGE_MODES:
+        raise ValueError(f"mode: expected one of {ADVANTAGE_MODES}, got {mode!r}")
+    r = np.asarray(rewards, dtype=np.float64)
+    g = np.asarray(group_index, dtype=np.int64)
+    if r.ndim != 1 or g.shape != r.shape:
+        raise ValueError(f"rewards {r.shape} and group_index {g.shape} must be equal 1-D shapes")
+    if r.size == 0:
+        return np.zeros(0, dtype=np.float32)
+    bad = ~np.isfinite(r)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"rewards: non-finite reward {r[i]} at response index {i}")
+    if g.min() < 0:
+        raise ValueError("group_index: negative group id")
+    G = int(num_groups) if num_groups is not None else int(g.max()) + 1
+
+    count = np.bincount(g, minlength=G).astype(np.float64)
+    inv_count = 1.0 / np.maximum(count, 1.0)
+    mean = np.bincount(g, weights=r, minlength=G) * inv_count
+    centered = r - mean[g]
+    var = np.bincount(g, weights=centered * centered, minlength=G) * inv_count
+    # A constant group centres to rounding noise (~1e-16 |mean|), not exact
+    # zeros; treat spread at that level as none so it gives 0, not noise/eps.
+    scale = np.maximum(np.abs(mean), 1.0)
+    no_signal = (count <= 1.0) | (var <= (1e-12 * scale) ** 2)
+
+    if mode == "grpo":
+        per_group = 1.0 / (np.sqrt(var) + eps)
+    elif mode == "drgrpo":
+        per_group = np.ones(G)
+    else:  # rloo: r_i - mean of the others = G/(G-1) (r_i - mean_g)
+        per_group = count / np.maximum(count - 1.0, 1.0)
+    per_group[no_signal] = 0.0
+    return (centered * per_group[g]).astype(np.float32)

@@ -1,0 +1,151 @@
+"""GRPO and GSPO policy losses on packed per-token tensors.
+
+All tensors are [L] over the positions of one micro-batch (see pack.py);
+only positions with loss_mask contribute. The loss is a weighted SUM
+
+    loss = sum_t w_t * l_t,   w_t = seq_weights[seq(t)] * loss_mask[t]
+
+with weights normalised over the whole mini-batch (pack.aggregation_weights),
+so micro-batch losses add up to the mini-batch loss whatever the split. A
+data-parallel backend whose gradient reduction *averages* over R ranks must
+scale each rank's loss by R (see backend).
+
+Policy-gradient term, with importance ratio rho = exp(logp - old_logp):
+
+  GRPO (Shao et al. 2024), clipped per token:
+      l_t = -min(rho_t A_t, clip(rho_t, 1-eps_low, 1+eps_high) A_t)
+  GSPO (Zheng et al. 2025, arXiv:2507.18071), clipped per sequence on the
+  length-normalised ratio s_i = exp(mean_{t in i}(logp_t - old_logp_t)):
+      l_t = -min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)  for t in i
+  (with seq-mean-token-mean aggregation this is exactly the paper's
+  sequence-level objective; its gradient flows through the mean of log-probs).
+
+Clip-higher (DAPO, Yu et al. 2025) is eps_high > eps_low. Optional terms:
+  KL to a reference (Schulman's estimators): k1 = logp - ref,
+      k3 = exp(ref - logp) - (ref - logp) - 1; added as kl_coef * kl_t.
+  Entropy bonus: - entropy_coef * H_t.
+  Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework
+  secretly brings you off-policy RL training"): the pg term of each token is
+  multiplied by min(exp(old_logp - rollout_logp), C), correcting the gap
+  between the sampler's and the trainer's log-probs when old log-probs are
+  recomputed by the trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Algo = Literal["grpo", "gspo"]
+KLType = Literal["k1", "k3"]
+ALGOS: tuple[str, ...] = ("grpo", "gspo")
+KL_TYPES: tuple[str, ...] = ("k1", "k3")
+MAX_METRICS: tuple[str, ...] = ("ratio_max",)  # reduced by max, all others by sum
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    algo: Algo = "grpo"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    kl_coef: float = 0.0
+    kl_type: KLType = "k3"
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.algo not in ALGOS:
+            raise ValueError(f"algo: expected one of {ALGOS}, got {self.algo!r}")
+        if self.kl_type not in KL_TYPES:
+            raise ValueError(f"kl_type: expected one of {KL_TYPES}, got {self.kl_type!r}")
+        if not (0 <= self.clip_eps_low < 1) or self.clip_eps_high < 0:
+            raise ValueError("clip eps: need 0 <= eps_low < 1 and eps_high >= 0")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError("tis_cap must be > 0")
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch, on the training device. [L] unless noted."""
+
+    logprobs: torch.Tensor          # float32, trainer log-prob of each target (with grad)
+    old_logprobs: torch.Tensor      # float32, behaviour log-probs (rollout or recomputed)
+    advantages: torch.Tensor        # float32
+    loss_mask: torch.Tensor         # bool
+    seq_weights: torch.Tensor       # [S] float32 aggregation weight per loss token
+    seq_index: torch.Tensor         # int64 (or int32), local sequence 0..S-1
+    rollout_logprobs: torch.Tensor | None = None  # sampler's, if old_logprobs are recomputed
+    ref_logprobs: torch.Tensor | None = None      # reference model's, for KL
+    entropy: torch.Tensor | None = None           # per-token entropy (with grad if bonus on)
+
+
+@dataclass(frozen=True)
+class LossOutputs:
+    loss: torch.Tensor                  # 0-dim, weighted sum (add across micro-batches)
+    metrics: dict[str, torch.Tensor]    # 0-dim device sums (max for MAX_METRICS)
+
+
+def _segment_sum(x: torch.Tensor, seq_index: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add_(0, seq_index, x)
+
+
+def compute_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
+    """Policy loss of one micro-batch and its metric sums (no host sync)."""
+    mask = inp.loss_mask
+    maskf = mask.to(inp.logprobs.dtype)
+    seq_index = inp.seq_index.long()
+    num_seqs = inp.seq_weights.numel()
+    w = inp.seq_weights[seq_index] * maskf
+    adv = inp.advantages
+    # Off-mask positions may hold anything (padding, prompt); zero their log-ratio
+    # so exp() cannot overflow into inf * 0 = nan.
+    log_ratio = torch.where(mask, inp.logprobs - inp.old_logprobs, torch.zeros_like(inp.logprobs))
+
+    if cfg.algo == "grpo":
+        log_rho = log_ratio
+    else:
+        n_tok = _segment_sum(maskf, seq_index, num_seqs).clamp_min(1.0)
+        seq_log_ratio = _segment_sum(log_ratio, seq_index, num_seqs) / n_tok
+        log_rho = seq_log_ratio[seq_index]
+    rho = torch.exp(log_rho)
+    unclipped = -adv * rho
+    clipped = -adv * torch.clamp(rho, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
+    pg = torch.maximum(unclipped, clipped)
+
+    tis = None
+    if cfg.tis_cap is not None and inp.rollout_logprobs is not None:
+        tis = torch.exp(
+            torch.where(mask, inp.old_logprobs - inp.rollout_logprobs, torch.zeros_like(log_ratio))
+        ).clamp(max=cfg.tis_cap).detach()
+        pg = pg * tis
+
+    per_tok = pg
+    kl = None
+    if cfg.kl_coef and inp.ref_logprobs is not None:
+        d = torch.where(mask, inp.ref_logprobs - inp.logprobs, torch.zeros_like(log_ratio))
+        kl = -d if cfg.kl_type == "k1" else torch.exp(d) - d - 1.0
+        per_tok = per_tok + cfg.kl_coef * kl
+    if cfg.entropy_coef and inp.entropy is not None:
+        per_tok = per_tok - cfg.entropy_coef * inp.entropy
+    loss = (per_tok * w).sum()
+
+    with torch.no_grad():
+        rho_m = rho * maskf
+        rollout = inp.rollout_logprobs if inp.rollout_logprobs is not None else inp.old_logprobs
+        metrics = {
+            "loss": loss.detach(),
+            "loss_tokens": maskf.sum(),
+            "clip_frac": ((clipped > unclipped) & mask).to(maskf.dtype).sum(),
+            "ratio_mean": rho_m.sum(),
+            "ratio_sq": (rho_m * rho).sum(),
+            "ratio_max": torch.where(mask, rho, torch.zeros_like(rho)).max()
+            if rho.numel()
+            else rho.new_zeros(()),
+            "logprob_diff": ((inp.logprobs - rollout).abs() * maskf).sum(),
+            "kl": (kl * maskf).sum() if kl is not None else maskf.new_zeros(()),
+            "entropy": (inp.entropy * maskf).sum() if inp.entropy is not None else maskf.new_zeros(()),
+            "tis_weight": (tis * maskf).sum() if tis is not None else maskf.sum(),
+        }
+    return LossOutputs(loss=loss, metrics=metrics)

@@ -1,0 +1,500 @@
+"""RolloutBatch + advantages -> TrainPack: the packed tensors the backend trains on.
+
+Layout (packed): sequence s is prompt ++ response[:-1] as input, with targets
+prompt[1:] ++ response (shifted by one), so every position has a target and
+position j of sequence s predicts input j+1. Sequences sit back to back:
+
+    input_ids     [L] int32   token at each position
+    targets       [L] int32   the next token (the one whose log-prob is trained)
+    position_ids  [L] int32   0..len-1, restarting per sequence
+    loss_mask     [L] bool    true where the target is a response token
+    old_logprobs  [L] float32 rollout log-prob of the target (0 off the mask)
+    advantages    [L] float32 the sequence's advantage on its loss tokens, else 0
+    seq_index     [L] int32   which sequence (0..S-1 in this pack) a position is in
+    cu_seqlens    [S+1] int32 sequence boundaries (flash-attn varlen convention)
+    seq_weights   [S] float32 weight of each loss token of sequence s in the loss
+                              (set by the aggregation mode; see losses.py)
+    sample_index  [S] int64   the response (0..N-1 of the RolloutBatch) of sequence s
+
+Every per-token array is built by a handful of vectorized passes: gathers from
+one index array made by a cumulative sum of jumps, and 1-byte delta cumsums for
+the mask. Python only loops over sequences, in the split planner.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import numpy as np
+import torch
+
+from areno.rollout.batch import RolloutBatch
+
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+PACKED_TOKEN_FIELDS: tuple[str, ...] = (
+    "input_ids", "targets", "position_ids", "loss_mask", "old_logprobs", "advantages", "seq_index",
+)
+
+
+@dataclass(frozen=True)
+class TrainPack:
+    """Packed training tensors (CPU, usually zero-copy views of numpy arrays)."""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    seq_index: torch.Tensor
+    cu_seqlens: torch.Tensor
+    seq_weights: torch.Tensor
+    sample_index: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.cu_seqlens.numel()) - 1
+
+    @property
+    def seq_lengths(self) -> np.ndarray:
+        """[S] int64 sequence lengths (positions)."""
+        return np.diff(self.cu_seqlens.numpy()).astype(np.int64)
+
+    @property
+    def max_seqlen(self) -> int:
+        return int(self.seq_lengths.max()) if self.num_seqs else 0
+
+    def local_seq_index(self) -> torch.Tensor:
+        """seq_index rebased to 0..S-1 (a micro-batch view keeps its parent's numbering)."""
+        if self.num_tokens == 0:
+            return self.seq_index
+        return self.seq_index - self.seq_index[0]
+
+    def slice_seqs(self, start: int, stop: int) -> "TrainPack":
+        """Zero-copy view of sequences [start, stop) (contiguous positions)."""
+        cu = self.cu_seqlens
+        a, b = int(cu[start]), int(cu[stop])
+        return TrainPack(
+            **{f: getattr(self, f)[a:b] for f in PACKED_TOKEN_FIELDS},
+            cu_seqlens=cu[start : stop + 1] - cu[start],
+            seq_weights=self.seq_weights[start:stop],
+            sample_index=self.sample_index[start:stop],
+        )
+
+    def with_seq_weights(self, seq_weights: torch.Tensor) -> "TrainPack":
+        return replace(self, seq_weights=seq_weights)
+
+    def to_padded(self, pad_id: int = 0) -> "PaddedPack":
+        return to_padded(self, pad_id)
+
+    def split(
+        self,
+        world_size: int,
+        max_tokens: int,
+        *,
+        num_minibatches: int = 1,
+        loss_agg: LossAgg = "token-mean",
+        norm_len: int | None = None,
+    ) -> "SplitPack":
+        """Reorder into per-rank, token-budgeted micro-batches (see `plan_split`)."""
+        plan = plan_split(
+            self.seq_lengths, world_size, max_tokens, num_minibatches=num_minibatches
+        )
+        reordered = gather_seqs(self, plan.seq_order)
+        weights = aggregation_weights(
+            _loss_tokens_per_seq(self)[plan.seq_order], plan, loss_agg, norm_len
+        )
+        return SplitPack(reordered.with_seq_weights(torch.from_numpy(weights)), plan)
+
+
+@dataclass(frozen=True)
+class PaddedPack:
+    """The same data as a TrainPack, one row per sequence, right-padded to [S, Lmax].
+
+    attention_mask [S, Lmax] bool marks real positions; every other field has
+    the packed meaning. Padding positions have loss_mask False.
+    """
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    seq_weights: torch.Tensor
+    sample_index: torch.Tensor
+
+
+# -- building ----------------------------------------------------------------
+def _runs_index(starts: np.ndarray, lengths: np.ndarray, total: int) -> np.ndarray:
+    """Concatenation of ranges [starts[k], starts[k]+lengths[k]) as one int64 array.
+
+    One cumsum over a jump array: 1 everywhere, and at the first slot of each
+    run the jump from the previous run's last value to this run's start.
+    """
+    keep = lengths > 0
+    starts, lengths = starts[keep], lengths[keep]
+    out = np.ones(total, dtype=np.int64)
+    if starts.size == 0:
+        return out[:0]
+    first = np.zeros(starts.size, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=first[1:])
+    jumps = np.empty(starts.size, dtype=np.int64)
+    jumps[0] = starts[0]
+    jumps[1:] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
+    out[first] = jumps
+    return np.cumsum(out, out=out)
+
+
+def _mask_from_runs(starts: np.ndarray, lengths: np.ndarray, total: int) -> np.ndarray:
+    """[total] bool, true on positions [starts[k], starts[k]+lengths[k]); runs disjoint."""
+    delta = np.zeros(total + 1, dtype=np.int8)
+    np.add.at(delta, starts, 1)
+    np.add.at(delta, starts + lengths, -1)
+    return np.cumsum(delta[:-1], dtype=np.int8).view(np.bool_)
+
+
+def build_train_pack(
+    batch: RolloutBatch,
+    advantages: np.ndarray,
+    *,
+    order: np.ndarray | None = None,
+) -> TrainPack:
+    """Pack every non-empty response (prompt ++ response) back to back.
+
+    advantages: [N] float32, one per response.
+    order:      optional [S] int64 response indices giving which responses to
+                pack and in what order (default: all non-empty, in order).
+    seq_weights are 0; `SplitPack`/`aggregation_weights` set them.
+    """
+    adv = np.asarray(advantages, dtype=np.float32)
+    if adv.shape != (batch.num_responses,):
+        raise ValueError(f"advantages: expected shape ({batch.num_responses},), got {adv.shape}")
+    r_len = batch.response_lengths
+    if order is None:
+        order = np.flatnonzero(r_len > 0)
+    else:
+        order = np.asarray(order, dtype=np.int64)
+        if order.size and r_len[order].min() == 0:
+            raise ValueError("order: names an empty response")
+    g = batch.group_index[order]
+    p_len = batch.prompt_lengths[g]
+    if p_len.size and p_len.min() == 0:
+        raise ValueError("prompt_offsets: a packed response has an empty prompt")
+    r = r_len[order]
+    seq_len = p_len + r - 1
+    S = order.size
+    cu = np.zeros(S + 1, dtype=np.int64)
+    np.cumsum(seq_len, out=cu[1:])
+    L = int(cu[-1])
+    starts = cu[:-1]
+
+    # One source array; prompt part of seq s reads src[a_s + j], response part
+    # src[b_s + j - p_s]. Runs interleave (prompt run, response run) per seq.
+    n_prompt_tok = batch.prompt_ids.size
+    src = np.concatenate([batch.prompt_ids, batch.response_ids])
+    a = batch.prompt_offsets[g]
+    b = n_prompt_tok + batch.response_offsets[order]
+    run_starts = np.stack([a, b], axis=1).reshape(-1)
+    run_lens = np.stack([p_len, r - 1], axis=1).reshape(-1)
+    idx = _runs_index(run_starts, run_lens, L)
+
+    input_ids = np.take(src, idx)
+    # target of position j is full[j+1]: src[idx+1] everywhere except the last
+    # prompt position, whose target is the first response token.
+    targets = np.take(src[1:], idx)
+    last_prompt_pos = starts + p_len - 1
+    targets[last_prompt_pos] = src[b]
+    del idx
+
+    position_ids = np.ones(L, dtype=np.int32)
+    if S:
+        position_ids[starts[1:]] = 1 - seq_len[:-1]
+        position_ids[0] = 0
+    np.cumsum(position_ids, out=position_ids)
+
+    loss_mask = _mask_from_runs(last_prompt_pos, r, L)
+    old_lp = np.zeros(L, dtype=np.float32)
+    tok_adv = np.zeros(L, dtype=np.float32)
+    if S == batch.num_responses and np.array_equal(order, np.arange(S)):
+        resp_lp = batch.response_logprobs  # every response packed, in order
+    else:
+        resp_lp = np.take(
+            batch.response_logprobs, _runs_index(batch.response_offsets[order], r, int(r.sum()))
+        )
+    old_lp[loss_mask] = resp_lp
+    tok_adv[loss_mask] = np.repeat(adv[order], r)
+    seq_index = np.repeat(np.arange(S, dtype=np.int32), seq_len)
+
+    t = torch.from_numpy
+    return TrainPack(
+        input_ids=t(input_ids),
+        targets=t(targets),
+        position_ids=t(position_ids),
+        loss_mask=t(loss_mask),
+        old_logprobs=t(old_lp),
+        advantages=t(tok_adv),
+        seq_index=t(seq_index),
+        cu_seqlens=t(cu.astype(np.int32)),
+        seq_weights=torch.zeros(S, dtype=torch.float32),
+        sample_index=t(order.copy()),
+    )
+
+
+def gather_seqs(pack: TrainPack, seq_order: np.ndarray) -> TrainPack:
+    """A new pack holding pack's sequences in `seq_order` (one gather per field)."""
+    lengths = pack.seq_lengths
+    cu = pack.cu_seqlens.numpy().astype(np.int64)
+    new_len = lengths[seq_order]
+    new_cu = np.zeros(seq_order.size + 1, dtype=np.int64)
+    np.cumsum(new_len, out=new_cu[1:])
+    idx = torch.from_numpy(_runs_index(cu[:-1][seq_order], new_len, int(new_cu[-1])))
+    fields = {f: getattr(pack, f)[idx] for f in PACKED_TOKEN_FIELDS if f != "seq_index"}
+    order_t = torch.from_numpy(seq_order)
+    return TrainPack(
+        **fields,
+        seq_index=torch.from_numpy(np.repeat(np.arange(seq_order.size, dtype=np.int32), new_len)),
+        cu_seqlens=torch.from_numpy(new_cu.astype(np.int32)),
+        seq_weights=pack.seq_weights[order_t],
+        sample_index=pack.sample_index[order_t],
+    )
+
+
+def _loss_tokens_per_seq(pack: TrainPack) -> np.ndarray:
+    """[S] int64 loss tokens per sequence (= response length)."""
+    if pack.num_seqs == 0:
+        return np.zeros(0, dtype=np.int64)
+    m = pack.loss_mask.numpy()
+    cu = pack.cu_seqlens.numpy().astype(np.int64)
+    csum = np.concatenate([[0], np.cumsum(m, dtype=np.int64)])
+    return csum[cu[1:]] - csum[cu[:-1]]
+
+
+def to_padded(pack: TrainPack, pad_id: int = 0) -> PaddedPack:
+    """[S, Lmax] right-padded copy of a pack (one masked scatter per field)."""
+    lengths = pack.seq_lengths
+    S, Lmax = lengths.size, (int(lengths.max()) if lengths.size else 0)
+    valid = torch.from_numpy(np.arange(Lmax)[None, :] < lengths[:, None])
+
+    def grid(x: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
+        out = torch.full((S, Lmax), fill, dtype=x.dtype)
+        out[valid] = x
+        return out
+
+    return PaddedPack(
+        input_ids=grid(pack.input_ids, pad_id),
+        targets=grid(pack.targets, pad_id),
+        position_ids=grid(pack.position_ids, 0),
+        attention_mask=valid,
+        loss_mask=grid(pack.loss_mask, False),
+        old_logprobs=grid(pack.old_logprobs, 0.0),
+        advantages=grid(pack.advantages, 0.0),
+        seq_weights=pack.seq_weights,
+        sample_index=pack.sample_index,
+    )
+
+
+# -- splitting over mini-batches, ranks and micro-batches --------------------
+@dataclass(frozen=True)
+class SplitPlan:
+    """Where each sequence goes. Sequences are laid out rank-major:
+    for rank r, mini-batch k, micro-batch m, in that nesting order, so that all
+    of a rank's data is one contiguous range of the reordered pack.
+
+    seq_order:   [S] int64, original sequence index at each new slot
+    micro_seqs:  [R, K, M, 2] int64 [start, stop) of each micro-batch in new slots
+                 (M = max micro-batches over ranks per mini-batch; all ranks run
+                 the same count so collectives line up; extra ones are empty)
+    minibatch:   [S] int64 mini-batch of each new slot
+    rank_tokens: [R] int64 tokens per rank (all mini-batches)
+    """
+
+    seq_order: np.ndarray
+    micro_seqs: np.ndarray
+    minibatch: np.ndarray
+    rank_tokens: np.ndarray
+    seq_lengths: np.ndarray = field(repr=False)
+
+    @property
+    def imbalance(self) -> float:
+        """max rank tokens / mean rank tokens (1.0 = perfect)."""
+        mean = self.rank_tokens.mean()
+        return float(self.rank_tokens.max() / mean) if mean > 0 else 1.0
+
+
+def plan_split(
+    seq_lengths: np.ndarray,
+    world_size: int,
+    max_tokens: int,
+    *,
+    num_minibatches: int = 1,
+) -> SplitPlan:
+    """Deterministic split of S sequences into K mini-batches x R ranks x M micro-batches.
+
+    Mini-batches are contiguous, equal-count chunks of the sequences (groups
+    stay mostly together). Within one, ranks get sequences by longest-first
+    greedy on tokens (LPT), and each rank packs its share into micro-batches of
+    at most `max_tokens` by first-fit decreasing (a longer sequence gets a
+    micro-batch of its own). O(S log S) Python over sequences, none over tokens.
+    """
+    if world_size < 1:
+        raise ValueError("world_size must be >= 1")
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be >= 1")
+    lengths = np.asarray(seq_lengths, dtype=np.int64)
+    S = lengths.size
+    K = max(1, min(num_minibatches, S)) if S else 1
+    chunks = np.array_split(np.arange(S, dtype=np.int64), K)
+    R = world_size
+    # per (k, r): list of micro-batches, each a list of original seq indices
+    layout: list[list[list[list[int]]]] = []
+    for chunk in chunks:
+        by_len = chunk[np.argsort(-lengths[chunk], kind="stable")]
+        heap = [(0, r) for r in range(R)]
+        per_rank: list[list[int]] = [[] for _ in range(R)]
+        for s in by_len.tolist():  # O(sequences)
+            load, r = heapq.heappop(heap)
+            per_rank[r].append(s)
+            heapq.heappush(heap, (load + int(lengths[s]), r))
+        layout.append([_first_fit(seqs, lengths, max_tokens) for seqs in per_rank])
+    M = max((len(mbs) for k_layout in layout for mbs in k_layout), default=0)
+    M = max(M, 1)
+    micro = np.zeros((R, K, M, 2), dtype=np.int64)
+    order: list[int] = []
+    minibatch: list[int] = []
+    rank_tokens = np.zeros(R, dtype=np.int64)
+    for r in range(R):
+        for k in range(K):
+            mbs = layout[k][r]
+            for m in range(M):
+                seqs = mbs[m] if m < len(mbs) else []
+                micro[r, k, m] = (len(order), len(order) + len(seqs))
+                order.extend(seqs)
+                minibatch.extend([k] * len(seqs))
+                rank_tokens[r] += int(lengths[seqs].sum()) if seqs else 0
+    return SplitPlan(
+        seq_order=np.asarray(order, dtype=np.int64),
+        micro_seqs=micro,
+        minibatch=np.asarray(minibatch, dtype=np.int64),
+        rank_tokens=rank_tokens,
+        seq_lengths=lengths,
+    )
+
+
+def _first_fit(seqs: list[int], lengths: np.ndarray, max_tokens: int) -> list[list[int]]:
+    """First-fit decreasing bins of capacity max_tokens (seqs already longest-first)."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for s in seqs:
+        n = int(lengths[s])
+        for i, load in enumerate(loads):
+            if load + n <= max_tokens:
+                bins[i].append(s)
+                loads[i] += n
+                break
+        else:
+            bins.append([s])
+            loads.append(n)
+    return bins
+
+
+def aggregation_weights(
+    loss_tokens: np.ndarray,
+    plan: SplitPlan,
+    loss_agg: LossAgg,
+    norm_len: int | None = None,
+) -> np.ndarray:
+    """[S] float32 weight per loss token of each (reordered) sequence.
+
+    The loss of a mini-batch is sum over its loss tokens of w_seq * l_token,
+    with w normalised over the WHOLE mini-batch (all ranks, all micro-batches),
+    so the update does not depend on how it is split:
+
+      token-mean:              w = 1 / (loss tokens in the mini-batch)
+      seq-mean-token-mean:     w = 1 / (len_s * sequences in the mini-batch)
+      seq-mean-token-sum-norm: w = 1 / (norm_len * sequences in the mini-batch)
+                               (Dr. GRPO: a constant, e.g. max new tokens)
+
+    loss_tokens: [S] int64 response tokens of each sequence, in plan order.
+    """
+    if loss_agg not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg: expected one of {LOSS_AGG_MODES}, got {loss_agg!r}")
+    n = np.asarray(loss_tokens, dtype=np.float64)
+    K = int(plan.micro_seqs.shape[1])
+    mb = plan.minibatch
+    tok_per_mb = np.bincount(mb, weights=n, minlength=K)
+    seq_per_mb = np.bincount(mb, weights=(n > 0).astype(np.float64), minlength=K)
+    if loss_agg == "token-mean":
+        w = 1.0 / np.maximum(tok_per_mb[mb], 1.0)
+    elif loss_agg == "seq-mean-token-mean":
+        w = 1.0 / (np.maximum(n, 1.0) * np.maximum(seq_per_mb[mb], 1.0))
+    else:
+        if not norm_len or norm_len < 1:
+            raise ValueError("seq-mean-token-sum-norm needs norm_len >= 1 (e.g. max new tokens)")
+        w = 1.0 / (float(norm_len) * np.maximum(seq_per_mb[mb], 1.0))
+    return np.where(n > 0, w, 0.0).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class SplitPack:
+    """A pack reordered rank-major with its plan; micro-batches are views."""
+
+    pack: TrainPack
+    plan: SplitPlan
+
+    @property
+    def world_size(self) -> int:
+        return int(self.plan.micro_seqs.shape[0])
+
+    @property
+    def num_minibatches(self) -> int:
+        return int(self.plan.micro_seqs.shape[1])
+
+    @property
+    def num_micro(self) -> int:
+        return int(self.plan.micro_seqs.shape[2])
+
+    def micro(self, rank: int, k: int, m: int) -> TrainPack:
+        a, b = self.plan.micro_seqs[rank, k, m]
+        return self.pack.slice_seqs(int(a), int(b))
+
+    def rank_seq_range(self, rank: int) -> tuple[int, int]:
+        """[start, stop) of rank's sequences; its tokens are one contiguous range."""
+        ms = self.plan.micro_seqs[rank]
+        return int(ms[0, 0, 0]), int(ms[-1, -1, 1])
+
+
+def build_split_pack(
+    batch: RolloutBatch,
+    advantages: np.ndarray,
+    *,
+    world_size: int,
+    max_tokens: int,
+    num_minibatches: int = 1,
+    loss_agg: LossAgg = "token-mean",
+    norm_len: int | None = None,
+    keep: np.ndarray | None = None,
+) -> SplitPack:
+    """Plan the split from lengths, then build the pack once, already in plan order.
+
+    keep: optional [N] bool; responses with False (or empty) are not packed.
+    """
+    r_len = batch.response_lengths
+    use = r_len > 0
+    if keep is not None:
+        use &= np.asarray(keep, dtype=bool)
+    resp = np.flatnonzero(use)
+    seq_len = batch.prompt_lengths[batch.group_index[resp]] + r_len[resp] - 1
+    plan = plan_split(seq_len, world_size, max_tokens, num_minibatches=num_minibatches)
+    pack = build_train_pack(batch, advantages, order=resp[plan.seq_order])
+    weights = aggregation_weights(r_len[resp][plan.seq_order], plan, loss_agg, norm_len)
+    return SplitPack(pack.with_seq_weights(torch.from_numpy(weights)), plan)
