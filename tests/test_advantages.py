@@ -1,0 +1,70 @@
+import numpy as np
+import pytest
+
+from areno.advantages import group_advantages
+from helpers import random_batch, random_rewards
+
+
+def reference_advantages(rewards, group_index, mode, eps=1e-6):
+    """Per-sample loop reference."""
+    out = np.zeros(len(rewards))
+    for i in range(len(rewards)):
+        members = [j for j in range(len(rewards)) if group_index[j] == group_index[i]]
+        vals = [float(rewards[j]) for j in members]
+        G = len(vals)
+        if G == 1 or max(vals) == min(vals):
+            out[i] = 0.0
+            continue
+        mean = sum(vals) / G
+        if mode == "grpo":
+            std = (sum((v - mean) ** 2 for v in vals) / G) ** 0.5
+            out[i] = (rewards[i] - mean) / (std + eps)
+        elif mode == "drgrpo":
+            out[i] = rewards[i] - mean
+        else:
+            others = [float(rewards[j]) for j in members if j != i]
+            out[i] = rewards[i] - sum(others) / len(others)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["grpo", "drgrpo", "rloo"])
+@pytest.mark.parametrize("seed", range(5))
+def test_matches_loop_reference(mode, seed):
+    b = random_batch(seed=seed, num_prompts=9)
+    r = random_rewards(b, seed=seed, zero_var_groups=2)
+    r = r + np.random.default_rng(seed).normal(0, 0.1, r.size).astype(np.float32) * (b.group_index > 1)
+    got = group_advantages(r, b.group_index, mode=mode)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, reference_advantages(r, b.group_index, mode), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["grpo", "drgrpo", "rloo"])
+def test_singleton_and_constant_groups_are_exactly_zero(mode):
+    r = np.array([0.7, 0.3, 0.3, 0.3, 1e9 + 0.1, 1e9 + 0.1, 2.0, 0.0], dtype=np.float64)
+    g = np.array([0, 1, 1, 1, 2, 2, 3, 3])
+    adv = group_advantages(r, g, mode=mode)
+    assert np.all(adv[:6] == 0.0)
+    assert np.all(np.isfinite(adv))
+    assert adv[6] > 0 > adv[7]
+
+
+def test_unequal_group_sizes_and_unused_groups():
+    r = np.array([1.0, 0.0, 1.0, 0.0, 0.0])
+    g = np.array([0, 0, 2, 2, 2])  # group 1 has no members
+    adv = group_advantages(r, g, mode="drgrpo", num_groups=3)
+    np.testing.assert_allclose(adv, [0.5, -0.5, 2 / 3, -1 / 3, -1 / 3], rtol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_reward_names_the_index(bad):
+    r = np.array([0.0, 1.0, bad, 0.5])
+    with pytest.raises(ValueError, match="response index 2"):
+        group_advantages(r, np.array([0, 0, 1, 1]))
+
+
+def test_bad_mode_and_shapes():
+    with pytest.raises(ValueError, match="mode"):
+        group_advantages(np.zeros(2), np.zeros(2, np.int64), mode="ppo")
+    with pytest.raises(ValueError, match="equal 1-D shapes"):
+        group_advantages(np.zeros(3), np.zeros(2, np.int64))
+    assert group_advantages(np.zeros(0), np.zeros(0, np.int64)).shape == (0,)

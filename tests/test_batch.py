@@ -1,0 +1,146 @@
+import dataclasses
+
+import numpy as np
+import pytest
+
+from areno.rollout.batch import (
+    RolloutBatch,
+    decode_completions,
+    keep_nonzero_variance,
+    overlong_mask,
+    zero_variance_groups,
+)
+from helpers import random_batch, random_rewards
+
+
+def _fields(b: RolloutBatch) -> dict:
+    return {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
+
+
+def test_valid_batch_sizes():
+    b = random_batch(seed=1, group_sizes=[2, 3, 1])
+    assert b.num_prompts == 3 and b.num_responses == 6
+    assert b.response_lengths.sum() == b.num_response_tokens
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("prompt_ids", lambda b: b.prompt_ids.astype(np.int64), "prompt_ids: expected dtype int32"),
+        ("response_ids", lambda b: b.response_ids.tolist(), "response_ids: expected a numpy array"),
+        ("response_logprobs", lambda b: b.response_logprobs.astype(np.float64), "response_logprobs"),
+        ("group_index", lambda b: b.group_index.astype(np.int32), "group_index: expected dtype int64"),
+        ("finish_reason", lambda b: b.finish_reason.astype(np.int64), "finish_reason"),
+        ("prompt_offsets", lambda b: b.prompt_offsets.astype(np.int32), "prompt_offsets"),
+        ("response_offsets", lambda b: b.response_offsets[::-1].copy(), "response_offsets"),
+        ("response_offsets", lambda b: b.response_offsets + 1, "response_offsets: must start at 0"),
+        (
+            "response_offsets",
+            lambda b: np.concatenate([b.response_offsets[:-1], [b.response_offsets[-1] + 3]]),
+            "response_offsets: last offset",
+        ),
+        (
+            "prompt_offsets",
+            lambda b: np.array([0, 5, 2, b.prompt_ids.size], dtype=np.int64),
+            "prompt_offsets: not monotone",
+        ),
+        ("group_index", lambda b: b.group_index + 10, "group_index: values must lie"),
+        ("group_index", lambda b: b.group_index[:-1], "group_index: length"),
+        ("finish_reason", lambda b: np.full_like(b.finish_reason, 7), "finish_reason: values"),
+        ("response_logprobs", lambda b: b.response_logprobs[:-1], "response_logprobs: length"),
+        ("prompt_ids", lambda b: b.prompt_ids.reshape(1, -1), "prompt_ids: expected a 1-D"),
+    ],
+)
+def test_validation_names_the_field(field, value, match):
+    b = random_batch(seed=2, group_sizes=[2, 3, 1])
+    f = _fields(b)
+    f[field] = value(b)
+    with pytest.raises(ValueError, match=match):
+        RolloutBatch(**f)
+
+
+def test_zero_variance_and_select():
+    b = random_batch(seed=3, group_sizes=[3, 2, 1, 4])
+    r = random_rewards(b, zero_var_groups=1)
+    r[b.group_index == 3] = np.array([0.0, 1.0, 0.0, 1.0])
+    zv = zero_variance_groups(r, b.group_index, b.num_prompts)
+    assert zv[0] and zv[2]  # constant group, singleton group
+    assert not zv[3]
+    keep = keep_nonzero_variance(r, b)
+    sub = b.select_responses(keep)
+    kept = np.flatnonzero(keep)
+    assert sub.num_responses == kept.size
+    # per-response content matches the original, prompts renumbered densely
+    for new_i, old_i in enumerate(kept):
+        np.testing.assert_array_equal(sub.response_tokens(new_i), b.response_tokens(old_i))
+        np.testing.assert_array_equal(
+            sub.prompt_tokens(sub.group_index[new_i]), b.prompt_tokens(b.group_index[old_i])
+        )
+        np.testing.assert_array_equal(
+            sub.response_logprobs[sub.response_offsets[new_i] : sub.response_offsets[new_i + 1]],
+            b.response_logprobs[b.response_offsets[old_i] : b.response_offsets[old_i + 1]],
+        )
+    assert sub.num_prompts == len(set(b.group_index[kept].tolist()))
+
+
+def test_overlong_mask():
+    b = random_batch(seed=4)
+    np.testing.assert_array_equal(overlong_mask(b), b.finish_reason == 1)
+
+
+def test_concat_renumbers():
+    a, b = random_batch(seed=5, group_sizes=[2, 1]), random_batch(seed=6, group_sizes=[1, 3])
+    c = RolloutBatch.concat([a, b])
+    assert c.num_prompts == 4 and c.num_responses == 7
+    np.testing.assert_array_equal(c.response_tokens(3), b.response_tokens(0))
+    np.testing.assert_array_equal(c.prompt_tokens(c.group_index[3]), b.prompt_tokens(0))
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
+    )
+    tok.train_from_iterator(["hello world 1+2=3 seven apples"] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+class _CountingTokenizer:
+    """A real fast tokenizer wrapped to count decode calls."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.backend_tokenizer = self
+        self.calls = 0
+
+    def decode_batch(self, seqs, skip_special_tokens=True):
+        self.calls += 1
+        return self.tok.backend_tokenizer.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
+
+
+def test_decode_completions_is_one_batched_call(chat_tokenizer):
+    texts = ["1+2=3", "hello world", "", "7 apples"]
+    enc = [chat_tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    lengths = np.array([len(e) for e in enc])
+    ids = np.concatenate([np.asarray(e, dtype=np.int32) for e in enc])
+    b = RolloutBatch(
+        prompt_ids=np.array([1], np.int32),
+        prompt_offsets=np.array([0, 1], np.int64),
+        response_ids=ids,
+        response_offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        response_logprobs=np.zeros(ids.size, np.float32),
+        group_index=np.zeros(len(texts), np.int64),
+        finish_reason=np.zeros(len(texts), np.uint8),
+    )
+    counting = _CountingTokenizer(chat_tokenizer)
+    out = decode_completions(counting, b)
+    assert counting.calls == 1
+    assert out == [chat_tokenizer.decode(e) for e in enc]

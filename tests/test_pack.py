@@ -1,0 +1,177 @@
+import numpy as np
+import pytest
+import torch
+
+from areno.pack import (
+    aggregation_weights,
+    build_split_pack,
+    build_train_pack,
+    plan_split,
+)
+from helpers import random_batch
+
+
+def reference_sequences(batch, adv):
+    """Per-sample Python lists: what a list-based trainer builds."""
+    out = []
+    for i in range(batch.num_responses):
+        prompt = batch.prompt_tokens(batch.group_index[i]).tolist()
+        resp = batch.response_tokens(i).tolist()
+        if not resp:
+            continue
+        lp = batch.response_logprobs[batch.response_offsets[i] : batch.response_offsets[i + 1]].tolist()
+        full = prompt + resp
+        n_in = len(full) - 1
+        mask = [j >= len(prompt) - 1 for j in range(n_in)]
+        old = [0.0] * (len(prompt) - 1) + lp
+        a = [0.0] * (len(prompt) - 1) + [float(adv[i])] * len(resp)
+        out.append(
+            dict(index=i, input_ids=full[:-1], targets=full[1:], mask=mask, old=old, adv=a,
+                 pos=list(range(n_in)))
+        )
+    return out
+
+
+def _check_pack_against_reference(pack, batch, adv, ref_by_index):
+    cu = pack.cu_seqlens.tolist()
+    assert pack.cu_seqlens.dtype == torch.int32
+    for s, i in enumerate(pack.sample_index.tolist()):
+        ref = ref_by_index[i]
+        a, b = cu[s], cu[s + 1]
+        assert pack.input_ids[a:b].tolist() == ref["input_ids"]
+        assert pack.targets[a:b].tolist() == ref["targets"]
+        assert pack.position_ids[a:b].tolist() == ref["pos"]
+        assert pack.loss_mask[a:b].tolist() == ref["mask"]
+        np.testing.assert_allclose(pack.old_logprobs[a:b].numpy(), ref["old"], rtol=0, atol=0)
+        np.testing.assert_allclose(pack.advantages[a:b].numpy(), ref["adv"], rtol=0, atol=0)
+        assert (pack.seq_index[a:b] == s).all()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_pack_matches_list_reference(seed):
+    b = random_batch(seed=seed, num_prompts=7, max_prompt=6, max_response=8)
+    adv = np.random.default_rng(seed).standard_normal(b.num_responses).astype(np.float32)
+    pack = build_train_pack(b, adv)
+    ref = {r["index"]: r for r in reference_sequences(b, adv)}
+    assert pack.num_seqs == len(ref)
+    assert pack.num_tokens == sum(len(r["input_ids"]) for r in ref.values())
+    assert int(pack.loss_mask.sum()) == b.num_response_tokens
+    _check_pack_against_reference(pack, b, adv, ref)
+
+
+def test_empty_responses_are_skipped_and_order_respected():
+    b = random_batch(seed=11, group_sizes=[3, 2], min_response=0, max_response=3)
+    adv = np.arange(b.num_responses, dtype=np.float32)
+    pack = build_train_pack(b, adv)
+    nonempty = np.flatnonzero(b.response_lengths > 0)
+    np.testing.assert_array_equal(pack.sample_index.numpy(), nonempty)
+    order = nonempty[::-1].copy()
+    rev = build_train_pack(b, adv, order=order)
+    ref = {r["index"]: r for r in reference_sequences(b, adv)}
+    _check_pack_against_reference(rev, b, adv, ref)
+
+
+def test_pack_validation():
+    b = random_batch(seed=1)
+    with pytest.raises(ValueError, match="advantages"):
+        build_train_pack(b, np.zeros(b.num_responses + 1, np.float32))
+
+
+def test_padded_has_the_same_meaning():
+    b = random_batch(seed=3)
+    adv = np.random.default_rng(3).standard_normal(b.num_responses).astype(np.float32)
+    pack = build_train_pack(b, adv)
+    pad = pack.to_padded(pad_id=-1)
+    lengths = pack.seq_lengths
+    assert pad.input_ids.shape == (pack.num_seqs, lengths.max())
+    cu = pack.cu_seqlens.tolist()
+    for s in range(pack.num_seqs):
+        n = lengths[s]
+        a = cu[s]
+        assert pad.input_ids[s, :n].tolist() == pack.input_ids[a : a + n].tolist()
+        assert (pad.input_ids[s, n:] == -1).all()
+        assert pad.attention_mask[s].sum() == n
+        assert pad.loss_mask[s, :n].tolist() == pack.loss_mask[a : a + n].tolist()
+        assert not pad.loss_mask[s, n:].any()
+        assert torch.equal(pad.old_logprobs[s, :n], pack.old_logprobs[a : a + n])
+        assert torch.equal(pad.position_ids[s, :n], pack.position_ids[a : a + n])
+
+
+def test_plan_split_is_balanced_deterministic_and_budgeted():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 200, 97)
+    p1 = plan_split(lengths, 4, max_tokens=300, num_minibatches=3)
+    p2 = plan_split(lengths, 4, max_tokens=300, num_minibatches=3)
+    np.testing.assert_array_equal(p1.seq_order, p2.seq_order)
+    np.testing.assert_array_equal(p1.micro_seqs, p2.micro_seqs)
+    assert sorted(p1.seq_order.tolist()) == list(range(97))
+    assert p1.imbalance < 1.1
+    new_len = lengths[p1.seq_order]
+    R, K, M, _ = p1.micro_seqs.shape
+    for r in range(R):
+        for k in range(K):
+            for m in range(M):
+                a, b = p1.micro_seqs[r, k, m]
+                assert new_len[a:b].sum() <= 300
+                assert np.all(p1.minibatch[a:b] == k)
+    # rank-major: each rank's sequences are one contiguous range
+    assert p1.micro_seqs[0, 0, 0, 0] == 0 and p1.micro_seqs[-1, -1, -1, 1] == 97
+
+
+def test_plan_long_sequence_gets_own_microbatch_and_empty_ranks_pad():
+    p = plan_split(np.array([500, 10]), 3, max_tokens=100)
+    sizes = p.micro_seqs[..., 1] - p.micro_seqs[..., 0]
+    assert sizes.sum() == 2
+    assert p.micro_seqs.shape[:2] == (3, 1)  # every rank runs the same number of micro-batches
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_aggregation_weights_sum_to_the_right_normaliser(mode):
+    b = random_batch(seed=5, num_prompts=8)
+    adv = np.ones(b.num_responses, np.float32)
+    sp = build_split_pack(b, adv, world_size=2, max_tokens=16, num_minibatches=2,
+                          loss_agg=mode, norm_len=9)
+    w_tok = sp.pack.seq_weights[sp.pack.seq_index.long()] * sp.pack.loss_mask
+    mb = torch.from_numpy(sp.plan.minibatch)[sp.pack.seq_index.long()]
+    for k in range(2):
+        total = w_tok[mb == k].sum().item()
+        if mode == "seq-mean-token-sum-norm":
+            seqs = (sp.plan.minibatch == k).sum()
+            tokens = sp.pack.loss_mask[mb == k].sum().item()
+            assert total == pytest.approx(tokens / (9 * seqs), rel=1e-5)
+        else:
+            assert total == pytest.approx(1.0, rel=1e-5)
+
+
+def test_split_pack_micro_views_cover_everything():
+    b = random_batch(seed=6, num_prompts=10)
+    adv = np.random.default_rng(6).standard_normal(b.num_responses).astype(np.float32)
+    sp = build_split_pack(b, adv, world_size=2, max_tokens=20, num_minibatches=2)
+    ref = {r["index"]: r for r in reference_sequences(b, adv)}
+    seen = []
+    for r in range(2):
+        lo, hi = sp.rank_seq_range(r)
+        for k in range(sp.num_minibatches):
+            for m in range(sp.num_micro):
+                mbp = sp.micro(r, k, m)
+                assert lo <= sp.plan.micro_seqs[r, k, m, 0] <= sp.plan.micro_seqs[r, k, m, 1] <= hi
+                assert mbp.num_tokens <= 20 or mbp.num_seqs == 1
+                if mbp.num_seqs:
+                    assert mbp.local_seq_index()[0] == 0
+                _check_pack_against_reference(
+                    type(mbp)(**{**mbp.__dict__, "seq_index": mbp.local_seq_index()}), b, adv, ref
+                )
+                seen += mbp.sample_index.tolist()
+    assert sorted(seen) == sorted(ref)
+    # TrainPack.split reorders an existing pack into the same layout
+    again = build_train_pack(b, adv).split(2, 20, num_minibatches=2)
+    assert torch.equal(again.pack.input_ids, sp.pack.input_ids)
+    assert torch.equal(again.pack.seq_weights, sp.pack.seq_weights)
+
+
+def test_aggregation_weights_validation():
+    p = plan_split(np.array([3, 4]), 1, 10)
+    with pytest.raises(ValueError, match="loss_agg"):
+        aggregation_weights(np.array([2, 3]), p, "sum")
+    with pytest.raises(ValueError, match="norm_len"):
+        aggregation_weights(np.array([2, 3]), p, "seq-mean-token-sum-norm")
