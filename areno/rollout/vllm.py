@@ -1,0 +1,342 @@
+"""vLLM rollout engine: token-id prompts in, a flat RolloutBatch out.
+
+Requests ask for the sampled token's log-prob only (logprobs=0) in vLLM's flat
+format (`SamplingParams(flat_logprobs=True)`: one list of floats per sequence
+instead of a dict and a Logprob object per token) with detokenization off. The
+LLM is created with logprobs_mode="processed_logprobs", so log-probs come from
+the distribution actually sampled (after temperature / top-k / top-p).
+
+On a CPU-only machine this module sets, before importing vLLM (setdefault, so
+the user's values win): in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+no torch.compile (TORCH_COMPILE_DISABLE=1: ~20 s of inductor on the first
+generate otherwise), and OMP_NUM_THREADS=1 on <= 2 cores.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    if (os.cpu_count() or 1) <= 2:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import vllm  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+
+from areno.rollout.batch import (  # noqa: E402
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    RolloutBatch,
+    offsets_from_lengths,
+)
+from areno.rollout.engine import (  # noqa: E402
+    SamplingConfig,
+    check_weight_names,
+    named_tensor_dict,
+    prompt_seeds,
+    validate_prompts,
+)
+from areno.rollout.probe import Probe, WeightSyncError, verify_probe  # noqa: E402
+
+try:  # vLLM >= 0.11.1
+    from vllm.logprobs import FlatLogprobs
+except ImportError:  # pragma: no cover - older vLLM
+    FlatLogprobs = None  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    from vllm.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
+HAS_FLAT_LOGPROBS = "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()) or hasattr(
+    SamplingParams(), "flat_logprobs"
+)
+# Default KV cache on CPU when the caller gives none: vLLM would claim most RAM.
+CPU_KV_CACHE_BYTES = 512 << 20
+
+
+def flat_logprobs_facility() -> str:
+    """Which flat log-prob facility the installed vLLM offers (for reports)."""
+    if HAS_FLAT_LOGPROBS and FlatLogprobs is not None:
+        return f"SamplingParams(flat_logprobs=True) -> vllm.logprobs.FlatLogprobs (vLLM {vllm.__version__})"
+    return f"none: list[dict[int, Logprob]] per sequence (vLLM {vllm.__version__})"
+
+
+class VLLMEngine:
+    """RolloutEngine over an in-process `vllm.LLM`.
+
+    model: HF directory or hub id. dtype: "auto", "float32", "bfloat16", ...
+    max_model_len: prompt + response token limit (None: the model's).
+    gpu_memory_utilization: GPU share for weights + KV cache (GPU only).
+    kv_cache_memory_bytes: explicit KV cache size; on CPU it defaults to
+        CPU_KV_CACHE_BYTES. enable_sleep_mode: needed for sleep()/wake_up() on GPU.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        enable_sleep_mode: bool = False,
+        enable_prefix_caching: bool = True,
+        **llm_kwargs: Any,
+    ) -> None:
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        if on_cpu and kv_cache_memory_bytes is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
+        kwargs: dict[str, Any] = dict(
+            model=str(model),
+            tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype,
+            seed=seed,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=enable_prefix_caching,
+            enable_sleep_mode=enable_sleep_mode and not on_cpu,
+        )
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        kwargs.update(llm_kwargs)
+        self.llm = LLM(**kwargs)
+        mc = self.llm.llm_engine.model_config
+        self.max_model_len: int = int(mc.max_model_len)
+        self.vocab_size: int = int(mc.get_vocab_size())
+        self.supports_sleep: bool = bool(
+            enable_sleep_mode and current_platform.is_sleep_mode_available() and not on_cpu
+        )
+        self.multiprocess: bool = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+        self._weight_names, self._optional_names = _checkpoint_names(mc)
+        self._shm_dir: Path | None = None
+        self._asleep = False
+
+    # -- sampling ------------------------------------------------------------
+    def generate(
+        self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int, sampling: SamplingConfig
+    ) -> RolloutBatch:
+        self._check_awake()
+        ids, offsets = validate_prompts(
+            prompt_ids, prompt_offsets, n, max_model_len=self.max_model_len, vocab_size=self.vocab_size
+        )
+        from vllm.inputs import TokensPrompt
+
+        # O(prompts): vLLM takes each prompt as a list of ints.
+        prompts = [TokensPrompt(prompt_token_ids=p.tolist()) for p in np.split(ids, offsets[1:-1])]
+        params = self._sampling_params(n, sampling, len(prompts))
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return batch_from_request_outputs(outputs, ids, offsets, n)
+
+    def _sampling_params(self, n: int, s: SamplingConfig, num_prompts: int) -> SamplingParams | list[SamplingParams]:
+        kw: dict[str, Any] = dict(
+            n=n,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k_enabled else -1,
+            max_tokens=s.max_tokens,
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            logprobs=0,
+            detokenize=False,
+            skip_special_tokens=False,
+        )
+        if HAS_FLAT_LOGPROBS:
+            kw["flat_logprobs"] = True
+        if s.seed is None:
+            return SamplingParams(**kw)
+        # One request per prompt: a shared seed would give every prompt the same stream.
+        return [SamplingParams(seed=int(x), **kw) for x in prompt_seeds(s.seed, num_prompts)]
+
+    def prompt_logprobs(self, ids: np.ndarray) -> np.ndarray:
+        """[L] ids -> [L-1] float32 at temperature 1 (vLLM's prompt log-probs skip
+        the sampling processors)."""
+        self._check_awake()
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or ids.size < 2:
+            raise ValueError(f"prompt_logprobs: need at least 2 tokens, got shape {ids.shape}")
+        validate_prompts(ids, np.array([0, ids.size]), 1, max_model_len=self.max_model_len + 1,
+                         vocab_size=self.vocab_size)
+        from vllm.inputs import TokensPrompt
+
+        kw: dict[str, Any] = dict(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0)
+        if HAS_FLAT_LOGPROBS:
+            kw["flat_logprobs"] = True
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=ids.tolist())], SamplingParams(**kw),
+                                use_tqdm=False)[0]
+        plp = out.prompt_logprobs
+        if FlatLogprobs is not None and isinstance(plp, FlatLogprobs):
+            # Position 0 is empty (no prefix); every other position holds the prompt token first.
+            first = np.asarray(plp.start_indices[1:], dtype=np.int64)
+            return np.asarray(plp.logprobs, dtype=np.float32)[first]
+        tok = ids[1:].tolist()
+        return np.array([d[t].logprob for d, t in zip(plp[1:], tok)], dtype=np.float32)
+
+    # -- weights -------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], probe: Probe | None = None) -> None:
+        """Reload all weights in place (HF checkpoint names), reset the prefix
+        cache (its KV was computed by the old weights), then check the probe.
+
+        In-process engines get the tensors through `collective_rpc("reload_weights",
+        weights_iterator=...)`; a multiprocess engine cannot receive tensors over
+        RPC, so they go through a safetensors file under /dev/shm.
+        """
+        self._check_awake()
+        weights = named_tensor_dict(named_tensors)
+        if self._weight_names is not None:
+            check_weight_names(weights, self._weight_names, self._optional_names)
+        self._push(list(weights.items()))
+        if not self.llm.reset_prefix_cache():
+            raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running)")
+        if probe is not None:
+            verify_probe(self, probe)
+
+    def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        if not self.multiprocess:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            return
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._write_shm(weights))})
+
+    def _write_shm(self, weights: list[tuple[str, torch.Tensor]]) -> Path:
+        """Write the weights as one safetensors file in a per-engine directory
+        under /dev/shm (replaced atomically on every push, removed at shutdown).
+        The directory outlives the push because vLLM points its model config at it."""
+        from safetensors.torch import save_file
+
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        if self._shm_dir is None:
+            self._shm_dir = base / f"areno-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self._shm_dir.mkdir(mode=0o700)
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights}
+        tmp = self._shm_dir / ".model.safetensors.tmp"
+        save_file(tensors, str(tmp))
+        os.replace(tmp, self._shm_dir / "model.safetensors")
+        return self._shm_dir
+
+    # -- lifecycle -----------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free KV cache (and offload weights at level 1) while the trainer runs.
+        A no-op where sleep mode is unsupported (CPU); see `supports_sleep`."""
+        if self.supports_sleep and not self._asleep:
+            self.llm.sleep(level=level)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self.supports_sleep and self._asleep:
+            self.llm.wake_up()
+        self._asleep = False
+
+    def shutdown(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            del llm
+        if self._shm_dir is not None:
+            shutil.rmtree(self._shm_dir, ignore_errors=True)
+            self._shm_dir = None
+
+    def _check_awake(self) -> None:
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine: used after shutdown()")
+        if self._asleep:
+            raise RuntimeError("VLLMEngine: asleep; call wake_up() first")
+
+
+def batch_from_request_outputs(
+    outputs: Sequence["RequestOutput"], prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int
+) -> RolloutBatch:
+    """vLLM RequestOutputs (one per prompt, in prompt order, n samples each) ->
+    RolloutBatch. Python work is O(responses): per sequence, its token-id list
+    and its flat log-prob list go to numpy in one C call each, then one
+    concatenate; no Python object is created per token."""
+    num_prompts = prompt_offsets.size - 1
+    if len(outputs) != num_prompts:
+        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {num_prompts} prompts")
+    n_resp = num_prompts * n
+    lengths = np.empty(n_resp, dtype=np.int64)
+    finish = np.empty(n_resp, dtype=np.uint8)
+    ids_parts: list[np.ndarray] = []
+    lp_parts: list[np.ndarray] = []
+    k = 0
+    for out in outputs:
+        if len(out.outputs) != n:
+            raise RuntimeError(f"vLLM returned {len(out.outputs)} samples for a prompt, expected {n}")
+        for c in out.outputs:
+            tok = np.asarray(c.token_ids, dtype=np.int32)
+            lp = _sampled_logprobs(c.logprobs, c.token_ids)
+            if lp.size != tok.size:
+                raise RuntimeError(f"vLLM returned {lp.size} log-probs for {tok.size} tokens")
+            ids_parts.append(tok)
+            lp_parts.append(lp)
+            lengths[k] = tok.size
+            finish[k] = _FINISH.get(c.finish_reason, FINISH_ABORT)
+            k += 1
+    return RolloutBatch(
+        prompt_ids=prompt_ids,
+        prompt_offsets=prompt_offsets,
+        response_ids=np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int32),
+        response_offsets=offsets_from_lengths(lengths),
+        response_logprobs=np.concatenate(lp_parts) if lp_parts else np.zeros(0, np.float32),
+        group_index=np.repeat(np.arange(num_prompts, dtype=np.int64), n),
+        finish_reason=finish,
+    )
+
+
+def _sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> np.ndarray:
+    """One sequence's sampled-token log-probs as float32. With logprobs=0 a
+    FlatLogprobs holds exactly one entry per position (the sampled token)."""
+    if logprobs is None:
+        raise RuntimeError("vLLM returned no log-probs (was logprobs=0 dropped?)")
+    if FlatLogprobs is not None and isinstance(logprobs, FlatLogprobs):
+        return np.asarray(logprobs.logprobs, dtype=np.float32)
+    # Older vLLM: one dict per position; the sampled token is always present.
+    return np.fromiter((d[t].logprob for d, t in zip(logprobs, token_ids)), dtype=np.float32,
+                       count=len(token_ids))
+
+
+def _checkpoint_names(model_config: Any) -> tuple[set[str] | None, set[str]]:
+    """Tensor names of the checkpoint vLLM loaded (read from the safetensors
+    headers), used to check weight pushes by name; None if not a local dir."""
+    path = Path(str(model_config.model))
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        log.warning("areno: cannot list the checkpoint's tensors in %s; weight pushes are not name-checked", path)
+        return None, set()
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            names.update(fh.keys())
+    hf = model_config.hf_config
+    tied = bool(getattr(hf, "tie_word_embeddings", False) or getattr(hf.get_text_config(), "tie_word_embeddings", False))
+    optional = {"lm_head.weight"} if tied else set()
+    names -= optional
+    # Non-persistent buffers some exporters include; vLLM skips them.
+    optional |= {n for n in names if n.endswith("rotary_emb.inv_freq")}
+    names -= optional
+    return names, optional
