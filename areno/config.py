@@ -1,0 +1,334 @@
+"""TrainConfig: the one place an `areno train` knob is declared.
+
+Each field carries its CLI group (the --help panel), its help text (unit,
+allowed values, what the default means) and its bounds. The CLI builds its
+flags from these fields and YAML (`--config run.yaml`) fills the same fields;
+flags override YAML. `TrainConfig.from_sources` validates everything before
+any heavy import or process start, raising `UserError` (one line, naming the
+flag) for a mistake.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from areno.errors import UserError
+
+GROUPS = (
+    "Model", "Data", "Rollout", "Algorithm", "Optimization", "Parallelism",
+    "Logging and checkpoints",
+)
+
+
+def opt(default: Any, help: str, group: str, *, ge: float | None = None, gt: float | None = None,
+        le: float | None = None, lt: float | None = None) -> Any:
+    assert group in GROUPS, group
+    return field(default=default, metadata=dict(help=help, group=group, ge=ge, gt=gt, le=le, lt=lt))
+
+
+@dataclass
+class TrainConfig:
+    # -- Model ---------------------------------------------------------------
+    ckpt: str | None = opt(
+        None, "HF model directory or hub id to train. Unset: the embedded demo "
+        "(a tiny model built locally, trained on one-digit addition).", "Model")
+    dtype: Literal["auto", "bfloat16", "float32"] = opt(
+        "auto", "Parameter dtype. auto: bfloat16 on GPU, float32 on CPU.", "Model")
+    # -- Data ------------------------------------------------------------------
+    dataset_path: str | None = opt(
+        None, "gsm8k:main, a hub id name[:config[:split]], a local .jsonl/.json/.parquet/.csv "
+        "file, or a save_to_disk directory. Unset: the embedded demo task.", "Data")
+    dataset_split: str = opt("train", "Split to train on (a split in --dataset-path wins).", "Data")
+    dataset_loader_fn: str | None = opt(
+        None, "file.py[:fn] mapping a raw row to {prompt, answer, ...} (fn defaults to load_row).",
+        "Data")
+    reward_fn_path: str | None = opt(
+        None, "Reward plugin: a .py file defining reward_fn(record) -> float or "
+        "reward_fn_batch(records) -> list[float] (async allowed). Required with --dataset-path.",
+        "Data")
+    chat_template: bool = opt(True, "Render prompts with the tokenizer's chat template "
+                              "(--no-chat-template: plain text).", "Data")
+    system_prompt: str | None = opt(None, "System message prepended to every chat prompt.", "Data")
+    max_prompt_len: int = opt(512, "Prompts longer than this many tokens are dropped (counted).",
+                              "Data", ge=1)
+    skip_bad_rows: bool = opt(False, "Skip (and count) malformed dataset rows instead of failing.",
+                              "Data")
+    # -- Rollout ---------------------------------------------------------------
+    rollout_engine: Literal["vllm", "hf"] = opt(
+        "vllm", "vllm (default; falls back to hf with a warning if vLLM is not installed) or hf "
+        "(transformers generate).", "Rollout")
+    temperature: float = opt(1.0, "Sampling temperature; log-probs are taken after it.",
+                             "Rollout", gt=0.0)
+    top_p: float = opt(1.0, "Nucleus sampling mass (1 = off).", "Rollout", gt=0.0, le=1.0)
+    top_k: int = opt(-1, "Top-k sampling (-1 = off).", "Rollout", ge=-1)
+    max_new_tokens: int = opt(1024, "Maximum tokens generated per completion.", "Rollout", ge=1)
+    tensor_parallel_size: int = opt(1, "vLLM tensor-parallel size.", "Rollout", ge=1)
+    gpu_memory_utilization: float = opt(
+        0.5, "Fraction of GPU memory vLLM may take (colocated with training).", "Rollout",
+        gt=0.0, le=1.0)
+    kv_cache_gb: float = opt(0.5, "KV-cache size for vLLM on CPU, in GiB.", "Rollout", gt=0.0)
+    reward_workers: int = opt(2, "Reward worker processes (0 = in-process, no timeout kill).",
+                              "Rollout", ge=0)
+    reward_timeout: float = opt(10.0, "Seconds a reward call may take before its worker is killed.",
+                                "Rollout", gt=0.0)
+    on_reward_error: Literal["fail", "zero", "skip"] = opt(
+        "fail", "A reward that raises, times out or is NaN: fail the run, score it 0, or skip "
+        "the sample. Every case is counted in the metrics.", "Rollout")
+    # -- Algorithm -----------------------------------------------------------
+    algo: Literal["grpo", "gspo"] = opt(
+        "grpo", "grpo: per-token clipped ratio; gspo: clipped length-normalised sequence ratio "
+        "(arXiv:2507.18071).", "Algorithm")
+    adv_mode: Literal["grpo", "drgrpo", "rloo"] = opt(
+        "grpo", "Group advantage: grpo (r-mean)/std, drgrpo r-mean, rloo leave-one-out.",
+        "Algorithm")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = opt(
+        "token-mean", "Loss aggregation. seq-mean-token-sum-norm is Dr. GRPO's (normalised by "
+        "--max-new-tokens).", "Algorithm")
+    clip_eps_low: float | None = opt(
+        None, "Lower clip epsilon. Default 0.2 (grpo) / 3e-4 (gspo).", "Algorithm", ge=0.0, lt=1.0)
+    clip_eps_high: float | None = opt(
+        None, "Upper clip epsilon (> low is DAPO's clip-higher). Default 0.2 (grpo) / 4e-4 (gspo).",
+        "Algorithm", ge=0.0)
+    kl_coef: float = opt(0.0, "KL-to-reference coefficient (0 = off, no reference model loaded).",
+                         "Algorithm", ge=0.0)
+    kl_type: Literal["k1", "k3"] = opt("k3", "KL estimator (Schulman): k1 or k3.", "Algorithm")
+    entropy_coef: float = opt(0.0, "Entropy bonus coefficient (0 = off).", "Algorithm", ge=0.0)
+    tis_cap: float | None = opt(
+        None, "Truncated importance-sampling cap C on trainer/sampler log-prob ratios "
+        "(needs --recompute-logprobs; unset = off).", "Algorithm", gt=0.0)
+    filter_zero_variance_groups: bool = opt(
+        False, "Drop groups whose rewards are all equal from the update.", "Algorithm")
+    mask_overlong: bool = opt(False, "Drop completions cut by --max-new-tokens from the update.",
+                              "Algorithm")
+    # -- Optimization ----------------------------------------------------------
+    lr: float = opt(1e-6, "Peak AdamW learning rate.", "Optimization", gt=0.0)
+    weight_decay: float = opt(0.0, "AdamW weight decay.", "Optimization", ge=0.0)
+    warmup_steps: int = opt(0, "Linear warmup optimizer steps before cosine decay.",
+                            "Optimization", ge=0)
+    min_lr_ratio: float = opt(0.1, "Final LR as a fraction of --lr (cosine floor).",
+                              "Optimization", ge=0.0, le=1.0)
+    max_grad_norm: float = opt(1.0, "Gradient-norm clip (0 = off).", "Optimization", ge=0.0)
+    mini_batches: int = opt(1, "Optimizer steps per rollout batch (mini-batches).",
+                            "Optimization", ge=1)
+    ppo_epochs: int = opt(1, "Passes over each rollout batch.", "Optimization", ge=1)
+    recompute_logprobs: bool = opt(
+        False, "Take old log-probs from the trainer before the first update instead of the "
+        "sampler's.", "Optimization")
+    grad_checkpointing: bool = opt(False, "Activation checkpointing.", "Optimization")
+    max_tokens_per_micro: int = opt(8192, "Token budget of one micro-batch per rank.",
+                                    "Optimization", ge=1)
+    max_nan_steps: int = opt(3, "Stop after this many NaN/inf steps in a row (each is skipped).",
+                             "Optimization", ge=1)
+    # -- Parallelism -------------------------------------------------------------
+    device: Literal["auto", "cuda", "cpu"] = opt("auto", "Training device (auto: cuda if present).",
+                                                 "Parallelism")
+    world_size: int | None = opt(None, "Training ranks (default: number of GPUs, 1 on CPU).",
+                                 "Parallelism", ge=1)
+    batch_size: int = opt(16, "Prompts per step.", "Parallelism", ge=1)
+    n_samples: int = opt(8, "Completions per prompt (the GRPO group size).", "Parallelism", ge=1)
+    strategy: Literal["auto", "fsdp2", "ddp"] = opt(
+        "auto", "Data parallelism: auto (FSDP2 on GPU, DDP on CPU), fsdp2 or ddp.", "Parallelism")
+    # -- Logging and checkpoints -------------------------------------------------
+    max_steps: int | None = opt(None, "Stop after this many steps (unset: run --epochs).",
+                                "Logging and checkpoints", ge=1)
+    epochs: int = opt(1, "Passes over the dataset (a run stops at whichever limit comes first).",
+                      "Logging and checkpoints", ge=1)
+    seed: int = opt(0, "Seed of data order, sampling and initialisation.",
+                    "Logging and checkpoints")
+    output_dir: str | None = opt(
+        None, "Run directory (config.yaml, metrics.jsonl, checkpoints). Default runs/<timestamp>.",
+        "Logging and checkpoints")
+    report_to: Literal["none", "tensorboard", "wandb"] = opt(
+        "none", "Also log metrics to TensorBoard or W&B (if installed).", "Logging and checkpoints")
+    save_interval: int = opt(0, "Save a checkpoint every N steps (0: only at the end).",
+                             "Logging and checkpoints", ge=0)
+    save_path: str | None = opt(None, "Checkpoint directory (default <output-dir>/checkpoints).",
+                                "Logging and checkpoints")
+    keep_last: int = opt(2, "Keep only the newest N checkpoints (0 = keep all).",
+                         "Logging and checkpoints", ge=0)
+    no_save: bool = opt(False, "Write no checkpoint at all.", "Logging and checkpoints")
+
+    # ------------------------------------------------------------------------
+    @property
+    def is_demo(self) -> bool:
+        return self.ckpt is None and self.dataset_path is None
+
+    def loss_eps(self) -> tuple[float, float]:
+        low_default, high_default = (0.2, 0.2) if self.algo == "grpo" else (3e-4, 4e-4)
+        low = self.clip_eps_low if self.clip_eps_low is not None else low_default
+        high = self.clip_eps_high if self.clip_eps_high is not None else high_default
+        return low, high
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def fields(cls) -> list[dataclasses.Field]:
+        return list(dataclasses.fields(cls))
+
+    @classmethod
+    def from_sources(cls, yaml_path: str | None = None, overrides: dict[str, Any] | None = None,
+                     ) -> "TrainConfig":
+        """YAML (flat keys, or nested under group names) < explicit overrides < demo preset
+        (only for keys neither gave), then validate."""
+        values: dict[str, Any] = {}
+        if yaml_path is not None:
+            values.update(_read_yaml(yaml_path))
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        if values.get("ckpt") is None and values.get("dataset_path") is None:
+            for k, v in DEMO_PRESET.items():
+                values.setdefault(k, v)
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_field(f, getattr(self, f.name))
+        if self.dataset_path is not None and self.reward_fn_path is None:
+            raise UserError("--reward-fn-path is required with --dataset-path "
+                            "(a .py file defining reward_fn or reward_fn_batch)")
+        if self.reward_fn_path is not None and not self.reward_fn_path.startswith("builtin:"):
+            _check_file("--reward-fn-path", self.reward_fn_path, suffix=".py")
+        if self.dataset_loader_fn is not None:
+            _check_file("--dataset-loader-fn", self.dataset_loader_fn.split(":", 1)[0], suffix=".py")
+        if self.ckpt is not None and _looks_local(self.ckpt) and not Path(self.ckpt).is_dir():
+            raise UserError(f"--ckpt: no model directory at {self.ckpt}")
+        if self.tis_cap is not None and not self.recompute_logprobs:
+            raise UserError("--tis-cap needs --recompute-logprobs (it weights the trainer/sampler "
+                            "log-prob ratio)")
+        if self.mini_batches > self.batch_size * self.n_samples:
+            raise UserError(f"--mini-batches ({self.mini_batches}) exceeds the completions per "
+                            f"step ({self.batch_size * self.n_samples})")
+        if self.world_size and self.world_size > self.batch_size * self.n_samples:
+            raise UserError(f"--world-size ({self.world_size}) exceeds the completions per step")
+        if self.n_samples < 2 and self.adv_mode in ("grpo", "rloo"):
+            raise UserError(f"--n-samples must be >= 2 for --adv-mode {self.adv_mode} "
+                            "(a group of one has no baseline)")
+
+
+# Embedded demo: hyper-parameters measured to make reward rise within minutes on
+# 2 CPU cores (see DESIGN.md, "embedded default").
+DEMO_PRESET: dict[str, Any] = {
+    "reward_fn_path": "builtin:arith",
+    "chat_template": False,
+    "lr": 3e-4,
+    "max_new_tokens": 3,
+    "batch_size": 16,
+    "n_samples": 8,
+    "max_steps": 200,
+    "warmup_steps": 0,
+    "min_lr_ratio": 0.1,
+    "reward_workers": 0,
+    "max_prompt_len": 16,
+    "kv_cache_gb": 0.25,
+}
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _looks_local(s: str) -> bool:
+    return s.startswith((".", "/", "~")) or os.path.exists(s)
+
+
+def _check_file(flag: str, path: str, suffix: str | None = None) -> None:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"{flag}: file not found: {path}")
+    if suffix and p.suffix != suffix:
+        raise UserError(f"{flag}: expected a {suffix} file, got {path}")
+
+
+def _check_field(f: dataclasses.Field, value: Any) -> None:
+    flag = flag_name(f.name)
+    hint = _type_hints()[f.name]
+    if value is None:
+        if type(None) not in typing.get_args(hint):
+            raise UserError(f"{flag}: a value is required")
+        return
+    base = _base_type(hint)
+    if typing.get_origin(base) is Literal:
+        choices = typing.get_args(base)
+        if value not in choices:
+            raise UserError(f"{flag}: expected one of {', '.join(map(str, choices))}; got {value!r}")
+        return
+    if base is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"{flag}: expected true or false; got {value!r}")
+        return
+    if base in (int, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            base is int and not float(value).is_integer()
+        ):
+            raise UserError(f"{flag}: expected {'an integer' if base is int else 'a number'}; "
+                            f"got {value!r}")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise UserError(f"{flag}: must be finite; got {value!r}")
+        m = f.metadata
+        for key, ok, word in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
+                              ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):
+            bound = m.get(key)
+            if bound is not None and not ok(value, bound):
+                raise UserError(f"{flag} must be {word} {bound}; got {value!r}")
+        return
+    if base is str and not isinstance(value, str):
+        raise UserError(f"{flag}: expected a string; got {value!r}")
+
+
+_HINTS: dict[str, Any] = {}
+
+
+def _type_hints() -> dict[str, Any]:
+    if not _HINTS:
+        _HINTS.update(typing.get_type_hints(TrainConfig))
+    return _HINTS
+
+
+def _base_type(hint: Any) -> Any:
+    """Strip Optional[...]."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)) \
+            and len(args) == 1:
+        return args[0]
+    return hint
+
+
+def field_type(name: str) -> Any:
+    return _base_type(_type_hints()[name])
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    import yaml
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"--config: file not found: {path}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"--config {path}: not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--config {path}: expected a mapping of option: value")
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    groups = {g.lower().replace(" ", "_"): g for g in GROUPS}
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        k = str(key).replace("-", "_")
+        if k in known:
+            flat[k] = value
+        elif k.lower() in groups and isinstance(value, dict):
+            for sub, v in value.items():
+                s = str(sub).replace("-", "_")
+                if s not in known:
+                    raise UserError(f"--config {path}: unknown option '{sub}' under '{key}'")
+                flat[s] = v
+        else:
+            raise UserError(f"--config {path}: unknown option '{key}'")
+    return flat

