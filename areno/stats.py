@@ -95,3 +95,11 @@ def finalize_loss_metrics(sums: dict[str, float]) -> dict[str, float]:
         if k in sums:
             out[k] = sums[k]
     return out
+
+
+# What the backend reports per optimizer step (after finalize_loss_metrics),
+# logged as train/<name>.
+TRAIN_METRICS: tuple[str, ...] = (
+    "loss", "clip_frac", "ratio_mean", "ratio_std", "ratio_max", "kl", "entropy",
+    "logprob_diff", "tis_weight", "loss_tokens", "grad_norm", "lr", "nan_skipped",
+)

@@ -1,0 +1,122 @@
+"""What a run shows and writes: a rich progress bar, one line of metrics per
+step, `metrics.jsonl` in the run directory, and optionally TensorBoard / W&B."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+    TimeRemainingColumn
+
+# (metric key, console label, format) for the per-step line; everything goes to JSONL.
+CONSOLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("reward/mean", "reward", "{:.3f}"),
+    ("reward/std", "±", "{:.3f}"),
+    ("reward/accuracy", "acc", "{:.2f}"),
+    ("response/len_mean", "len", "{:.1f}"),
+    ("response/len_max", "max", "{:.0f}"),
+    ("train/clip_frac", "clip", "{:.3f}"),
+    ("train/kl", "kl", "{:.4f}"),
+    ("train/entropy", "ent", "{:.3f}"),
+    ("train/grad_norm", "gnorm", "{:.3f}"),
+    ("train/lr", "lr", "{:.2e}"),
+    ("perf/tokens_per_s", "tok/s", "{:.0f}"),
+)
+PHASES: tuple[str, ...] = ("rollout", "decode", "reward", "materialize", "train", "weight_sync")
+
+
+def _fmt(fmt: str, v: Any) -> str:
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan"
+    return fmt.format(v)
+
+
+def format_step_line(step: int, total: int, m: dict[str, float]) -> str:
+    parts = [f"step {step}/{total}"]
+    for key, label, fmt in CONSOLE_COLUMNS:
+        if key in m:
+            parts.append(f"{label} {_fmt(fmt, m[key])}" if label != "±" else f"± {_fmt(fmt, m[key])}")
+    times = " ".join(f"{p[:6]} {m[f'time/{p}']:.2f}" for p in PHASES if f"time/{p}" in m)
+    return " | ".join([" ".join(parts[:1]), " ".join(parts[1:]), f"s: {times}"])
+
+
+class RunLogger:
+    """Context manager owning the progress bar and the metric sinks."""
+
+    def __init__(self, output_dir: Path, total_steps: int, report_to: str = "none",
+                 console: Console | None = None, config: dict | None = None) -> None:
+        self.output_dir = Path(output_dir)
+        self.total = total_steps
+        self.console = console or Console(stderr=False)
+        self.metrics_path = self.output_dir / "metrics.jsonl"
+        self._file = None
+        self._tb = None
+        self._wandb = None
+        self.report_to = report_to
+        self.config = config or {}
+        self.progress = Progress(
+            TextColumn("[bold]areno"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
+            TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
+        )
+        self._task = None
+
+    def __enter__(self) -> "RunLogger":
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.metrics_path, "a", buffering=1)
+        self._open_extra_sinks()
+        self.progress.start()
+        self._task = self.progress.add_task("train", total=self.total)
+        return self
+
+    def _open_extra_sinks(self) -> None:
+        if self.report_to == "tensorboard":
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.output_dir / "tensorboard"))
+            except Exception as e:  # noqa: BLE001 - optional sink
+                self.console.print(f"[yellow]WARN[/] TensorBoard not available ({e}); "
+                                   "logging to metrics.jsonl only")
+        elif self.report_to == "wandb":
+            try:
+                import wandb
+
+                self._wandb = wandb.init(project="areno", dir=str(self.output_dir),
+                                         config=self.config)
+            except Exception as e:  # noqa: BLE001 - optional sink
+                self.console.print(f"[yellow]WARN[/] W&B not available ({e}); "
+                                   "logging to metrics.jsonl only")
+
+    def info(self, text: str) -> None:
+        self.progress.console.print(text, highlight=False)
+
+    def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
+        record = {"step": step, **metrics}
+        assert self._file is not None
+        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if advance:
+            self.progress.console.print(format_step_line(step, self.total, metrics), highlight=False)
+            self.progress.update(self._task, completed=step)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.stop()
+        if self._file:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
