@@ -1,0 +1,163 @@
+"""BackendConfig: every knob of the torch backend, in one frozen dataclass.
+
+The CLI's TrainConfig builds one of these; nothing else declares backend knobs.
+Checks run in `__post_init__`, in the controller, before any rank is spawned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from areno.losses import LossConfig
+
+Device = Literal["cpu", "cuda"]
+DType = Literal["float32", "bfloat16"]
+Strategy = Literal["fsdp2", "ddp", "auto"]
+AttnImpl = Literal["auto", "sdpa", "flash_attention_2", "eager"]
+Launcher = Literal["spawn", "external"]
+
+DEVICES: tuple[str, ...] = ("cpu", "cuda")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16")
+STRATEGIES: tuple[str, ...] = ("fsdp2", "ddp", "auto")
+ATTN_IMPLS: tuple[str, ...] = ("auto", "sdpa", "flash_attention_2", "eager")
+LAUNCHERS: tuple[str, ...] = ("spawn", "external")
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """Torch backend settings. Units in the comments; defaults are CPU-safe."""
+
+    model_path: str
+    """HF model directory (or hub id already in the local cache) of the policy."""
+    world_size: int = 1
+    """Data-parallel ranks (one process per GPU; on CPU, gloo processes)."""
+    device: Device = "cpu"
+    """'cuda': NCCL, one GPU per rank (cuda:LOCAL_RANK). 'cpu': gloo."""
+    dtype: DType = "float32"
+    """Compute dtype. 'bfloat16' on GPU: FSDP2 gathers bf16 params and reduces
+    gradients in fp32; master weights and optimizer state stay fp32."""
+    strategy: Strategy = "auto"
+    """'fsdp2' (fully_shard per decoder layer + root), 'ddp', or 'auto' (= fsdp2;
+    FSDP2 works under gloo on CPU too, so CPU tests run the GPU code path)."""
+    attn_implementation: AttnImpl = "auto"
+    """'auto': flash_attention_2 on GPU if flash_attn imports, else sdpa. Packed
+    sequences are separated by position_ids in both (transformers detects the
+    restarts and builds a block-diagonal causal mask / varlen call)."""
+
+    # optimizer and schedule
+    lr: float = 1e-6
+    """AdamW peak learning rate."""
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    """Linear warmup from lr/warmup_steps to lr over this many optimizer steps."""
+    total_steps: int | None = None
+    """Optimizer steps of the whole run for the cosine decay; None = constant after warmup."""
+    min_lr_ratio: float = 0.0
+    """Cosine floor as a fraction of lr."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient L2 norm to this; None = no clipping (norm still reported)."""
+    grad_checkpointing: bool = False
+    """Recompute decoder-layer activations in backward (less memory, ~30% more compute)."""
+
+    # the RL update
+    ppo_epochs: int = 1
+    """Passes over each rollout batch; every mini-batch of every epoch is one optimizer step."""
+    recompute_logprobs: bool = False
+    """Before the first update, recompute old log-probs with the trainer (no grad) and
+    use them as old_logprobs; the sampler's stay as rollout_logprobs (TIS, logprob_diff)."""
+    loss: LossConfig = field(default_factory=LossConfig)
+    ref_model_path: str | None = None
+    """Reference model for KL; loaded only when loss.kl_coef > 0 (None = model_path)."""
+    logprob_chunk_size: int = 4096
+    """Positions per lm_head chunk: fp32 logits exist for at most this many positions."""
+    max_nan_steps: int = 3
+    """A non-finite loss or grad norm skips the step; this many in a row stop the run."""
+    seed: int = 0
+
+    # export
+    export_dtype: DType | None = None
+    """dtype of exported weights (None = the master dtype, float32)."""
+
+    # processes
+    launcher: Launcher = "spawn"
+    """'spawn': the controller starts world_size local ranks. 'external': ranks are
+    started by torchrun (`python -m areno.backend.rank --connect HOST:PORT`) and dial in."""
+    listen_host: str = "0.0.0.0"
+    """external launcher: address the controller listens on for ranks."""
+    listen_port: int = 29600
+    """external launcher: port the controller listens on."""
+    master_addr: str = "127.0.0.1"
+    """spawn launcher: torch.distributed rendezvous address (MASTER_ADDR)."""
+    master_port: int | None = None
+    """spawn launcher: rendezvous port; None = a free port."""
+    cpu_threads: int | None = None
+    """torch threads per rank on CPU; None = cores // world_size (at least 1)."""
+    startup_timeout_s: float = 600.0
+    """Seconds for all ranks to load the model and report ready."""
+    command_timeout_s: float = 3600.0
+    """Seconds one train/export/save call may take before the backend is torn down."""
+    collective_timeout_s: float = 600.0
+    """torch.distributed process-group timeout (a stuck collective errors after this)."""
+    shutdown_grace_s: float = 5.0
+    """Seconds a rank gets to exit after shutdown/SIGTERM before SIGKILL."""
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: object, want: str) -> None:
+            raise ValueError(f"backend.{name}: {want}, got {value!r}")
+
+        for name, allowed in (
+            ("device", DEVICES), ("dtype", DTYPES), ("strategy", STRATEGIES),
+            ("attn_implementation", ATTN_IMPLS), ("launcher", LAUNCHERS),
+        ):
+            if getattr(self, name) not in allowed:
+                bad(name, getattr(self, name), f"expected one of {', '.join(allowed)}")
+        if self.export_dtype is not None and self.export_dtype not in DTYPES:
+            bad("export_dtype", self.export_dtype, f"expected None or one of {', '.join(DTYPES)}")
+        if not self.model_path:
+            bad("model_path", self.model_path, "must name a model directory")
+        if self.world_size < 1:
+            bad("world_size", self.world_size, "must be >= 1")
+        if not self.lr > 0:
+            bad("lr", self.lr, "must be > 0")
+        if self.weight_decay < 0:
+            bad("weight_decay", self.weight_decay, "must be >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            bad("betas", self.betas, "must be two numbers in [0, 1)")
+        if self.warmup_steps < 0:
+            bad("warmup_steps", self.warmup_steps, "must be >= 0")
+        if self.total_steps is not None and self.total_steps < 1:
+            bad("total_steps", self.total_steps, "must be None or >= 1")
+        if not 0 <= self.min_lr_ratio <= 1:
+            bad("min_lr_ratio", self.min_lr_ratio, "must be in [0, 1]")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            bad("max_grad_norm", self.max_grad_norm, "must be None or > 0")
+        if self.ppo_epochs < 1:
+            bad("ppo_epochs", self.ppo_epochs, "must be >= 1")
+        if self.logprob_chunk_size < 1:
+            bad("logprob_chunk_size", self.logprob_chunk_size, "must be >= 1")
+        if self.max_nan_steps < 1:
+            bad("max_nan_steps", self.max_nan_steps, "must be >= 1")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            bad("cpu_threads", self.cpu_threads, "must be None or >= 1")
+        for name in ("startup_timeout_s", "command_timeout_s", "collective_timeout_s", "shutdown_grace_s"):
+            if not getattr(self, name) > 0:
+                bad(name, getattr(self, name), "must be > 0")
+        if self.device == "cpu" and self.dtype == "bfloat16":
+            bad("dtype", self.dtype, "bfloat16 needs device='cuda' (CPU ranks train in float32)")
+        if self.device == "cpu" and self.attn_implementation == "flash_attention_2":
+            bad("attn_implementation", self.attn_implementation, "flash_attention_2 needs device='cuda'")
+
+    @property
+    def resolved_strategy(self) -> str:
+        return "fsdp2" if self.strategy == "auto" else self.strategy
+
+    @property
+    def dist_backend(self) -> str:
+        return "nccl" if self.device == "cuda" else "gloo"
+
+    @property
+    def needs_ref_model(self) -> bool:
+        return self.loss.kl_coef > 0
