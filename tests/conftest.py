@@ -1,0 +1,127 @@
+"""Shared fixtures. Others may append fixtures below; keep each one documented.
+
+Tiny models are built once per test session (no download): into $ARENO_CACHE
+when it is set (so repeated runs reuse them), else into a session temp dir.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(scope="session")
+def areno_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Cache dir for tiny models: $ARENO_CACHE or a per-session temp dir."""
+    env = os.environ.get("ARENO_CACHE")
+    return Path(env) if env else tmp_path_factory.mktemp("areno_cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_path(areno_cache: Path) -> Path:
+    """HF dir of the tiny "chat" model (~420-token BPE, chat template, fp32)."""
+    from areno.tiny import tiny_model_path
+
+    return tiny_model_path("chat", cache_dir=areno_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_arith_path(areno_cache: Path) -> Path:
+    """HF dir of the tiny "arith" model (17-token vocabulary, for the demo)."""
+    from areno.tiny import tiny_model_path
+
+    return tiny_model_path("arith", cache_dir=areno_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tiny_chat_path: Path):
+    """transformers fp32 model of tiny "chat"; treat as read-only (copy.deepcopy to edit)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_path, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def ref_logprobs() -> Callable:
+    """ref_logprobs(model, batch, temperature=1.0, top_k=0) -> [T] float32: the
+    log-prob of every response token from a plain transformers forward over
+    prompt + response (fp32 logits / temperature, optional top-k mask), i.e. the
+    number a rollout engine's response_logprobs must reproduce."""
+    import torch
+
+    def compute(model, batch, temperature: float = 1.0, top_k: int = 0) -> np.ndarray:
+        out = np.empty(batch.num_response_tokens, dtype=np.float32)
+        for i in range(batch.num_responses):
+            prompt = batch.prompt_tokens(int(batch.group_index[i]))
+            resp = batch.response_tokens(i)
+            seq = torch.from_numpy(np.concatenate([prompt, resp]).astype(np.int64))[None]
+            with torch.no_grad():
+                logits = model(input_ids=seq).logits[0, prompt.size - 1 : -1].float()
+            if temperature > 0:
+                logits = logits / temperature
+            if top_k > 0:
+                kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            lp = torch.log_softmax(logits, dim=-1).gather(-1, seq[0, prompt.size :, None])[:, 0]
+            out[batch.response_offsets[i] : batch.response_offsets[i + 1]] = lp.numpy()
+        return out
+
+    return compute
+
+
+@pytest.fixture(scope="session")
+def perturbed_state() -> Callable:
+    """perturbed_state(state_dict, seed, scale=0.05) -> new dict: every tensor
+    plus scale * N(0, 1) noise (norm weights too)."""
+    import torch
+
+    def make(state: dict, seed: int, scale: float = 0.05) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        return {k: v + scale * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in state.items()}
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def always_eos_state() -> Callable:
+    """always_eos_state(state_dict, eos_id) -> weights under which every next
+    token is `eos_id` with probability ~1: all embeddings equal and the blocks'
+    output projections zero make the final hidden state the same for every
+    input; lm_head then points only the eos row at it."""
+    import torch
+
+    def make(state: dict, eos_id: int) -> dict:
+        new = {k: v.clone() for k, v in state.items()}
+        emb = new["model.embed_tokens.weight"]
+        emb[:] = emb[0]
+        for k in new:
+            if k.endswith(("o_proj.weight", "down_proj.weight")):
+                new[k].zero_()
+        head = new["lm_head.weight"]
+        head.zero_()
+        direction = emb[0] / emb[0].pow(2).mean().sqrt()  # RMS-normed hidden state
+        head[eos_id] = 50.0 * direction / direction.norm()
+        return new
+
+    return make
+
+
+def csr(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Helper (also a fixture below): list of token lists -> (int32 ids, int64 offsets)."""
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    ids = np.array([t for s in seqs for t in s], dtype=np.int32)
+    return ids, offsets
+
+
+@pytest.fixture(scope="session")
+def make_prompts() -> Callable:
+    """make_prompts([[...], [...]]) -> (prompt_ids int32, prompt_offsets int64)."""
+    return csr
