@@ -1,0 +1,147 @@
+"""The benchmark scripts run, write complete results, and compare like with like.
+
+bench_materialize.py times a list-based reference against areno's array path;
+the ratios only mean something if both compute the same thing, so the script
+checks equal outputs on every workload, and these tests check that check too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from areno.advantages import group_advantages
+from areno.pack import build_split_pack, build_train_pack
+from helpers import random_batch, random_rewards
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "bench_materialize.py"
+
+WORKLOADS = (
+    "advantages", "pack_small", "pack_large", "split_small", "split_large",
+    "padded_small", "padded_large", "stats", "e2e_small", "e2e_large",
+)
+
+
+@pytest.fixture(scope="module")
+def bm():
+    """scripts/bench_materialize.py imported as a module."""
+    spec = importlib.util.spec_from_file_location("bench_materialize", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_materialize"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _positive_finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_quick_run_writes_every_workload(tmp_path: Path):
+    out = tmp_path / "sub" / "materialize.json"  # parent does not exist yet
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--repeats", "1", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "targets:" in proc.stdout
+    data = json.loads(out.read_text())
+    assert not list(out.parent.glob("*.tmp")), "temp file left beside the output"
+
+    assert data["equality_failures"] == []
+    assert data["meta"]["quick"] is True and data["meta"]["repeats"] == 1
+    assert set(WORKLOADS) <= set(data["workloads"])
+    for name in WORKLOADS:
+        w = data["workloads"][name]
+        assert w["outputs_equal"] is True, name
+        assert _positive_finite(w["units"]), name
+        for path in ("reference", "areno"):
+            assert _positive_finite(w[path]["median_s"]), (name, path)
+            assert len(w[path]["times_s"]) == 1
+            assert all(_positive_finite(t) for t in w[path]["times_s"]), (name, path)
+        for key in ("ratio", "ratio_of_mins", "reference_us_per_unit", "areno_us_per_unit"):
+            assert _positive_finite(w[key]), (name, key)
+    for name in ("pack_small", "pack_large"):
+        w = data["workloads"][name]
+        assert _positive_finite(w["memcpy"]["median_s"]) and _positive_finite(w["fresh_copy"]["median_s"])
+        assert _positive_finite(w["areno_over_memcpy"])
+        assert w["pack_token_bytes"] == 25 * w["pack_tokens"]  # 4+4+4+1+4+4+4 bytes per position
+    for name in ("e2e_small", "e2e_large"):
+        comp = data["workloads"][name]["areno_components_median_s"]
+        assert all(_positive_finite(comp[k]) for k in ("decode", "advantages", "pack", "non_decode"))
+    targets = {t["target"]: t for t in data["targets"]}
+    assert len(targets) == 8
+    assert all(isinstance(t["pass"], bool) and math.isfinite(t["value"]) for t in targets.values())
+
+
+def test_bad_flag_is_one_line_error(tmp_path: Path):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--repeats", "0", "--out", str(tmp_path / "x.json")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--repeats" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_list_reference_equals_areno(bm, seed: int):
+    """Varied group sizes, 1-token prompts and responses, empty responses."""
+    batch = random_batch(seed, num_prompts=7, max_prompt=5, max_response=8, min_response=0)
+    rewards = random_rewards(batch, seed).astype(np.float64)
+    lr = bm.to_lists(batch, rewards)
+
+    adv = group_advantages(rewards, batch.group_index, num_groups=batch.num_prompts)
+    assert bm.compare_advantages(bm.ref_advantages(lr.rewards, lr.group_of), adv) == []
+
+    adv_l = adv.tolist()
+    assert bm.compare_pack(bm.ref_pack(lr, adv_l), build_train_pack(batch, adv)) == []
+    for ws, max_tokens in ((2, 8), (3, 1000)):
+        sp = build_split_pack(batch, adv, world_size=ws, max_tokens=max_tokens)
+        assert bm.compare_split(bm.ref_split_pack(lr, adv_l, ws, max_tokens), sp) == []
+    assert bm.compare_padded(bm.ref_padded(lr, adv_l), build_train_pack(batch, adv).to_padded(bm.PAD_ID)) == []
+    assert bm.compare_stats(bm.ref_stats(lr.logprobs), bm.areno_stats(batch)) == []
+
+
+def test_make_data_is_well_formed(bm):
+    d = bm.make_data(0, 5, 3, (1, 4), (1, 9), (3, 50), empty_every=4)
+    b = d.batch
+    assert b.num_prompts == 5 and b.num_responses == 15
+    assert (b.response_lengths[::4] == 0).all()
+    assert b.response_ids.min() >= 3 and b.response_ids.max() < 50
+    assert d.lists.responses[1] == b.response_tokens(1).tolist()
+    assert d.lists.prompts[2] == b.prompt_tokens(2).tolist()
+
+
+def test_comparisons_catch_differences(bm):
+    """The equality checks are not vacuous: a one-element change is reported."""
+    batch = random_batch(3, num_prompts=4, min_response=1)
+    rewards = random_rewards(batch, 3).astype(np.float64)
+    lr = bm.to_lists(batch, rewards)
+    adv = group_advantages(rewards, batch.group_index, num_groups=batch.num_prompts)
+    pack = build_train_pack(batch, adv)
+    for field in ("input_ids", "targets", "loss_mask", "old_logprobs", "advantages", "position_ids", "seq_index"):
+        ref = bm.ref_pack(lr, adv.tolist())
+        t = ref[field]
+        t[-1] = (~t[-1]) if t.dtype == torch.bool else t[-1] + 1
+        errors = bm.compare_pack(ref, pack)
+        assert errors and errors[0].startswith(field), (field, errors)
+    ref = bm.ref_pack(lr, adv.tolist())
+    ref["old_logprobs"] = ref["old_logprobs"].double()
+    assert any("dtype" in e for e in bm.compare_pack(ref, pack))
+
+    bad_adv = adv.copy()
+    bad_adv[0] += 0.5
+    assert bm.compare_advantages(bm.ref_advantages(lr.rewards, lr.group_of), bad_adv)
+
+    stats = bm.areno_stats(batch)
+    stats.mean += 1e-3
+    assert bm.compare_stats(bm.ref_stats(lr.logprobs), stats)
