@@ -203,12 +203,15 @@ def test_skip_policy_marks_failures_invalid_with_nan_rewards(scorers):
 def test_hung_sample_is_killed_within_timeout_and_its_chunk_continues(scorers):
     s = scorers("skip")
     s.score(recs(["ok:0"] * 2))
+    before = s._seq
+    comps = [f"ok:{i}" for i in range(40)]
+    comps[1] = "hang"  # in the first chunk of 5 (40 samples / (2 workers x 4))
     t0 = time.monotonic()
-    # One chunk (4 per chunk here): the samples after the hang go to a free worker.
-    r = s.score(recs(["ok:1", "hang", "ok:2", "ok:3", "ok:4", "ok:5", "ok:6", "ok:7"]))
+    r = s.score(recs(comps))
     assert time.monotonic() - t0 < TIMEOUT + 1.0
-    assert r.counts.timeouts == 1 and r.valid.sum() == 7
-    assert r.rewards[r.valid].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    assert r.counts.timeouts == 1 and r.valid.sum() == 39 and not r.valid[1]
+    assert r.rewards[r.valid].tolist() == [0.0] + [float(i) for i in range(2, 40)]
+    assert s._seq - before > 8  # the 3 samples after the hang went out again
 
 
 def test_thousands_of_samples_go_out_in_chunks(scorers):
