@@ -40,6 +40,32 @@ PACKED_TOKEN_FIELDS: tuple[str, ...] = (
 )
 
 
+class Workspace:
+    """Reusable host buffers for `build_train_pack`.
+
+    A fresh 1M-token pack touches ~30 MB of new pages, and glibc returns freed
+    large blocks to the OS, so every step would pay thousands of page faults
+    (measured: about a third of the pack time). Building into buffers kept
+    across steps pays them once. Arrays built with a workspace stay valid until
+    the next build with the same workspace.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, n: int, dtype: type | np.dtype) -> np.ndarray:
+        """An uninitialised [n] array of dtype, reusing `name`'s buffer when it fits."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.dtype != np.dtype(dtype) or buf.size < n:
+            buf = np.empty(n + n // 4, dtype=dtype)  # headroom: lengths vary per step
+            self._bufs[name] = buf
+        return buf[:n]
+
+
+def _empty(ws: Workspace | None, name: str, n: int, dtype: type | np.dtype) -> np.ndarray:
+    return ws.get(name, n, dtype) if ws is not None else np.empty(n, dtype=dtype)
+
+
 @dataclass(frozen=True)
 class TrainPack:
     """Packed training tensors (CPU, usually zero-copy views of numpy arrays)."""
@@ -135,7 +161,8 @@ class PaddedPack:
 
 
 # -- building ----------------------------------------------------------------
-def _runs_index(starts: np.ndarray, lengths: np.ndarray, total: int) -> np.ndarray:
+def _runs_index(starts: np.ndarray, lengths: np.ndarray, total: int,
+                out: np.ndarray | None = None) -> np.ndarray:
     """Concatenation of ranges [starts[k], starts[k]+lengths[k]) as one int64 array.
 
     One cumsum over a jump array: 1 everywhere, and at the first slot of each
@@ -143,7 +170,9 @@ def _runs_index(starts: np.ndarray, lengths: np.ndarray, total: int) -> np.ndarr
     """
     keep = lengths > 0
     starts, lengths = starts[keep], lengths[keep]
-    out = np.ones(total, dtype=np.int64)
+    if out is None:
+        out = np.empty(total, dtype=np.int64)
+    out.fill(1)
     if starts.size == 0:
         return out[:0]
     first = np.zeros(starts.size, dtype=np.int64)
@@ -155,25 +184,19 @@ def _runs_index(starts: np.ndarray, lengths: np.ndarray, total: int) -> np.ndarr
     return np.cumsum(out, out=out)
 
 
-def _mask_from_runs(starts: np.ndarray, lengths: np.ndarray, total: int) -> np.ndarray:
-    """[total] bool, true on positions [starts[k], starts[k]+lengths[k]); runs disjoint."""
-    delta = np.zeros(total + 1, dtype=np.int8)
-    np.add.at(delta, starts, 1)
-    np.add.at(delta, starts + lengths, -1)
-    return np.cumsum(delta[:-1], dtype=np.int8).view(np.bool_)
-
-
 def build_train_pack(
     batch: RolloutBatch,
     advantages: np.ndarray,
     *,
     order: np.ndarray | None = None,
+    workspace: Workspace | None = None,
 ) -> TrainPack:
     """Pack every non-empty response (prompt ++ response) back to back.
 
     advantages: [N] float32, one per response.
     order:      optional [S] int64 response indices giving which responses to
                 pack and in what order (default: all non-empty, in order).
+    workspace:  optional reusable buffers (see Workspace).
     seq_weights are 0; `SplitPack`/`aggregation_weights` set them.
     """
     adv = np.asarray(advantages, dtype=np.float32)
@@ -186,6 +209,7 @@ def build_train_pack(
         order = np.asarray(order, dtype=np.int64)
         if order.size and r_len[order].min() == 0:
             raise ValueError("order: names an empty response")
+    ws = workspace
     g = batch.group_index[order]
     p_len = batch.prompt_lengths[g]
     if p_len.size and p_len.min() == 0:
@@ -201,30 +225,38 @@ def build_train_pack(
     # One source array; prompt part of seq s reads src[a_s + j], response part
     # src[b_s + j - p_s]. Runs interleave (prompt run, response run) per seq.
     n_prompt_tok = batch.prompt_ids.size
-    src = np.concatenate([batch.prompt_ids, batch.response_ids])
+    src = _empty(ws, "src", n_prompt_tok + batch.response_ids.size, np.int32)
+    np.concatenate([batch.prompt_ids, batch.response_ids], out=src)
     a = batch.prompt_offsets[g]
     b = n_prompt_tok + batch.response_offsets[order]
     run_starts = np.stack([a, b], axis=1).reshape(-1)
     run_lens = np.stack([p_len, r - 1], axis=1).reshape(-1)
-    idx = _runs_index(run_starts, run_lens, L)
+    idx = _runs_index(run_starts, run_lens, L, out=_empty(ws, "idx", L, np.int64))
 
-    input_ids = np.take(src, idx)
+    input_ids = np.take(src, idx, out=_empty(ws, "input_ids", L, np.int32))
     # target of position j is full[j+1]: src[idx+1] everywhere except the last
     # prompt position, whose target is the first response token.
-    targets = np.take(src[1:], idx)
-    last_prompt_pos = starts + p_len - 1
-    targets[last_prompt_pos] = src[b]
-    del idx
+    targets = np.take(src[1:], idx, out=_empty(ws, "targets", L, np.int32))
+    ctx_lens = p_len - 1  # positions whose target is a prompt token
+    targets[starts + ctx_lens] = src[b]
 
-    position_ids = np.ones(L, dtype=np.int32)
+    position_ids = _empty(ws, "position_ids", L, np.int32)
+    position_ids.fill(1)
     if S:
         position_ids[starts[1:]] = 1 - seq_len[:-1]
         position_ids[0] = 0
     np.cumsum(position_ids, out=position_ids)
 
-    loss_mask = _mask_from_runs(last_prompt_pos, r, L)
-    old_lp = np.zeros(L, dtype=np.float32)
-    tok_adv = np.zeros(L, dtype=np.float32)
+    # The mask and per-token advantages are runs of constants over alternating
+    # (context, response) runs: one np.repeat each (much faster than a cumsum
+    # of deltas or a masked scatter, measured).
+    ab_lens = np.stack([ctx_lens, r], axis=1).reshape(-1)
+    loss_mask = np.repeat(np.tile(np.array([False, True]), S), ab_lens)
+    adv_runs = np.zeros(2 * S, dtype=np.float32)
+    adv_runs[1::2] = adv[order]
+    tok_adv = np.repeat(adv_runs, ab_lens)
+    old_lp = _empty(ws, "old_logprobs", L, np.float32)
+    old_lp.fill(0.0)
     if S == batch.num_responses and np.array_equal(order, np.arange(S)):
         resp_lp = batch.response_logprobs  # every response packed, in order
     else:
@@ -232,7 +264,6 @@ def build_train_pack(
             batch.response_logprobs, _runs_index(batch.response_offsets[order], r, int(r.sum()))
         )
     old_lp[loss_mask] = resp_lp
-    tok_adv[loss_mask] = np.repeat(adv[order], r)
     seq_index = np.repeat(np.arange(S, dtype=np.int32), seq_len)
 
     t = torch.from_numpy
@@ -283,18 +314,20 @@ def to_padded(pack: TrainPack, pad_id: int = 0) -> PaddedPack:
     """[S, Lmax] right-padded copy of a pack (one masked scatter per field)."""
     lengths = pack.seq_lengths
     S, Lmax = lengths.size, (int(lengths.max()) if lengths.size else 0)
-    valid = torch.from_numpy(np.arange(Lmax)[None, :] < lengths[:, None])
+    valid = np.arange(Lmax)[None, :] < lengths[:, None]
 
     def grid(x: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
-        out = torch.full((S, Lmax), fill, dtype=x.dtype)
-        out[valid] = x
-        return out
+        # numpy's boolean-mask assignment is ~7x faster than torch's (measured)
+        arr = x.numpy()
+        out = np.full((S, Lmax), fill, dtype=arr.dtype)
+        out[valid] = arr
+        return torch.from_numpy(out)
 
     return PaddedPack(
         input_ids=grid(pack.input_ids, pad_id),
         targets=grid(pack.targets, pad_id),
         position_ids=grid(pack.position_ids, 0),
-        attention_mask=valid,
+        attention_mask=torch.from_numpy(valid),
         loss_mask=grid(pack.loss_mask, False),
         old_logprobs=grid(pack.old_logprobs, 0.0),
         advantages=grid(pack.advantages, 0.0),
@@ -483,10 +516,12 @@ def build_split_pack(
     loss_agg: LossAgg = "token-mean",
     norm_len: int | None = None,
     keep: np.ndarray | None = None,
+    workspace: Workspace | None = None,
 ) -> SplitPack:
     """Plan the split from lengths, then build the pack once, already in plan order.
 
     keep: optional [N] bool; responses with False (or empty) are not packed.
+    workspace: optional reusable buffers (see Workspace).
     """
     r_len = batch.response_lengths
     use = r_len > 0
@@ -495,6 +530,6 @@ def build_split_pack(
     resp = np.flatnonzero(use)
     seq_len = batch.prompt_lengths[batch.group_index[resp]] + r_len[resp] - 1
     plan = plan_split(seq_len, world_size, max_tokens, num_minibatches=num_minibatches)
-    pack = build_train_pack(batch, advantages, order=resp[plan.seq_order])
+    pack = build_train_pack(batch, advantages, order=resp[plan.seq_order], workspace=workspace)
     weights = aggregation_weights(r_len[resp][plan.seq_order], plan, loss_agg, norm_len)
     return SplitPack(pack.with_seq_weights(torch.from_numpy(weights)), plan)

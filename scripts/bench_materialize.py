@@ -69,6 +69,7 @@ from areno.pack import (  # noqa: E402
     PACKED_TOKEN_FIELDS,
     SplitPack,
     TrainPack,
+    Workspace,
     build_split_pack,
     build_train_pack,
     plan_split,
@@ -624,13 +625,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ("large", large, adv_large, adv_large_l, sizes.large_max_tokens),
     ):
         b, lr, T = d.batch, d.lists, d.response_tokens
+        # areno's trainer keeps one Workspace for the run: steady-state steps
+        # write into pages already mapped (see pack.Workspace).
+        ws = Workspace()
         pack = build_train_pack(b, adv)
         extra = {"pack_tokens": pack.num_tokens, "sequences": pack.num_seqs,
                  "pack_token_bytes": pack_token_bytes(pack)}
         bench(f"pack_{tag}", f"train pack {_fmt_k(T)} resp tok ({_fmt_k(pack.num_tokens)} packed)",
               T, "response token",
               lambda lr=lr, adv_l=adv_l: ref_pack(lr, adv_l),
-              lambda b=b, adv=adv: build_train_pack(b, adv),
+              lambda b=b, adv=adv, ws=ws: build_train_pack(b, adv, workspace=ws),
               compare_pack, baselines=memcpy_fns(extra["pack_token_bytes"]), **extra)
         res = results[f"pack_{tag}"]
         res["areno_over_memcpy"] = res["areno"]["median_s"] / res["memcpy"]["median_s"]
@@ -641,7 +645,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               flush=True)
         bench(f"split_{tag}", f"split pack ws=2 {_fmt_k(T)} resp tok", T, "response token",
               lambda lr=lr, adv_l=adv_l, m=max_tok: ref_split_pack(lr, adv_l, 2, m),
-              lambda b=b, adv=adv, m=max_tok: build_split_pack(b, adv, world_size=2, max_tokens=m),
+              lambda b=b, adv=adv, m=max_tok, ws=ws: build_split_pack(
+                  b, adv, world_size=2, max_tokens=m, workspace=ws),
               compare_split, world_size=2, max_tokens=max_tok, **extra)
         bench(f"padded_{tag}", f"padded [S, Lmax] {_fmt_k(T)} resp tok", T, "response token",
               lambda lr=lr, adv_l=adv_l: ref_padded(lr, adv_l),

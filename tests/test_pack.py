@@ -175,3 +175,22 @@ def test_aggregation_weights_validation():
         aggregation_weights(np.array([2, 3]), p, "sum")
     with pytest.raises(ValueError, match="norm_len"):
         aggregation_weights(np.array([2, 3]), p, "seq-mean-token-sum-norm")
+
+
+def test_workspace_reuses_buffers_and_gives_identical_packs():
+    from areno.pack import Workspace
+
+    ws = Workspace()
+    b1, b2 = random_batch(seed=21, num_prompts=8), random_batch(seed=22, num_prompts=5)
+    adv1 = np.random.default_rng(1).standard_normal(b1.num_responses).astype(np.float32)
+    adv2 = np.random.default_rng(2).standard_normal(b2.num_responses).astype(np.float32)
+    p1 = build_train_pack(b1, adv1, workspace=ws)
+    ptr = p1.input_ids.data_ptr()
+    fresh1 = build_train_pack(b1, adv1)
+    for f in ("input_ids", "targets", "position_ids", "loss_mask", "old_logprobs", "advantages"):
+        assert torch.equal(getattr(p1, f), getattr(fresh1, f)), f
+    p2 = build_train_pack(b2, adv2, workspace=ws)  # smaller: fits the same buffers
+    assert p2.input_ids.data_ptr() == ptr
+    fresh2 = build_train_pack(b2, adv2)
+    for f in ("input_ids", "targets", "position_ids", "loss_mask", "old_logprobs", "advantages"):
+        assert torch.equal(getattr(p2, f), getattr(fresh2, f)), f
