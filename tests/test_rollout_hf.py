@@ -75,6 +75,9 @@ def test_eos_finishes_with_stop_and_later_tokens_dropped(engine, make_prompts, o
     np.testing.assert_array_equal(b.response_lengths, np.ones(10))
     np.testing.assert_array_equal(b.response_ids, np.full(10, eos))
     assert np.all(b.finish_reason == FINISH_STOP)
+    b = engine.generate(ids, off, 2, SamplingConfig(max_tokens=4, ignore_eos=True))
+    np.testing.assert_array_equal(b.response_lengths, np.full(b.num_responses, 4))
+    assert np.all(b.finish_reason == FINISH_LENGTH)
 
 
 @pytest.mark.parametrize("temperature,top_k", [(1.0, -1), (0.7, -1), (1.3, 20)])

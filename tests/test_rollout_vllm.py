@@ -90,6 +90,9 @@ def test_eos_finishes_with_stop_and_is_kept(engine, make_prompts, original_state
     np.testing.assert_array_equal(b.response_lengths, np.ones(8))
     np.testing.assert_array_equal(b.response_ids, np.full(8, eos_ids[0]))
     assert np.all(b.finish_reason == FINISH_STOP)
+    b = engine.generate(ids, off, 2, SamplingConfig(max_tokens=4, ignore_eos=True))
+    np.testing.assert_array_equal(b.response_lengths, np.full(b.num_responses, 4))
+    assert np.all(b.finish_reason == FINISH_LENGTH)
 
 
 def test_stop_token_ids_end_responses(engine, make_prompts):

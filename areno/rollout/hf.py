@@ -113,8 +113,11 @@ class HFEngine:
             max_new_tokens=max_new,
             do_sample=not greedy,
             num_return_sequences=n,
-            eos_token_id=list(stop_ids) or None,
+            # [] (not None): None would be filled in from the model's generation_config.
+            eos_token_id=list(stop_ids),
             pad_token_id=self.pad_token_id,
+            repetition_penalty=1.0,  # neutral values for what a hub generation_config may set
+            min_new_tokens=0,
             output_scores=True,
             return_dict_in_generate=True,
             **({} if greedy else dict(temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0))),
@@ -133,7 +136,9 @@ class HFEngine:
     def prompt_logprobs(self, ids: np.ndarray) -> np.ndarray:
         self._check_awake()
         ids = np.asarray(ids)
-        validate_prompts(ids, np.array([0, ids.size]), 1, max_model_len=self.max_model_len + 1,
+        if ids.ndim != 1 or ids.size < 2:
+            raise ValueError(f"prompt_logprobs: need at least 2 tokens, got shape {ids.shape}")
+        validate_prompts(ids, np.array([0, ids.size]), 1, max_model_len=self.max_model_len,
                          vocab_size=self.vocab_size)
         return probe_logprobs(self.model, ids)
 

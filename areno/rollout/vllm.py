@@ -20,6 +20,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterable, Sequence
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -128,7 +129,10 @@ class VLLMEngine:
         self.supports_sleep: bool = bool(
             enable_sleep_mode and current_platform.is_sleep_mode_available() and not on_cpu
         )
-        self.multiprocess: bool = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+        # Tensors can be handed to the worker only when it lives in this process
+        # (in-process engine core, one worker); otherwise they go through a file.
+        world = int(self.llm.llm_engine.vllm_config.parallel_config.world_size)
+        self.multiprocess: bool = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0" or world > 1
         self._weight_names, self._optional_names = _checkpoint_names(mc)
         self._shm_dir: Path | None = None
         self._asleep = False
@@ -176,7 +180,7 @@ class VLLMEngine:
         ids = np.asarray(ids)
         if ids.ndim != 1 or ids.size < 2:
             raise ValueError(f"prompt_logprobs: need at least 2 tokens, got shape {ids.shape}")
-        validate_prompts(ids, np.array([0, ids.size]), 1, max_model_len=self.max_model_len + 1,
+        validate_prompts(ids, np.array([0, ids.size]), 1, max_model_len=self.max_model_len,
                          vocab_size=self.vocab_size)
         from vllm.inputs import TokensPrompt
 
@@ -270,49 +274,49 @@ def batch_from_request_outputs(
     outputs: Sequence["RequestOutput"], prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int
 ) -> RolloutBatch:
     """vLLM RequestOutputs (one per prompt, in prompt order, n samples each) ->
-    RolloutBatch. Python work is O(responses): per sequence, its token-id list
-    and its flat log-prob list go to numpy in one C call each, then one
-    concatenate; no Python object is created per token."""
+    RolloutBatch.
+
+    Python work is O(responses): the per-sequence token-id lists and flat
+    log-prob lists (vLLM's own objects) are chained into ONE np.fromiter call
+    each, which reads them in C; no Python object is created per token and no
+    per-sequence array is allocated.
+    """
     num_prompts = prompt_offsets.size - 1
     if len(outputs) != num_prompts:
         raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {num_prompts} prompts")
+    seqs = [c for out in outputs for c in out.outputs]
     n_resp = num_prompts * n
-    lengths = np.empty(n_resp, dtype=np.int64)
-    finish = np.empty(n_resp, dtype=np.uint8)
-    ids_parts: list[np.ndarray] = []
-    lp_parts: list[np.ndarray] = []
-    k = 0
-    for out in outputs:
-        if len(out.outputs) != n:
-            raise RuntimeError(f"vLLM returned {len(out.outputs)} samples for a prompt, expected {n}")
-        for c in out.outputs:
-            tok = np.asarray(c.token_ids, dtype=np.int32)
-            lp = _sampled_logprobs(c.logprobs, c.token_ids)
-            if lp.size != tok.size:
-                raise RuntimeError(f"vLLM returned {lp.size} log-probs for {tok.size} tokens")
-            ids_parts.append(tok)
-            lp_parts.append(lp)
-            lengths[k] = tok.size
-            finish[k] = _FINISH.get(c.finish_reason, FINISH_ABORT)
-            k += 1
+    if len(seqs) != n_resp:
+        raise RuntimeError(f"vLLM returned {len(seqs)} samples for {num_prompts} prompts x n={n}")
+    tok_lists = [c.token_ids for c in seqs]
+    lp_lists = [_sampled_logprobs(c.logprobs, c.token_ids) for c in seqs]
+    lengths = np.fromiter(map(len, tok_lists), dtype=np.int64, count=n_resp)
+    lp_lengths = np.fromiter(map(len, lp_lists), dtype=np.int64, count=n_resp)
+    if not np.array_equal(lengths, lp_lengths):
+        i = int(np.flatnonzero(lengths != lp_lengths)[0])
+        raise RuntimeError(f"vLLM returned {lp_lengths[i]} log-probs for {lengths[i]} tokens (response {i})")
+    total = int(lengths.sum())
     return RolloutBatch(
         prompt_ids=prompt_ids,
         prompt_offsets=prompt_offsets,
-        response_ids=np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int32),
+        response_ids=np.fromiter(chain.from_iterable(tok_lists), dtype=np.int32, count=total),
         response_offsets=offsets_from_lengths(lengths),
-        response_logprobs=np.concatenate(lp_parts) if lp_parts else np.zeros(0, np.float32),
+        response_logprobs=np.fromiter(chain.from_iterable(lp_lists), dtype=np.float32, count=total),
         group_index=np.repeat(np.arange(num_prompts, dtype=np.int64), n),
-        finish_reason=finish,
+        finish_reason=np.fromiter(
+            (_FINISH.get(c.finish_reason, FINISH_ABORT) for c in seqs), dtype=np.uint8, count=n_resp
+        ),
     )
 
 
-def _sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> np.ndarray:
-    """One sequence's sampled-token log-probs as float32. With logprobs=0 a
-    FlatLogprobs holds exactly one entry per position (the sampled token)."""
+def _sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> Sequence[float]:
+    """One sequence's sampled-token log-probs. With logprobs=0 a FlatLogprobs
+    holds exactly one entry per position (the sampled token): its float list
+    is returned as is."""
     if logprobs is None:
         raise RuntimeError("vLLM returned no log-probs (was logprobs=0 dropped?)")
     if FlatLogprobs is not None and isinstance(logprobs, FlatLogprobs):
-        return np.asarray(logprobs.logprobs, dtype=np.float32)
+        return logprobs.logprobs
     # Older vLLM: one dict per position; the sampled token is always present.
     return np.fromiter((d[t].logprob for d, t in zip(logprobs, token_ids)), dtype=np.float32,
                        count=len(token_ids))
