@@ -42,7 +42,7 @@ CHAT_TEMPLATE = (
 )
 
 # Bump when the build changes in a way the parameters below do not capture.
-_BUILD_REVISION = 1
+_BUILD_REVISION = 2
 
 # ByteLevel maps printable ASCII to itself and space to 'Ġ'.
 _ARITH_ALPHABET = tuple("0123456789+=:") + ("\u0120",)
@@ -215,6 +215,12 @@ def build_tiny_model(spec: TinySpec, out_dir: str | Path) -> None:
     )
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+    # transformers 5 writes its own class name ("TokenizersBackend"); the 4.x name
+    # loads in both, and vLLM loads through AutoTokenizer either way.
+    tok_cfg_path = out_dir / "tokenizer_config.json"
+    tok_cfg = json.loads(tok_cfg_path.read_text())
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n")
     (out_dir / "areno_tiny.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
 
 
