@@ -222,6 +222,7 @@ DEMO_PRESET: dict[str, Any] = {
     "batch_size": 16,
     "n_samples": 8,
     "max_steps": 200,
+    "epochs": 1000,  # 55 prompts make 3 batches an epoch: --max-steps bounds the demo
     "warmup_steps": 0,
     "min_lr_ratio": 0.1,
     "reward_workers": 0,

@@ -1,0 +1,216 @@
+"""Build everything a training step needs (`Run`), in the order that surfaces
+user mistakes first: run directory, tokenizer, data, reward plugin, then the
+expensive parts (backend ranks, rollout engine). Closing a Run shuts down every
+process it started, on every exit path."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import yaml
+
+from areno.config import TrainConfig
+from areno.data import PromptSampler, PromptSet, RowSet, load_rows, normalize_rows, tokenize_prompts
+from areno.errors import UserError
+from areno.reporting import RunLogger
+from areno.rewards import RewardScorer
+from areno.rollout.engine import SamplingConfig
+from areno.stats import StreamingStats
+from areno.tasks import resolve_plugin_path
+
+
+@dataclass
+class Run:
+    """What the loop touches each step."""
+
+    cfg: TrainConfig
+    output_dir: Path
+    model_path: str
+    tokenizer: Any
+    rows: RowSet
+    prompts: PromptSet
+    sampler: PromptSampler
+    sampling: SamplingConfig
+    scorer: RewardScorer
+    backend: Any
+    engine: Any
+    logger: RunLogger
+    world_size: int
+    total_steps: int
+    step: int = 0
+    lp_stats: StreamingStats = field(default_factory=StreamingStats)
+
+    def maybe_save(self, step: int) -> None:
+        cfg = self.cfg
+        if not cfg.no_save and cfg.save_interval and step % cfg.save_interval == 0:
+            self.save(step)
+
+    def save(self, step: int) -> Path:
+        from areno.checkpoint import save_checkpoint
+
+        path = save_checkpoint(self, step)
+        self.logger.info(f"saved checkpoint {path}")
+        return path
+
+    def finish(self) -> None:
+        if not self.cfg.no_save and (not self.cfg.save_interval or
+                                     self.step % self.cfg.save_interval != 0):
+            self.save(self.step)
+        self.logger.info(f"done: {self.step} steps; metrics in {self.logger.metrics_path}")
+
+
+def resolve_device(cfg: TrainConfig) -> str:
+    if cfg.device != "auto":
+        if cfg.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UserError("--device cuda: no CUDA GPU is visible")
+        return cfg.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_output_dir(cfg: TrainConfig) -> Path:
+    if cfg.output_dir:
+        out = Path(cfg.output_dir).expanduser()
+    else:
+        out = Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "config.yaml", "w") as f:
+            yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+    except OSError as e:
+        raise UserError(f"--output-dir {out}: cannot write there ({e.strerror})") from None
+    return out
+
+
+def load_data(cfg: TrainConfig, tokenizer: Any) -> tuple[RowSet, PromptSet]:
+    if cfg.dataset_path is None:
+        from areno.tasks import arith
+
+        rows = normalize_rows(arith.rows(), source="builtin:arith")
+    else:
+        rows = load_rows(cfg.dataset_path, split=cfg.dataset_split,
+                         loader_fn=cfg.dataset_loader_fn, skip_bad_rows=cfg.skip_bad_rows)
+    prompts = tokenize_prompts(rows, tokenizer, use_chat_template=cfg.chat_template,
+                               system_prompt=cfg.system_prompt, max_prompt_len=cfg.max_prompt_len)
+    return rows, prompts
+
+
+def model_path_for(cfg: TrainConfig) -> str:
+    if cfg.ckpt is not None:
+        return cfg.ckpt
+    from areno.tiny import tiny_model_path
+
+    return str(tiny_model_path("arith"))
+
+
+def total_steps_for(cfg: TrainConfig, sampler: PromptSampler) -> int:
+    by_epochs = cfg.epochs * sampler.batches_per_epoch
+    return min(cfg.max_steps, by_epochs) if cfg.max_steps else by_epochs
+
+
+def load_tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except OSError as e:
+        raise UserError(f"--ckpt {model_path}: cannot load a tokenizer from it "
+                        f"({' '.join(str(e).split())[:200]})") from None
+
+
+@contextlib.contextmanager
+def open_run(cfg: TrainConfig) -> Iterator[Run]:
+    """Build a Run; everything started is stopped when the block exits."""
+    from areno.backend.controller import TorchBackend
+    from areno.rollout.engine import make_engine
+
+    device = resolve_device(cfg)
+    out = make_output_dir(cfg)
+    model_path = model_path_for(cfg)
+    tokenizer = load_tokenizer(model_path)
+    rows, prompts = load_data(cfg, tokenizer)
+    sampler = PromptSampler(len(prompts), cfg.batch_size, cfg.seed)
+    total = total_steps_for(cfg, sampler)
+    world_size = cfg.world_size or _default_world_size(device)
+    with contextlib.ExitStack() as stack:
+        scorer = stack.enter_context(RewardScorer(
+            resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,
+            timeout=cfg.reward_timeout, on_error=cfg.on_reward_error))
+        backend = TorchBackend(backend_config(cfg, model_path, world_size, device, total))
+        stack.callback(backend.close)
+        engine = make_engine(
+            cfg.rollout_engine, model_path,
+            **_engine_kwargs(cfg, device, int(prompts.lengths.max())))
+        stack.callback(engine.shutdown)
+        logger = stack.enter_context(RunLogger(out, total, cfg.report_to, config=cfg.to_dict()))
+        logger.info(
+            f"areno: {model_path} on {device} x{world_size}, {len(prompts)} prompts "
+            f"({prompts.dropped_overlong} overlong dropped), {total} steps of "
+            f"{cfg.batch_size}x{cfg.n_samples}; run dir {out}")
+        eos = tuple(getattr(engine, "eos_token_ids", ()) or ())
+        sampling = SamplingConfig(
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+            max_tokens=cfg.max_new_tokens, stop_token_ids=eos)
+        run = Run(cfg=cfg, output_dir=out, model_path=model_path, tokenizer=tokenizer, rows=rows,
+                  prompts=prompts, sampler=sampler, sampling=sampling, scorer=scorer,
+                  backend=backend, engine=engine, logger=logger, world_size=world_size,
+                  total_steps=total)
+        yield run
+
+
+def backend_config(cfg: TrainConfig, model_path: str, world_size: int, device: str,
+                   total_steps: int) -> Any:
+    from areno.backend.config import BackendConfig
+    from areno.losses import LossConfig
+
+    low, high = cfg.loss_eps()
+    loss = LossConfig(algo=cfg.algo, clip_eps_low=low, clip_eps_high=high, kl_coef=cfg.kl_coef,
+                      kl_type=cfg.kl_type, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap)
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    return BackendConfig(
+        model_path=model_path, world_size=world_size, device=device, dtype=dtype,
+        strategy=cfg.strategy, lr=cfg.lr, weight_decay=cfg.weight_decay,
+        warmup_steps=cfg.warmup_steps,
+        total_steps=total_steps * cfg.mini_batches * cfg.ppo_epochs,
+        min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm or None,
+        grad_checkpointing=cfg.grad_checkpointing, ppo_epochs=cfg.ppo_epochs,
+        recompute_logprobs=cfg.recompute_logprobs, loss=loss, max_nan_steps=cfg.max_nan_steps,
+        seed=cfg.seed,
+    )
+
+
+def _default_world_size(device: str) -> int:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.device_count()
+    return 1
+
+
+def _engine_kwargs(cfg: TrainConfig, device: str, max_prompt_len: int) -> dict[str, Any]:
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    # At least 64: the weight-sync probe is scored as one prompt.
+    kw: dict[str, Any] = dict(dtype=dtype, seed=cfg.seed,
+                              max_model_len=max(max_prompt_len + cfg.max_new_tokens, 64))
+    if cfg.rollout_engine == "vllm":
+        kw["tensor_parallel_size"] = cfg.tensor_parallel_size
+        if device == "cuda":
+            kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            kw["enable_sleep_mode"] = True
+        else:
+            kw["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * (1 << 30))
+    else:
+        kw["device"] = device
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # vLLM logs several lines per weight push at INFO/WARNING; the step line is ours.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    return kw

@@ -1,0 +1,172 @@
+"""The training loop: rollout -> decode -> reward -> advantages -> pack ->
+backend.train -> weight sync -> log. `setup.py` builds what a step needs;
+this module is the loop itself, one call per phase."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Iterator
+
+import numpy as np
+
+from areno.advantages import group_advantages
+from areno.config import TrainConfig
+from areno.data import select
+from areno.pack import build_split_pack
+from areno.rewards import RewardRecord, RewardResult
+from areno.rollout.batch import (
+    FINISH_LENGTH,
+    FINISH_REASONS,
+    RolloutBatch,
+    decode_completions,
+    zero_variance_groups,
+)
+from areno.setup import Run, open_run
+from areno.stats import TRAIN_METRICS, StreamingStats
+
+
+class PhaseTimer:
+    """Wall time per phase of one step (seconds)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
+
+
+def run_training(cfg: TrainConfig) -> None:
+    """`areno train`: the whole run, from an opened Run to the final checkpoint."""
+    with open_run(cfg) as run:
+        for step in range(run.step + 1, run.total_steps + 1):
+            metrics = train_step(run, step)
+            run.step = step
+            run.logger.log(step, metrics)
+            run.maybe_save(step)
+        run.finish()
+
+
+def train_step(run: Run, step: int) -> dict[str, float]:
+    cfg, timer = run.cfg, PhaseTimer()
+    t_step = time.perf_counter()
+    with timer("rollout"):
+        prompt_idx = run.sampler.next_batch()
+        ids, offsets = select(run.prompts, prompt_idx)
+        sampling = replace(run.sampling, seed=cfg.seed * 1_000_003 + step)
+        batch = run.engine.generate(ids, offsets, cfg.n_samples, sampling)
+    with timer("decode"):
+        completions = decode_completions(run.tokenizer, batch)
+    with timer("reward"):
+        scored = run.scorer.score(reward_records(run, prompt_idx, batch, completions))
+    with timer("materialize"):
+        adv, keep, n_zero_var = advantages_and_keep(cfg, batch, scored)
+        split = build_split_pack(
+            batch, adv, world_size=run.world_size, max_tokens=cfg.max_tokens_per_micro,
+            num_minibatches=cfg.mini_batches, loss_agg=cfg.loss_agg,
+            norm_len=cfg.max_new_tokens, keep=keep,
+        )
+    with timer("train"):
+        run.engine.sleep()
+        opt_steps = run.backend.train(split) if split.pack.num_seqs else []
+        run.engine.wake_up()
+    with timer("weight_sync"):
+        if opt_steps:
+            named, probe = run.backend.export_weights()
+            run.engine.update_weights(named, probe)
+    run.lp_stats.update(batch.response_logprobs)
+    elapsed = time.perf_counter() - t_step
+    return step_metrics(run, batch, scored, split.pack.num_tokens, split.plan.imbalance,
+                        n_zero_var, opt_steps, timer.times, elapsed)
+
+
+def reward_records(run: Run, prompt_idx: np.ndarray, batch: RolloutBatch,
+                   completions: list[str]) -> list[RewardRecord]:
+    """One record per sample: O(N) Python, the only per-sample objects of the step."""
+    rows = run.rows
+    row_of_prompt = run.prompts.row_index[prompt_idx].tolist()
+    texts = run.prompts.texts
+    lengths = batch.response_lengths.tolist()
+    reasons = batch.finish_reason.tolist()
+    out = []
+    for i, (g, text) in enumerate(zip(batch.group_index.tolist(), completions)):
+        row = rows[row_of_prompt[g]]
+        out.append(RewardRecord(
+            prompt=texts[prompt_idx[g]], completion=text, answer=row.get("answer"),
+            solutions=row.get("solutions"), row=row, num_tokens=lengths[i],
+            finish_reason=FINISH_REASONS[reasons[i]], index=i,
+        ))
+    return out
+
+
+def advantages_and_keep(cfg: TrainConfig, batch: RolloutBatch, scored: RewardResult,
+                        ) -> tuple[np.ndarray, np.ndarray, int]:
+    """[N] float32 advantages (0 where not trained), [N] bool keep, and the number
+    of zero-variance groups. Skipped samples take no part in their group's baseline."""
+    valid = scored.valid
+    g = batch.group_index
+    adv = np.zeros(batch.num_responses, dtype=np.float32)
+    adv[valid] = group_advantages(scored.rewards[valid], g[valid], mode=cfg.adv_mode,
+                                  num_groups=batch.num_prompts)
+    zero_var = zero_variance_groups(scored.rewards[valid], g[valid], batch.num_prompts)
+    has_members = np.bincount(g[valid], minlength=batch.num_prompts) > 0
+    keep = valid.copy()
+    if cfg.filter_zero_variance_groups:
+        keep &= ~zero_var[g]
+    if cfg.mask_overlong:
+        keep &= batch.finish_reason != FINISH_LENGTH
+    return adv, keep, int((zero_var & has_members).sum())
+
+
+def _mean_over_opt_steps(opt_steps: list[dict[str, float]]) -> dict[str, float]:
+    if not opt_steps:
+        return {}
+    keys = opt_steps[0].keys()
+    out = {k: float(np.mean([s[k] for s in opt_steps])) for k in keys}
+    out["lr"] = opt_steps[-1]["lr"]  # the LR the run continues with
+    if "nan_skipped" in out:
+        out["nan_skipped"] = float(sum(s["nan_skipped"] for s in opt_steps))
+    return out
+
+
+def step_metrics(run: Run, batch: RolloutBatch, scored: RewardResult, pack_tokens: int,
+                 imbalance: float, n_zero_var: int, opt_steps: list[dict[str, float]],
+                 times: dict[str, float], elapsed: float) -> dict[str, float]:
+    """Every per-step metric (see README, "Metrics"), all finite floats."""
+    r = scored.rewards[scored.valid]
+    lengths = batch.response_lengths
+    step_lp = StreamingStats()
+    step_lp.update(batch.response_logprobs)
+    c = scored.counts
+    m: dict[str, float] = {
+        "reward/mean": float(r.mean()) if r.size else 0.0,
+        "reward/std": float(r.std()) if r.size else 0.0,
+        "reward/accuracy": float((r >= 1.0).mean()) if r.size else 0.0,
+        "reward/valid": float(scored.valid.sum()),
+        "reward/errors": float(c.errors), "reward/timeouts": float(c.timeouts),
+        "reward/nan": float(c.nan), "reward/worker_crashes": float(c.worker_crashes),
+        "reward/skipped": float(c.skipped), "reward/zeroed": float(c.zeroed),
+        "response/len_mean": float(lengths.mean()) if lengths.size else 0.0,
+        "response/len_max": float(lengths.max()) if lengths.size else 0.0,
+        "response/truncated_frac": float((batch.finish_reason == FINISH_LENGTH).mean()),
+        "rollout/logprob_mean": step_lp.mean if step_lp.count else 0.0,
+        "rollout/logprob_std": step_lp.std if step_lp.count > 1 else 0.0,
+        "batch/zero_var_groups": float(n_zero_var),
+        "batch/pack_tokens": float(pack_tokens),
+        "batch/rank_imbalance": float(imbalance),
+        "data/epoch": float(run.sampler.epoch),
+    }
+    train = _mean_over_opt_steps(opt_steps)
+    for key in TRAIN_METRICS:
+        m[f"train/{key}"] = float(train.get(key, 0.0))
+    for phase, t in times.items():
+        m[f"time/{phase}"] = t
+    m["time/step"] = elapsed
+    m["perf/tokens_per_s"] = float(lengths.sum()) / max(elapsed, 1e-9)
+    return m
