@@ -1,0 +1,202 @@
+"""Model side of a rank: load the HF model, wrap it (FSDP2 / DDP), and turn a
+packed micro-batch into per-token log-probs of its targets.
+
+Log-probs come from the last hidden states through `ChunkedLogProbs`: lm_head,
+fp32 log-softmax and the gather run over chunks of `chunk_size` positions, and
+backward recomputes each chunk's logits, so fp32 [positions, vocab] logits
+exist for at most one chunk at a time (in forward and in backward). Entropy
+comes out of the same chunks.
+
+`PolicyModule` wraps the HF model so that the whole computation is the forward
+of the module FSDP2 wraps last (the root): its pre-forward hook gathers
+embed_tokens / norm / lm_head, which an lm_head used outside the root forward
+would miss.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from areno.backend.config import BackendConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_attn_implementation(cfg: BackendConfig) -> str:
+    if cfg.attn_implementation != "auto":
+        return cfg.attn_implementation
+    if cfg.device == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def load_hf_model(path: str | os.PathLike, attn_implementation: str, device: torch.device) -> nn.Module:
+    """fp32 master weights on `device` (FSDP2 casts to the compute dtype per gather)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation=attn_implementation
+    )
+    model.config.use_cache = False
+    return model.to(device)
+
+
+# -- chunked log-probs -------------------------------------------------------
+class ChunkedLogProbs(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H], targets [N] int64) -> (logp [N], entropy [N]), fp32.
+
+        z = h W^T (fp32),  lse = logsumexp(z),  logp = z[target] - lse,
+        entropy = lse - sum_j p_j z_j,  p = softmax(z)
+
+    Backward per chunk, with g / e the incoming grads of logp / entropy:
+        dz = g (onehot - p) - e p (z - E_p[z]),   E_p[z] = lse - entropy
+    then dh = dz W, dW += dz^T h (accumulated in fp32).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size: int):  # type: ignore[override]
+        # Outputs are fresh [*targets.shape] tensors (not views: FSDP2 hooks the
+        # root module's outputs, and a view would lose its pre-backward hook).
+        dev = hidden.device
+        logp = torch.empty(targets.shape, dtype=torch.float32, device=dev)
+        ent = torch.empty(targets.shape, dtype=torch.float32, device=dev)
+        h_all, t_all = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+        lp_flat, ent_flat = logp.view(-1), ent.view(-1)
+        lse_all = torch.empty(t_all.shape[0], dtype=torch.float32, device=dev)
+        for a in range(0, t_all.shape[0], chunk_size):
+            b = min(a + chunk_size, t_all.shape[0])
+            z = F.linear(h_all[a:b], weight).float()
+            lse = torch.logsumexp(z, dim=-1)
+            p = torch.exp(z - lse[:, None])
+            lp_flat[a:b] = z.gather(1, t_all[a:b, None])[:, 0] - lse
+            ent_flat[a:b] = lse - (p * z).sum(-1)
+            lse_all[a:b] = lse
+        ctx.save_for_backward(hidden, weight, targets, lse_all, ent)
+        ctx.chunk_size = chunk_size
+        ctx.set_materialize_grads(False)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):  # type: ignore[override]
+        hidden, weight, targets, lse_all, ent = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if g_logp is None and g_ent is None:
+            return None, None, None, None
+        h_all, t_all, ent = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1), ent.reshape(-1)
+        g_logp = g_logp.reshape(-1).float() if g_logp is not None else None
+        g_ent = g_ent.reshape(-1).float() if g_ent is not None else None
+        n = t_all.shape[0]
+        grad_h = torch.empty_like(h_all) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for a in range(0, n, ctx.chunk_size):
+            b = min(a + ctx.chunk_size, n)
+            h = h_all[a:b]
+            z = F.linear(h, weight).float()
+            p = torch.exp(z - lse_all[a:b, None])
+            dz = torch.zeros_like(z)
+            if g_logp is not None:
+                dz.addcmul_(p, -g_logp[a:b, None])
+                dz.scatter_add_(1, t_all[a:b, None], g_logp[a:b, None])
+            if g_ent is not None:
+                mean_z = (lse_all[a:b] - ent[a:b])[:, None]
+                dz.sub_(g_ent[a:b, None] * p * (z - mean_z))
+            dz = dz.to(weight.dtype)
+            if need_h:
+                grad_h[a:b] = (dz @ weight).to(hidden.dtype)
+            if need_w:
+                grad_w.add_(dz.t() @ h.to(weight.dtype))
+        if grad_h is not None:
+            grad_h = grad_h.view(hidden.shape)
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [..., H], weight [V, H], targets [...] -> (logp, entropy), targets' shape, fp32."""
+    return ChunkedLogProbs.apply(hidden, weight, targets.long(), int(chunk_size))
+
+
+# -- the module that FSDP2 / DDP wrap ------------------------------------------
+class PolicyModule(nn.Module):
+    """forward(input_ids [B, T], position_ids [B, T], targets [B, T],
+    attention_mask [B, T] | None) -> (logp [B, T], entropy [B, T]) fp32.
+
+    Packed layout: B = 1 and attention_mask None; transformers detects the
+    position_ids restarts and keeps attention inside each sequence. Padded
+    layout: attention_mask marks real positions.
+    """
+
+    def __init__(self, hf: nn.Module, chunk_size: int) -> None:
+        super().__init__()
+        self.hf = hf
+        self.chunk_size = chunk_size
+
+    def forward(self, input_ids, position_ids, targets, attention_mask=None):
+        out = self.hf.model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+        )
+        return chunked_logprobs(out.last_hidden_state, self.hf.lm_head.weight, targets, self.chunk_size)
+
+
+@dataclass
+class Wrapped:
+    """root: what forward/backward are called on; policy: the unwrapped PolicyModule."""
+
+    root: nn.Module
+    policy: PolicyModule
+    strategy: str
+
+
+def wrap_policy(
+    policy: PolicyModule,
+    cfg: BackendConfig,
+    device: torch.device,
+    *,
+    trainable: bool = True,
+) -> Wrapped:
+    """FSDP2 (fully_shard per decoder layer, then the root) or DDP around `policy`."""
+    strategy = cfg.resolved_strategy
+    world = torch.distributed.get_world_size()
+    if trainable and cfg.grad_checkpointing:
+        policy.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if strategy == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (world,))
+        mp = None
+        if cfg.dtype != "float32":
+            mp = MixedPrecisionPolicy(param_dtype=_DTYPES[cfg.dtype], reduce_dtype=torch.float32)
+        kw = {"mesh": mesh} | ({"mp_policy": mp} if mp is not None else {})
+        for layer in policy.hf.model.layers:
+            fully_shard(layer, **kw)
+        fully_shard(policy, **kw)
+        return Wrapped(policy, policy, "fsdp2")
+    if not trainable:
+        return Wrapped(policy, policy, "ddp")
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(policy, device_ids=[device.index] if device.type == "cuda" else None)
+    return Wrapped(ddp, policy, "ddp")
+
+
+def autocast_ctx(cfg: BackendConfig, strategy: str):
+    """DDP has no mixed-precision policy: bf16 compute goes through autocast."""
+    if cfg.dtype != "float32" and strategy == "ddp":
+        return torch.autocast(device_type=cfg.device, dtype=_DTYPES[cfg.dtype])
+    import contextlib
+
+    return contextlib.nullcontext()

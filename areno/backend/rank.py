@@ -1,0 +1,163 @@
+"""The rank process: one per GPU (or gloo CPU process), driven by the controller.
+
+Two ways in, one loop:
+  * spawn (one node): `TorchBackend` starts `spawn_main` in N processes with a
+    duplex pipe each; MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE come in `env`.
+  * torchrun (multi-node): `python -m areno.backend.rank --connect HOST:PORT`
+    under torchrun reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from
+    the environment and dials the controller (authkey from ARENO_BACKEND_AUTHKEY).
+
+Messages from the controller are small tuples (command, kwargs); replies are
+("ok", result) or ("err", rank, message, traceback). Step data never travels
+in them: a train command carries a `RankHandoff` naming the shared-memory
+region to map (or, for a rank on another host, one raw bytes message follows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Client, Connection
+
+from areno.backend.config import BackendConfig
+
+
+# -- process hygiene ---------------------------------------------------------
+def _die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
+    """Exit if the controller goes away: PR_SET_PDEATHSIG (immediate; only safe
+    when the controller spawned us from its main thread) and a watchdog thread
+    polling the parent pid (covers everything else, within 0.5 s)."""
+    if use_pdeathsig and sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        except OSError:
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(3)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                os._exit(3)
+
+    threading.Thread(target=watch, name="areno-parent-watch", daemon=True).start()
+
+
+def _quiet() -> None:
+    # Ctrl-C reaches the whole process group; the controller owns shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+# -- entry points --------------------------------------------------------------
+def spawn_main(cfg: BackendConfig, conn: Connection, env: dict[str, str], parent_pid: int,
+               use_pdeathsig: bool) -> None:
+    """Target of the controller's spawn processes."""
+    _die_with_parent(parent_pid, use_pdeathsig)
+    _quiet()
+    os.environ.update(env)
+    serve(cfg, conn, same_host=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun entry point: dial the controller, then serve."""
+    ap = argparse.ArgumentParser(prog="python -m areno.backend.rank")
+    ap.add_argument("--connect", required=True, help="HOST:PORT the controller listens on")
+    args = ap.parse_args(argv)
+    host, _, port = args.connect.rpartition(":")
+    key = os.environ.get("ARENO_BACKEND_AUTHKEY")
+    if not key:
+        print("areno rank: ARENO_BACKEND_AUTHKEY is not set (the controller prints it)", file=sys.stderr)
+        return 2
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            print(f"areno rank: {var} is not set; run under torchrun", file=sys.stderr)
+            return 2
+    _quiet()
+    conn = _dial(host, int(port), bytes.fromhex(key))
+    conn.send(("hello", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), socket.gethostname()))
+    cfg, marker = conn.recv()
+    serve(cfg, conn, same_host=_sees_segment(marker))
+    return 0
+
+
+def _dial(host: str, port: int, key: bytes, timeout_s: float = 300.0) -> Connection:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return Client((host, port), authkey=key)
+        except (ConnectionRefusedError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _sees_segment(marker: tuple[str, bytes]) -> bool:
+    """Same host as the controller iff its marker segment is readable here."""
+    name, token = marker
+    try:
+        with open(os.path.join("/dev/shm", name), "rb") as f:
+            return f.read(len(token)) == token
+    except OSError:
+        return False
+
+
+def serve(cfg: BackendConfig, conn: Connection, *, same_host: bool) -> None:
+    """Build the worker, report ready, then run commands until shutdown or EOF."""
+    rank = int(os.environ["RANK"])
+    try:
+        from areno.backend.worker import RankWorker
+
+        worker = RankWorker(cfg, same_host=same_host)
+        conn.send(("ok", worker.hello()))
+    except BaseException as e:  # noqa: BLE001 - reported, then exit
+        _reply_error(conn, rank, e)
+        return
+    while True:
+        try:
+            cmd, kwargs = conn.recv()
+        except (EOFError, OSError):  # controller gone
+            os._exit(4)
+        if cmd == "shutdown":
+            worker.close()
+            conn.send(("ok", None))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)  # nothing left to clean up; skip the slow interpreter teardown
+        try:
+            if kwargs.pop("payload", False):
+                buf = bytearray(kwargs["handoff"].nbytes)
+                conn.recv_bytes_into(buf)
+                kwargs["payload"] = buf
+            result = getattr(worker, f"cmd_{cmd}")(**kwargs)
+            conn.send(("ok", result))
+        except BaseException as e:  # noqa: BLE001
+            _reply_error(conn, rank, e)
+
+
+def _reply_error(conn: Connection, rank: int, e: BaseException) -> None:
+    try:
+        conn.send(("err", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+    except (OSError, EOFError):
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""One rank's share of `TorchBackend.train`: epochs x mini-batches x micro-batches.
+
+Every metric of an optimizer step stays on the device until the end of the
+step, where the rank all-reduces one stacked vector of sums and one of maxima
+and reads both back with ONE device-to-host copy (`Tensor.tolist` on the
+concatenation). That readback happens after gradient clipping and before
+`optimizer.step()`, so the host sees the grad norm and the loss and decides
+there whether to step or to skip a non-finite update: no second sync. All
+ranks read the same reduced values, so they all decide the same way.
+
+The loss of each micro-batch is the weighted SUM from `losses.compute_loss`
+(weights normalised over the whole mini-batch); DDP and FSDP average gradients
+over R ranks, so each rank backpropagates R * loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from areno.backend.config import BackendConfig
+from areno.backend.handoff import LocalPack
+from areno.backend.model import Wrapped, autocast_ctx
+from areno.losses import MAX_METRICS, LossInputs, compute_loss
+from areno.pack import TrainPack
+from areno.stats import finalize_loss_metrics
+
+LOSS_SUM_KEYS: tuple[str, ...] = (
+    "loss", "loss_tokens", "clip_frac", "ratio_mean", "ratio_sq", "logprob_diff", "kl", "entropy",
+    "tis_weight",
+)
+SUM_KEYS: tuple[str, ...] = LOSS_SUM_KEYS + ("num_tokens", "num_seqs")
+# grad_norm and lr are the same on every rank; max keeps them as they are.
+MAX_KEYS: tuple[str, ...] = tuple(MAX_METRICS) + ("grad_norm", "lr")
+
+
+class NonFiniteStepsError(RuntimeError):
+    """max_nan_steps optimizer steps in a row had a non-finite loss or grad norm."""
+
+
+@dataclass
+class Micro:
+    """One micro-batch on the device. Packed: [1, L] inputs; [L] per-token tensors."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    seq_index: torch.Tensor
+    seq_weights: torch.Tensor
+    num_tokens: int
+    num_seqs: int
+
+
+def to_device(tp: TrainPack, device: torch.device) -> Micro:
+    """Views of shared memory -> device tensors. An empty micro-batch becomes a
+    1-token dummy with zero weight, so every rank runs the same number of
+    forward/backward passes (collectives line up) and it adds exactly 0."""
+    nb = device.type == "cuda"
+    if tp.num_tokens == 0:
+        z = torch.zeros(1, dtype=torch.long, device=device)
+        return Micro(
+            input_ids=z[None], position_ids=z[None], targets=z,
+            loss_mask=torch.zeros(1, dtype=torch.bool, device=device),
+            rollout_logprobs=torch.zeros(1, device=device), advantages=torch.zeros(1, device=device),
+            seq_index=z, seq_weights=torch.zeros(1, device=device), num_tokens=0, num_seqs=0,
+        )
+    return Micro(
+        input_ids=tp.input_ids.to(device, torch.long, non_blocking=nb)[None],
+        position_ids=tp.position_ids.to(device, torch.long, non_blocking=nb)[None],
+        targets=tp.targets.to(device, torch.long, non_blocking=nb),
+        loss_mask=tp.loss_mask.to(device, non_blocking=nb),
+        rollout_logprobs=tp.old_logprobs.to(device, non_blocking=nb),
+        advantages=tp.advantages.to(device, non_blocking=nb),
+        seq_index=tp.local_seq_index().to(device, torch.long, non_blocking=nb),
+        seq_weights=tp.seq_weights.to(device, non_blocking=nb),
+        num_tokens=tp.num_tokens,
+        num_seqs=tp.num_seqs,
+    )
+
+
+def forward_logprobs(w: Wrapped, cfg: BackendConfig, mb: Micro) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp [L], entropy [L]) fp32 of a packed micro-batch (through the wrapped root)."""
+    with autocast_ctx(cfg, w.strategy):
+        lp, ent = w.root(mb.input_ids, mb.position_ids, mb.targets[None])
+    return lp[0], ent[0]
+
+
+@torch.no_grad()
+def no_grad_logprobs(w: Wrapped, cfg: BackendConfig, micros: list[list[Micro]]) -> list[list[torch.Tensor]]:
+    """Log-probs of every micro-batch under the current weights (old / reference)."""
+    return [[forward_logprobs(w, cfg, mb)[0] for mb in row] for row in micros]
+
+
+class RankTrainer:
+    """Optimizer, schedule and the NaN streak of one rank; `train` runs one call."""
+
+    def __init__(self, cfg: BackendConfig, w: Wrapped, device: torch.device, ref: Wrapped | None) -> None:
+        self.cfg, self.w, self.device, self.ref = cfg, w, device, ref
+        self.world = dist.get_world_size()
+        params = [p for p in w.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+            # fused keeps the step counter on the device: no per-parameter .item()
+            fused=True,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.params = params
+        self.step = 0          # optimizer steps taken
+        self.nan_streak = 0    # consecutive skipped steps
+
+    def train(self, local: LocalPack) -> list[dict[str, float]]:
+        cfg, K, M = self.cfg, local.num_minibatches, local.num_micro
+        micros = [[to_device(local.micro(k, m), self.device) for m in range(M)] for k in range(K)]
+        old = no_grad_logprobs(self.w, cfg, micros) if cfg.recompute_logprobs else None
+        ref = no_grad_logprobs(self.ref, cfg, micros) if self.ref is not None else None
+        results = []
+        for epoch in range(cfg.ppo_epochs):
+            for k in range(K):
+                t0 = time.perf_counter()
+                out = self._optimizer_step(
+                    micros[k], old[k] if old else None, ref[k] if ref else None
+                )
+                out.update(epoch=float(epoch), minibatch=float(k), step_time_s=time.perf_counter() - t0)
+                results.append(out)
+        return results
+
+    def _optimizer_step(self, micros: list[Micro], old, ref) -> dict[str, float]:
+        cfg, dev = self.cfg, self.device
+        sums = {k: torch.zeros((), device=dev) for k in SUM_KEYS}
+        maxes = {k: torch.zeros((), device=dev) for k in MAX_METRICS}
+        self.optimizer.zero_grad(set_to_none=True)
+        for m, mb in enumerate(micros):
+            with self._grad_sync(last=m == len(micros) - 1):
+                lp, ent = forward_logprobs(self.w, cfg, mb)
+                inp = LossInputs(
+                    logprobs=lp,
+                    old_logprobs=old[m] if old is not None else mb.rollout_logprobs,
+                    advantages=mb.advantages, loss_mask=mb.loss_mask, seq_weights=mb.seq_weights,
+                    seq_index=mb.seq_index,
+                    rollout_logprobs=mb.rollout_logprobs if old is not None else None,
+                    ref_logprobs=ref[m] if ref is not None else None,
+                    entropy=ent,
+                )
+                res = compute_loss(inp, cfg.loss)
+                (res.loss * self.world).backward()
+            for k in LOSS_SUM_KEYS:
+                sums[k] += res.metrics[k]
+            for k in MAX_METRICS:
+                maxes[k] = torch.maximum(maxes[k], res.metrics[k])
+            sums["num_tokens"] += mb.num_tokens
+            sums["num_seqs"] += mb.num_seqs
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+        if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
+            norm = norm.full_tensor()
+        maxes["grad_norm"] = norm.to(torch.float32)
+        maxes["lr"] = torch.full((), self.optimizer.param_groups[0]["lr"], device=dev)
+        values = self._reduce_and_read(sums, maxes)
+        return self._apply(values)
+
+    def _reduce_and_read(self, sums: dict, maxes: dict) -> dict[str, float]:
+        s = torch.stack([sums[k] for k in SUM_KEYS])
+        x = torch.stack([maxes[k] for k in MAX_KEYS])
+        if self.world > 1:
+            dist.all_reduce(s, op=dist.ReduceOp.SUM)
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        host = torch.cat([s, x]).tolist()  # THE one device-to-host copy of the step
+        return dict(zip(SUM_KEYS + MAX_KEYS, host))
+
+    def _apply(self, v: dict[str, float]) -> dict[str, float]:
+        finite = math.isfinite(v["loss"]) and math.isfinite(v["grad_norm"])
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            self.nan_streak = 0
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nan_streak += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        out = finalize_loss_metrics({k: v[k] for k in LOSS_SUM_KEYS + tuple(MAX_METRICS)})
+        out.update(
+            grad_norm=v["grad_norm"], lr=v["lr"], num_tokens=v["num_tokens"], num_seqs=v["num_seqs"],
+            nan_skipped=0.0 if finite else 1.0, step=float(self.step),
+        )
+        if self.nan_streak >= self.cfg.max_nan_steps:
+            raise NonFiniteStepsError(
+                f"{self.nan_streak} optimizer steps in a row had a non-finite loss or grad norm "
+                f"(last: loss={v['loss']}, grad_norm={v['grad_norm']}); stopping "
+                f"(max_nan_steps={self.cfg.max_nan_steps}). Lower the learning rate or check the "
+                "rewards/advantages for NaN."
+            )
+        return out
+
+    def _grad_sync(self, last: bool):
+        """Reduce gradients only after the last micro-batch of a mini-batch."""
+        root = self.w.root
+        if self.w.strategy == "fsdp2":
+            root.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        if self.world > 1 and not last:
+            return root.no_sync()
+        return contextlib.nullcontext()
+
+    # -- resume ------------------------------------------------------------
+    def state(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict(), "step": self.step, "nan_streak": self.nan_streak}
+
+    def load(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self.nan_streak = int(state["nan_streak"])
+
+
+def lr_lambda(cfg: BackendConfig):
+    """Linear warmup over warmup_steps, then cosine from 1 to min_lr_ratio at total_steps."""
+    warm, total, floor = cfg.warmup_steps, cfg.total_steps, cfg.min_lr_ratio
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        if total is None or total <= warm:
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, total - warm))
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f

@@ -1,0 +1,154 @@
+"""Full weights out of the (sharded) policy: for the rollout engine and for checkpoints.
+
+`iter_full_state` walks the HF model's state_dict in a fixed order and gathers
+one tensor at a time (FSDP2: `DTensor.full_tensor()`, a collective every rank
+joins), so at most one full tensor exists beyond the shards. Names are the HF
+model's own state_dict keys (no `module.` / `_orig_mod.` / wrapper prefix), so
+vLLM's `load_weights` and `from_pretrained` take them; `lm_head.weight` is
+always there (for tied embeddings it is the embedding matrix again).
+
+Export: the controller owns a shared-memory segment laid out by
+`WeightLayout`; rank 0 copies each gathered tensor into its slot, then builds
+the weight-sync `Probe` with an fp32 CPU forward over exactly those bytes
+(a meta-device skeleton loaded with `assign=True`, no copy), so the probe
+checks what the engine will load, not the training model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+_ALIGN = 64
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# Tokenizer / generation files copied next to saved weights so the directory loads alone.
+_AUX_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "generation_config.json", "areno_tiny.json",
+)
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape)) if self.shape else 1
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    entries: tuple[WeightEntry, ...]
+    nbytes: int
+
+    @staticmethod
+    def build(meta: list[tuple[str, str, tuple[int, ...]]]) -> "WeightLayout":
+        entries, off = [], 0
+        for name, dtype, shape in meta:
+            entries.append(WeightEntry(name, dtype, tuple(shape), off))
+            n = int(np.prod(shape)) if shape else 1
+            off += -(-n * _DTYPES[dtype].itemsize // _ALIGN) * _ALIGN
+        return WeightLayout(tuple(entries), off)
+
+    def views(self, buf) -> Iterator[tuple[str, torch.Tensor]]:
+        """Zero-copy (name, tensor) views of a buffer written with this layout."""
+        for e in self.entries:
+            t = torch.frombuffer(buf, dtype=_DTYPES[e.dtype], count=e.numel, offset=e.offset)
+            yield e.name, t.view(e.shape)
+
+
+def _tensor_table(hf: nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict key -> the live parameter/buffer (a DTensor under FSDP2), in
+    state_dict order, plus lm_head.weight (the tied embedding when tied)."""
+    live = dict(hf.named_parameters(remove_duplicate=False)) | dict(hf.named_buffers(remove_duplicate=False))
+    table = {name: live[name] for name in hf.state_dict().keys()}
+    if "lm_head.weight" not in table:
+        table["lm_head.weight"] = hf.get_output_embeddings().weight
+    return table
+
+
+def hf_state_names(hf: nn.Module) -> list[str]:
+    """The HF model's state_dict keys, with lm_head.weight guaranteed."""
+    return list(_tensor_table(hf))
+
+
+def state_meta(hf: nn.Module, export_dtype: str | None) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, global shape) per exported tensor, in export order."""
+    out = []
+    for name, t in _tensor_table(hf).items():
+        dt = export_dtype or str(t.dtype).removeprefix("torch.")
+        out.append((name, dt if dt in _DTYPES else "float32", tuple(t.shape)))
+    return out
+
+
+def iter_full_state(hf: nn.Module, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor on the param's device), one at a time. Every rank must
+    iterate to the end (FSDP2 gathers are collectives)."""
+    table = _tensor_table(hf)
+    with torch.no_grad():
+        for name in names:
+            t = table[name].detach()
+            if hasattr(t, "full_tensor"):
+                t = t.full_tensor()
+            yield name, t
+
+
+def write_export(hf: nn.Module, layout: WeightLayout, buf, *, is_writer: bool) -> None:
+    """Gather every tensor; rank 0 (`is_writer`) copies it into its slot of `buf`."""
+    entries = {e.name: e for e in layout.entries}
+    for name, full in iter_full_state(hf, [e.name for e in layout.entries]):
+        if is_writer:
+            e = entries[name]
+            dst = torch.frombuffer(buf, dtype=_DTYPES[e.dtype], count=e.numel, offset=e.offset)
+            dst.copy_(full.reshape(-1))
+        del full
+
+
+def cpu_skeleton(hf_config, named: Iterator[tuple[str, torch.Tensor]]) -> nn.Module:
+    """An fp32 CPU HF model whose tensors ARE the given ones (assign, no copy)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    sd = {n: (t if t.dtype == torch.float32 else t.float()) for n, t in named}
+    model.load_state_dict(sd, strict=False, assign=True)
+    # Non-persistent buffers (rotary inv_freq) are not in any state_dict and were
+    # built on meta: rebuild their modules on CPU (HF rotary modules take config).
+    for mname, mod in list(model.named_modules()):
+        if any(b.is_meta for b in mod.buffers(recurse=False)):
+            fresh = type(mod)(mod.config)
+            for bname, b in fresh.named_buffers(recurse=False):
+                mod.register_buffer(bname, b, persistent=bname not in mod._non_persistent_buffers_set)
+    missing = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if missing:
+        raise RuntimeError(f"weights missing for {missing[:5]}")
+    return model.eval()
+
+
+def probe_ids(vocab_size: int, length: int = 16, seed: int = 1234) -> np.ndarray:
+    """The fixed probe token sequence: [length] int32 ids spread over the vocabulary."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab_size, length).astype(np.int32)
+
+
+def save_hf_dir(hf_config, named: Iterator[tuple[str, torch.Tensor]], out_dir: Path, src_dir: Path) -> None:
+    """Write an HF directory (safetensors + config + tokenizer files) into out_dir."""
+    model = cpu_skeleton(hf_config, named)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for f in _AUX_FILES:
+        if (src_dir / f).is_file() and not (out_dir / f).exists():
+            shutil.copy2(src_dir / f, out_dir / f)
+    (out_dir / "areno_export.json").write_text(json.dumps({"source": str(src_dir)}) + "\n")

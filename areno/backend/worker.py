@@ -1,0 +1,173 @@
+"""RankWorker: what one rank holds (process group, wrapped policy, optimizer)
+and the commands the controller sends it (`cmd_*`)."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from areno.backend.config import BackendConfig
+from areno.backend.handoff import LocalPack, RankHandoff, map_region
+from areno.backend.model import PolicyModule, load_hf_model, resolve_attn_implementation, wrap_policy
+from areno.backend.step import RankTrainer
+from areno.backend.weights import (
+    WeightLayout,
+    cpu_skeleton,
+    hf_state_names,
+    iter_full_state,
+    save_hf_dir,
+    state_meta,
+    write_export,
+)
+
+
+class RankWorker:
+    """Built once per rank; reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* from the env."""
+
+    def __init__(self, cfg: BackendConfig, *, same_host: bool = True) -> None:
+        self.cfg = cfg
+        self.rank = int(os.environ["RANK"])
+        self.world = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.same_host = same_host
+        if cfg.device == "cuda":
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+            torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
+        if not dist.is_initialized():
+            dist.init_process_group(
+                cfg.dist_backend, rank=self.rank, world_size=self.world,
+                timeout=timedelta(seconds=cfg.collective_timeout_s),
+            )
+        torch.manual_seed(cfg.seed)
+        attn = resolve_attn_implementation(cfg)
+        hf = load_hf_model(cfg.model_path, attn, self.device)
+        self.hf_config = hf.config
+        self.vocab_size = int(hf.config.get_text_config().vocab_size)
+        self.export_names = hf_state_names(hf)
+        self.export_meta = state_meta(hf, cfg.export_dtype)
+        self.hf = hf
+        self.wrapped = wrap_policy(PolicyModule(hf, cfg.logprob_chunk_size), cfg, self.device)
+        ref = None
+        if cfg.needs_ref_model:
+            ref_hf = load_hf_model(cfg.ref_model_path or cfg.model_path, attn, self.device)
+            ref_hf.requires_grad_(False)
+            ref = wrap_policy(PolicyModule(ref_hf, cfg.logprob_chunk_size), cfg, self.device, trainable=False)
+        self.trainer = RankTrainer(cfg, self.wrapped, self.device, ref)
+
+    def hello(self) -> dict:
+        return {
+            "rank": self.rank, "pid": os.getpid(), "host": os.uname().nodename, "same_host": self.same_host,
+            "vocab_size": self.vocab_size, "weights": self.export_meta if self.rank == 0 else None,
+            "strategy": self.wrapped.strategy,
+        }
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- commands ------------------------------------------------------------
+    def cmd_train(self, handoff: RankHandoff, payload: bytearray | None = None) -> dict:
+        t0 = time.perf_counter()
+        local = LocalPack(handoff, payload)
+        t1 = time.perf_counter()
+        steps = self.trainer.train(local)
+        return {"steps": steps, "map_s": t1 - t0, "train_s": time.perf_counter() - t1}
+
+    def cmd_export(self, segment: str | None, layout: WeightLayout, probe_ids: np.ndarray,
+                   probe_tolerance: float) -> dict | None:
+        """Gather full weights (all ranks); rank 0 writes them and builds the probe."""
+        from areno.rollout.probe import Probe, probe_logprobs
+
+        writer = self.rank == 0
+        if not writer:
+            write_export(self.hf, layout, None, is_writer=False)
+            return None
+        buf = map_region(segment, 0, layout.nbytes, writable=True) if segment else bytearray(layout.nbytes)
+        t0 = time.perf_counter()
+        write_export(self.hf, layout, buf, is_writer=True)
+        t1 = time.perf_counter()
+        skeleton = cpu_skeleton(self.hf_config, layout.views(buf))
+        probe = Probe(probe_ids, probe_logprobs(skeleton, probe_ids), probe_tolerance)
+        del skeleton
+        out = {"probe": probe, "gather_s": t1 - t0, "probe_s": time.perf_counter() - t1}
+        if segment is None:
+            out["payload"] = bytes(buf)  # controller on another host (rare; torchrun)
+        return out
+
+    def cmd_save_pretrained(self, path: str) -> None:
+        full = iter_full_state(self.hf, self.export_names)
+        if self.rank == 0:
+            cpu = ((n, t.to("cpu", copy=True)) for n, t in full)
+            save_hf_dir(self.hf_config, cpu, Path(path), Path(self.cfg.model_path))
+        else:
+            for _ in full:
+                pass
+        dist.barrier()
+
+    def cmd_save_state(self, path: str) -> None:
+        """Optimizer (sharded, torch.distributed.checkpoint), schedule/step, per-rank RNG."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        osd = get_optimizer_state_dict(self.wrapped.root, self.trainer.optimizer)
+        dcp.save({"optim": osd}, checkpoint_id=os.path.join(path, "optim"))
+        if self.rank == 0:
+            torch.save(self.trainer.state() | {"world_size": self.world}, os.path.join(path, "trainer.pt"))
+        torch.save(_rng_state(self.device), os.path.join(path, f"rng_rank{self.rank}.pt"))
+        dist.barrier()
+
+    def cmd_load_state(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        osd = get_optimizer_state_dict(self.wrapped.root, self.trainer.optimizer)
+        state = {"optim": osd}
+        dcp.load(state, checkpoint_id=os.path.join(path, "optim"))
+        set_optimizer_state_dict(self.wrapped.root, self.trainer.optimizer, state["optim"])
+        self.trainer.load(torch.load(os.path.join(path, "trainer.pt"), weights_only=False))
+        rng = os.path.join(path, f"rng_rank{self.rank}.pt")
+        if os.path.exists(rng):  # absent when resuming on more ranks than were saved
+            _set_rng_state(torch.load(rng, weights_only=False), self.device)
+        dist.barrier()
+
+    def cmd_full_state(self) -> dict | None:
+        """Every exported tensor, gathered to CPU (tests and debugging; pickled)."""
+        out = {n: t.to("cpu", copy=True) for n, t in iter_full_state(self.hf, self.export_names)}
+        return out if self.rank == 0 else None
+
+    def cmd_debug(self, action: str, seconds: float = 0.0) -> None:
+        """Test hooks: 'sleep' (a long command), 'raise' (a failing one), 'barrier'."""
+        if action == "sleep":
+            time.sleep(seconds)
+        elif action == "raise":
+            raise RuntimeError(f"debug failure requested on rank {self.rank}")
+        elif action == "barrier":
+            dist.barrier()
+
+
+def _rng_state(device: torch.device) -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+
+
+def _set_rng_state(s: dict, device: torch.device) -> None:
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(s["cuda"], device)
+    np.random.set_state(s["numpy"])
+    random.setstate(s["python"])

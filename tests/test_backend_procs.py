@@ -1,0 +1,145 @@
+"""TorchBackend end to end with real rank processes (gloo on CPU, tiny model).
+
+Equivalence (1 rank == 2 ranks, FSDP2 == DDP), learning, weight export into a
+real engine, checkpoint/resume. Failure paths are in test_backend_failures.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+import torch
+
+from areno.backend import BackendConfig, TorchBackend
+from areno.backend.handoff import list_segments
+from test_backend_units import make_split
+
+pytestmark = pytest.mark.slow
+LR = 1e-3
+
+
+def rank_children() -> list[psutil.Process]:
+    """Our live child processes, minus multiprocessing's resource tracker (a
+    per-interpreter singleton, not a rank)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def assert_clean() -> None:
+    assert rank_children() == []
+    assert list_segments(os.getpid()) == []
+
+
+def config(path, world_size: int, **kw) -> BackendConfig:
+    return BackendConfig(model_path=str(path), world_size=world_size, lr=LR, seed=0, **kw)
+
+
+def assert_states_close(a: dict, b: dict, atol: float = 2e-5) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=1e-4, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.fixture(scope="module")
+def first_step(tiny_chat_path):
+    """Two FSDP2 backends (1 and 2 ranks) after one train call on the same
+    rollout batch; yields (be1, be2, state1, state2, metrics1, metrics2)."""
+    be1 = TorchBackend(config(tiny_chat_path, 1))
+    be2 = TorchBackend(config(tiny_chat_path, 2))
+    try:
+        m1 = be1.train(make_split(1))
+        m2 = be2.train(make_split(2))
+        yield be1, be2, be1.full_state_dict(), be2.full_state_dict(), m1, m2
+    finally:
+        be1.close()
+        be2.close()
+    assert_clean()
+
+
+def test_one_rank_and_two_ranks_make_the_same_update(first_step, tiny_chat_model) -> None:
+    _, _, s1, s2, m1, m2 = first_step
+    assert_states_close(s1, s2)
+    start = tiny_chat_model.state_dict()
+    assert any(not torch.equal(s1[k], start[k]) for k in start), "weights did not move"
+    for a, b in zip(m1, m2):
+        for k in ("loss", "grad_norm", "clip_frac", "num_tokens", "loss_tokens", "entropy", "lr"):
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    assert [m["step"] for m in m2] == [1.0, 2.0]
+
+
+def test_a_few_steps_on_a_fixed_pack_lower_the_loss(first_step) -> None:
+    _, be2, *_ , m2 = first_step
+    split = make_split(2)
+    losses = [m2[0]["loss"]]
+    for _ in range(4):
+        losses.append(be2.train(split)[0]["loss"])
+    assert losses[-1] < losses[0] - 0.01, losses
+    assert be2.step == 10
+    assert be2.last_timings["handoff_write_s"] < 0.5
+
+
+def test_export_weights_hf_names_values_and_probe_load_into_engine(first_step, tiny_chat_path, tiny_chat_model) -> None:
+    from areno.rollout.hf import HFEngine
+    from areno.rollout.probe import probe_logprobs
+
+    _, be2, *_ = first_step
+    named, probe = be2.export_weights()
+    named = list(named)
+    names = [n for n, _ in named]
+    assert set(names) == set(tiny_chat_model.state_dict().keys()) | {"lm_head.weight"}
+    assert "lm_head.weight" in names and not any(n.startswith(("module.", "_orig_mod.", "hf.")) for n in names)
+    full = be2.full_state_dict()
+    for n, t in named:
+        assert torch.equal(t, full[n]), n
+    engine = HFEngine(tiny_chat_path, dtype="float32", device="cpu")
+    engine.update_weights(named, probe)  # strict names + probe check
+    np_lp = probe_logprobs(engine.model, probe.token_ids)
+    assert abs(np_lp - probe.expected_logprobs).max() < 1e-4
+
+
+def test_save_pretrained_and_resume_on_another_world_size(first_step, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, be2, *_ = first_step
+    model_dir = be2.save_pretrained(tmp_path / "model")
+    state_dir = be2.save_state(tmp_path / "state")
+    assert not any(p.name.startswith(".") for p in tmp_path.iterdir()), "temp dir left behind"
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    assert_states_close(loaded, {k: v for k, v in be2.full_state_dict().items() if k in loaded}, atol=0)
+    AutoTokenizer.from_pretrained(model_dir)
+    split2, split1 = make_split(2, seed=7), make_split(1, seed=7)
+    want = be2.train(split2)
+    with TorchBackend(config(model_dir, 1)) as resumed:  # optimizer state resharded 2 -> 1
+        resumed.load_state(state_dir)
+        assert resumed.step == be2.step - len(want)
+        got = resumed.train(split1)
+        assert [m["step"] for m in got] == [m["step"] for m in want]
+        for a, b in zip(got, want):
+            for k in ("loss", "grad_norm", "lr"):
+                assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+        assert_states_close(resumed.full_state_dict(), be2.full_state_dict())
+
+
+def test_ddp_strategy_matches_fsdp2(first_step, tiny_chat_path) -> None:
+    *_, s2, _, m2 = first_step
+    with TorchBackend(config(tiny_chat_path, 2, strategy="ddp")) as be:
+        assert be.strategy == "ddp"
+        m = be.train(make_split(2))
+        assert_states_close(be.full_state_dict(), s2)
+    assert [x["loss"] for x in m] == pytest.approx([x["loss"] for x in m2], rel=1e-4)
+
+
+def test_controller_rejects_token_ids_outside_the_vocabulary(first_step) -> None:
+    be1, *_ = first_step
+    split = make_split(1)
+    split.pack.input_ids[3] = be1.vocab_size + 5
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        be1.train(split)

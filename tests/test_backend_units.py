@@ -1,0 +1,235 @@
+"""Backend pieces that run in the test process: chunked log-probs, packed
+attention, the shared-memory hand-off, the LR schedule, and one rank's train
+step (sync count, NaN handling) with a world-size-1 gloo group."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from areno.backend.config import BackendConfig
+from areno.backend.controller import free_port
+from areno.backend.handoff import LocalPack, PackWriter, list_segments
+from areno.backend.model import PolicyModule, chunked_logprobs
+from areno.backend.step import NonFiniteStepsError, lr_lambda
+from areno.losses import LossConfig
+from areno.pack import build_split_pack, build_train_pack
+from helpers import random_batch
+
+VOCAB = 300  # < the tiny chat model's vocabulary
+
+
+def make_split(world_size: int, seed: int = 1, num_minibatches: int = 2, max_tokens: int = 64,
+               nan_adv: bool = False):
+    b = random_batch(seed=seed, num_prompts=8, vocab=VOCAB, max_response=20)
+    adv = np.random.default_rng(seed).standard_normal(b.num_responses).astype(np.float32)
+    if nan_adv:
+        adv[:] = np.nan
+    return build_split_pack(b, adv, world_size=world_size, max_tokens=max_tokens,
+                            num_minibatches=num_minibatches)
+
+
+# -- log-probs ---------------------------------------------------------------
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_chunked_logprobs_equal_full_log_softmax_values_and_grads(chunk: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(2, 19, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 50, (2, 19), generator=g)
+    lp, ent = chunked_logprobs(h, w, t, chunk)
+    ls = torch.log_softmax((h @ w.T), -1)
+    lp_ref = ls.gather(-1, t[..., None])[..., 0]
+    ent_ref = -(ls.exp() * ls).sum(-1)
+    torch.testing.assert_close(lp.double(), lp_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), ent_ref, atol=1e-5, rtol=1e-5)
+    a, b = torch.randn(2, 19, generator=g, dtype=torch.float64), torch.randn(2, 19, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((lp.double() * a + ent.double() * b).sum(), [h, w])
+    want = torch.autograd.grad((lp_ref * a + ent_ref * b).sum(), [h, w])
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+    # log-prob only (entropy unused): its grad arrives as None
+    lp, _ = chunked_logprobs(h, w, t, chunk)
+    got = torch.autograd.grad((lp.double() * a).sum(), [h, w])
+    want = torch.autograd.grad((torch.log_softmax(h @ w.T, -1).gather(-1, t[..., None])[..., 0] * a).sum(), [h, w])
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
+
+
+def test_packed_and_padded_logprobs_agree(tiny_chat_path) -> None:
+    """Packed sequences (position_ids restarts, sdpa) attend only within their sequence."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_chat_path, dtype=torch.float32, attn_implementation="sdpa")
+    policy = PolicyModule(hf, chunk_size=13).eval()
+    b = random_batch(seed=3, vocab=VOCAB, max_response=12)
+    pack = build_train_pack(b, np.zeros(b.num_responses, np.float32))
+    with torch.no_grad():
+        lp, ent = policy(pack.input_ids.long()[None], pack.position_ids.long()[None], pack.targets.long()[None])
+        pad = pack.to_padded()
+        lp_pad, ent_pad = policy(pad.input_ids.long(), pad.position_ids.long(), pad.targets.long(),
+                                 attention_mask=pad.attention_mask.long())
+        # reference: each sequence alone
+        alone = []
+        cu = pack.cu_seqlens.tolist()
+        for a, b in zip(cu[:-1], cu[1:]):
+            x = pack.input_ids[a:b].long()[None]
+            logits = hf(input_ids=x).logits[0].float()
+            alone.append(torch.log_softmax(logits, -1).gather(-1, pack.targets[a:b].long()[:, None])[:, 0])
+    torch.testing.assert_close(lp[0], lp_pad[pad.attention_mask], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ent[0], ent_pad[pad.attention_mask], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lp[0], torch.cat(alone), atol=2e-5, rtol=1e-5)
+    assert pack.num_seqs > 5
+
+
+# -- hand-off ------------------------------------------------------------------
+def test_handoff_round_trip_and_unlink() -> None:
+    split = make_split(3, num_minibatches=2, max_tokens=24)
+    w = PackWriter()
+    try:
+        hs = w.write(split)
+        assert w.grew == 1 and len(list_segments(os.getpid())) == 1
+        for r, h in enumerate(hs):
+            assert h.offset % 4096 == 0 and h.segment == w.segment.name
+            lp = LocalPack(h)
+            s0, s1 = split.rank_seq_range(r)
+            assert lp.pack.num_seqs == s1 - s0
+            for k in range(split.num_minibatches):
+                for m in range(split.num_micro):
+                    a, b = split.micro(r, k, m), lp.micro(k, m)
+                    for f in ("input_ids", "targets", "position_ids", "loss_mask", "old_logprobs",
+                              "advantages", "cu_seqlens", "seq_weights", "sample_index"):
+                        assert torch.equal(getattr(a, f), getattr(b, f)), f
+                    assert torch.equal(a.local_seq_index(), b.local_seq_index())
+            # bytes transport (remote rank) gives the same views
+            payload = bytearray(w.region_bytes(h))
+            from dataclasses import replace
+
+            lb = LocalPack(replace(h, segment=None, offset=0), payload)
+            assert torch.equal(lb.pack.input_ids, lp.pack.input_ids)
+            del lp, lb
+    finally:
+        w.close()
+    assert list_segments(os.getpid()) == []
+
+
+def test_handoff_grows_only_when_needed() -> None:
+    w = PackWriter()
+    try:
+        small = make_split(2, seed=1)
+        w.write(small)
+        first = w.segment.name
+        for _ in range(3):
+            w.write(small)
+        assert w.segment.name == first and w.grew == 1
+        b = random_batch(seed=9, num_prompts=64, vocab=VOCAB, max_response=40)
+        adv = np.zeros(b.num_responses, np.float32)
+        w.write(build_split_pack(b, adv, world_size=2, max_tokens=256))
+        assert w.grew == 2 and w.segment.name != first
+        assert not os.path.exists(f"/dev/shm/{first}")
+    finally:
+        w.close()
+
+
+# -- schedule and config -------------------------------------------------------
+def test_lr_schedule_warmup_then_cosine_to_floor() -> None:
+    f = lr_lambda(BackendConfig(model_path="x", warmup_steps=4, total_steps=14, min_lr_ratio=0.1))
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == pytest.approx(1.0) and f(9) == pytest.approx(0.55)
+    assert f(14) == pytest.approx(0.1) and f(100) == pytest.approx(0.1)
+    assert lr_lambda(BackendConfig(model_path="x"))(1000) == 1.0
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"world_size": 0}, "backend.world_size"),
+    ({"strategy": "zero3"}, "backend.strategy: expected one of fsdp2, ddp, auto"),
+    ({"dtype": "bfloat16"}, "needs device='cuda'"),
+    ({"max_nan_steps": 0}, "backend.max_nan_steps"),
+    ({"betas": (0.9, 1.5)}, "backend.betas"),
+])
+def test_config_errors_name_the_field(kw, msg) -> None:
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
+        BackendConfig(model_path="x", **kw)
+
+
+# -- one rank in this process ----------------------------------------------------
+@contextlib.contextmanager
+def local_worker(path, monkeypatch, **kw):
+    import torch.distributed as dist
+
+    from areno.backend.worker import RankWorker
+
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, v)
+    threads = torch.get_num_threads()
+    worker = RankWorker(BackendConfig(model_path=str(path), **kw))
+    try:
+        yield worker
+    finally:
+        worker.close()
+        torch.set_num_threads(threads)
+        assert not dist.is_initialized()
+
+
+def test_one_device_to_host_readback_per_optimizer_step(tiny_chat_path, monkeypatch) -> None:
+    """item/tolist/cpu are patched inside the train step: exactly one call per
+    optimizer step (the stacked metric readback), with recompute and KL on."""
+    split = make_split(1, num_minibatches=3, max_tokens=48)
+    loss = LossConfig(kl_coef=0.05, tis_cap=2.0)
+    with local_worker(tiny_chat_path, monkeypatch, lr=1e-3, ppo_epochs=2, recompute_logprobs=True,
+                      loss=loss) as worker:
+        writer = PackWriter()
+        try:
+            (h,) = writer.write(split)
+            worker.cmd_train(h)  # warm-up (lazy init paths)
+            calls: list[str] = []
+            originals = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "cpu")}
+
+            def counting(name):
+                orig = originals[name]
+
+                def f(self, *a, **k):
+                    calls.append(name)
+                    return orig(self, *a, **k)
+                return f
+
+            for n in originals:
+                monkeypatch.setattr(torch.Tensor, n, counting(n))
+            out = worker.cmd_train(h)
+            for n, f in originals.items():
+                monkeypatch.setattr(torch.Tensor, n, f)
+        finally:
+            writer.close()
+    steps = out["steps"]
+    assert len(steps) == 2 * 3
+    assert calls == ["tolist"] * len(steps), calls
+    assert all(s["kl"] >= 0 and s["num_tokens"] > 0 for s in steps)
+
+
+def test_nan_steps_are_skipped_then_k_in_a_row_stop(tiny_chat_path, monkeypatch) -> None:
+    good, bad = make_split(1, num_minibatches=2), make_split(1, num_minibatches=2, nan_adv=True)
+    with local_worker(tiny_chat_path, monkeypatch, lr=1e-3, max_nan_steps=3) as worker:
+        writer = PackWriter()
+        try:
+            before = {n: p.detach().clone() for n, p in worker.hf.named_parameters()}
+            (h,) = writer.write(bad)
+            out = worker.cmd_train(h)["steps"]
+            assert [s["nan_skipped"] for s in out] == [1.0, 1.0]
+            assert [s["step"] for s in out] == [0.0, 0.0]
+            for n, p in worker.hf.named_parameters():
+                assert torch.equal(p, before[n]), f"{n} changed on a skipped step"
+            (h,) = writer.write(good)
+            out = worker.cmd_train(h)["steps"]
+            assert [s["nan_skipped"] for s in out] == [0.0, 0.0] and out[-1]["step"] == 2.0
+            assert worker.trainer.nan_streak == 0
+            (h,) = writer.write(bad)
+            worker.cmd_train(h)  # streak 2
+            (h,) = writer.write(make_split(1, num_minibatches=1, nan_adv=True))
+            with pytest.raises(NonFiniteStepsError, match="3 optimizer steps in a row"):
+                worker.cmd_train(h)
+        finally:
+            writer.close()
