@@ -97,6 +97,17 @@ def test_seed_reproducible(engine, make_prompts):
     np.testing.assert_array_equal(a.response_logprobs, b.response_logprobs)
 
 
+def test_unseeded_rollouts_follow_the_engine_seed(tiny_chat_path, make_prompts):
+    ids, off = make_prompts(PROMPTS[:2])
+    twin = HFEngine(tiny_chat_path, dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN)
+    fresh = HFEngine(tiny_chat_path, dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN)
+    s = SamplingConfig(max_tokens=6, ignore_eos=True)
+    a1, a2 = twin.generate(ids, off, 2, s), twin.generate(ids, off, 2, s)
+    b1 = fresh.generate(ids, off, 2, s)
+    np.testing.assert_array_equal(a1.response_ids, b1.response_ids)
+    assert not np.array_equal(a1.response_ids, a2.response_ids)
+
+
 def test_update_weights_changes_logprobs_to_new_weights(engine, tiny_chat_model, original_state, perturbed_state,
                                                         ref_logprobs, make_prompts, restore_weights):
     new_model = copy.deepcopy(tiny_chat_model)

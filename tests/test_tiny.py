@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -96,10 +95,10 @@ def test_arith_vocabulary_is_the_demo_alphabet(tiny_arith_path):
     assert cfg["vocab_size"] == 17
 
 
-def test_vllm_loads_tiny_model(tiny_chat_path, tiny_chat_model):
-    """Covered with a live engine in test_rollout_vllm; here only the config vLLM reads."""
+def test_config_has_what_vllm_reads(tiny_chat_path, tiny_chat_model):
+    """vLLM itself loads the model in test_rollout_vllm; here only the config fields."""
     cfg = json.loads((tiny_chat_path / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForCausalLM"]
     assert cfg["max_position_embeddings"] == 2048
     assert cfg.get("dtype", cfg.get("torch_dtype")) == "float32"
-    assert np.isfinite(sum(float(p.abs().sum()) for p in tiny_chat_model.parameters()))
+    assert all(bool(torch.isfinite(p.detach()).all()) for p in tiny_chat_model.parameters())

@@ -83,9 +83,10 @@ class HFEngine:
         )
         lengths = np.diff(offsets)
         stop_ids = tuple(sampling.stop_token_ids) + (() if sampling.ignore_eos else self.eos_token_ids)
-        seed = (
-            int(self._generator.seed() & ((1 << 63) - 1)) if sampling.seed is None else sampling.seed
-        )
+        if sampling.seed is None:  # next draw of the engine's own stream (seeded at init)
+            seed = int(torch.randint(0, 1 << 62, (1,), generator=self._generator))
+        else:
+            seed = sampling.seed
         group_seeds = prompt_seeds(seed, int(lengths.max()) + 1)
         tok_parts, lp_parts, len_parts, fin_parts, who = [], [], [], [], []
         for plen in np.unique(lengths):  # O(distinct prompt lengths)

@@ -63,16 +63,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
-HAS_FLAT_LOGPROBS = "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()) or hasattr(
-    SamplingParams(), "flat_logprobs"
-)
+HAS_FLAT_LOGPROBS = FlatLogprobs is not None and hasattr(SamplingParams(), "flat_logprobs")
 # Default KV cache on CPU when the caller gives none: vLLM would claim most RAM.
 CPU_KV_CACHE_BYTES = 512 << 20
 
 
 def flat_logprobs_facility() -> str:
     """Which flat log-prob facility the installed vLLM offers (for reports)."""
-    if HAS_FLAT_LOGPROBS and FlatLogprobs is not None:
+    if HAS_FLAT_LOGPROBS:
         return f"SamplingParams(flat_logprobs=True) -> vllm.logprobs.FlatLogprobs (vLLM {vllm.__version__})"
     return f"none: list[dict[int, Logprob]] per sequence (vLLM {vllm.__version__})"
 
