@@ -74,6 +74,18 @@ app.command(context_settings={"max_content_width": 120})(train)
 
 
 @app.command()
+def plot(
+    run_dir: str = typer.Argument(..., help="Run directory holding metrics.jsonl."),
+    out: Optional[str] = typer.Option(None, "--out", help="PNG path (default RUN_DIR/metrics.png)."),
+) -> None:
+    """Plot reward, response length, KL/clip fraction and per-phase time over the steps."""
+    from areno.plot import plot_run
+
+    path, _ = plot_run(run_dir, out)
+    typer.echo(str(path))
+
+
+@app.command()
 def check() -> None:
     """Report the environment: torch, CUDA/GPUs, vLLM build, flash-attn (OK / WARN / FAIL)."""
     from areno.envcheck import run_checks

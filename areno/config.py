@@ -152,6 +152,22 @@ class TrainConfig:
     keep_last: int = opt(2, "Keep only the newest N checkpoints (0 = keep all).",
                          "Logging and checkpoints", ge=0)
     no_save: bool = opt(False, "Write no checkpoint at all.", "Logging and checkpoints")
+    resume: str | None = opt(
+        None, "Resume from a checkpoint: 'latest' (the newest complete one under the save path) "
+        "or a checkpoint directory. Continues the same data order, optimizer and RNG state.",
+        "Logging and checkpoints")
+    eval_dataset_path: str | None = opt(
+        None, "Held-out dataset (same forms as --dataset-path) scored with the reward plugin.",
+        "Logging and checkpoints")
+    eval_split: str = opt("test", "Split of --eval-dataset-path.", "Logging and checkpoints")
+    eval_interval: int = opt(0, "Evaluate every N steps (0: only at step 0 and at the end).",
+                             "Logging and checkpoints", ge=0)
+    eval_n: int = opt(1, "Also report mean@k over k samples per prompt at --temperature "
+                      "(1: greedy pass@1 only).", "Logging and checkpoints", ge=1)
+    eval_max_prompts: int | None = opt(None, "Evaluate on at most this many prompts.",
+                                       "Logging and checkpoints", ge=1)
+    eval_only: bool = opt(False, "Evaluate --ckpt on --eval-dataset-path and exit (no training).",
+                          "Logging and checkpoints")
 
     # ------------------------------------------------------------------------
     @property
@@ -190,6 +206,16 @@ class TrainConfig:
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             _check_field(f, getattr(self, f.name))
+        if self.eval_only and self.eval_dataset_path is None:
+            raise UserError("--eval-only needs --eval-dataset-path")
+        if self.eval_dataset_path is not None and self.reward_fn_path is None:
+            raise UserError("--reward-fn-path is required with --eval-dataset-path")
+        if self.resume is not None and self.resume != "latest" and not Path(self.resume).is_dir():
+            raise UserError(f"--resume: no checkpoint directory at {self.resume} "
+                            "(give a checkpoint path or 'latest')")
+        if self.ckpt is not None and self.dataset_path is None and not self.eval_only:
+            raise UserError("--dataset-path is required with --ckpt (or leave both unset for the "
+                            "embedded demo)")
         if self.dataset_path is not None and self.reward_fn_path is None:
             raise UserError("--reward-fn-path is required with --dataset-path "
                             "(a .py file defining reward_fn or reward_fn_batch)")

@@ -48,7 +48,8 @@ class RunLogger:
     """Context manager owning the progress bar and the metric sinks."""
 
     def __init__(self, output_dir: Path, total_steps: int, report_to: str = "none",
-                 console: Console | None = None, config: dict | None = None) -> None:
+                 console: Console | None = None, config: dict | None = None,
+                 start_step: int = 0) -> None:
         self.output_dir = Path(output_dir)
         self.total = total_steps
         self.console = console or Console(stderr=False)
@@ -63,13 +64,17 @@ class RunLogger:
             TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
         )
         self._task = None
+        self.start_step = start_step
+        if start_step:
+            truncate_metrics(self.metrics_path, start_step)
 
     def __enter__(self) -> "RunLogger":
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.metrics_path, "a", buffering=1)
+
         self._open_extra_sinks()
         self.progress.start()
-        self._task = self.progress.add_task("train", total=self.total)
+        self._task = self.progress.add_task("train", total=self.total, completed=self.start_step)
         return self
 
     def _open_extra_sinks(self) -> None:
@@ -115,6 +120,16 @@ class RunLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop records after `last_step` (a resumed run redoes those steps)."""
+    if not path.is_file():
+        return
+    keep = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in keep))
+    tmp.replace(path)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -686,3 +686,24 @@ def _exit_text(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def reward_records(rows: Any, prompts: Any, prompt_idx: np.ndarray, batch: Any,
+                   completions: list[str]) -> list[RewardRecord]:
+    """One RewardRecord per sample of `batch` (a RolloutBatch whose prompt p is
+    prompts[prompt_idx[p]]): O(N) Python, the only per-sample objects of a step."""
+    from areno.rollout.batch import FINISH_REASONS
+
+    row_of_prompt = prompts.row_index[prompt_idx].tolist()
+    texts = prompts.texts
+    lengths = batch.response_lengths.tolist()
+    reasons = batch.finish_reason.tolist()
+    out = []
+    for i, (g, text) in enumerate(zip(batch.group_index.tolist(), completions)):
+        row = rows[row_of_prompt[g]]
+        out.append(RewardRecord(
+            prompt=texts[prompt_idx[g]], completion=text, answer=row.get("answer"),
+            solutions=row.get("solutions"), row=row, num_tokens=lengths[i],
+            finish_reason=FINISH_REASONS[reasons[i]], index=i,
+        ))
+    return out

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import yaml
 
+from areno.checkpoint import checkpoint_root, latest_checkpoint, read_state
 from areno.config import TrainConfig
 from areno.data import PromptSampler, PromptSet, RowSet, load_rows, normalize_rows, tokenize_prompts
 from areno.errors import UserError
@@ -32,9 +33,9 @@ class Run:
     output_dir: Path
     model_path: str
     tokenizer: Any
-    rows: RowSet
-    prompts: PromptSet
-    sampler: PromptSampler
+    rows: RowSet | None
+    prompts: PromptSet | None
+    sampler: PromptSampler | None
     sampling: SamplingConfig
     scorer: RewardScorer
     backend: Any
@@ -43,7 +44,22 @@ class Run:
     world_size: int
     total_steps: int
     step: int = 0
+    evalset: tuple[RowSet, PromptSet] | None = None
     lp_stats: StreamingStats = field(default_factory=StreamingStats)
+
+    def maybe_eval(self, step: int, force: bool = False) -> None:
+        cfg = self.cfg
+        if self.evalset is None:
+            return
+        if not force and not (cfg.eval_interval and step % cfg.eval_interval == 0):
+            return
+        from areno.evaluate import evaluate
+
+        m = evaluate(self.engine, self.tokenizer, self.scorer, *self.evalset, self.sampling,
+                     k=cfg.eval_n)
+        self.logger.log(step, m, advance=False)
+        self.logger.info(f"eval step {step}: " + " ".join(
+            f"{k.split('/', 1)[1]} {v:.3f}" for k, v in m.items() if k != "eval/prompts"))
 
     def maybe_save(self, step: int) -> None:
         cfg = self.cfg
@@ -58,8 +74,10 @@ class Run:
         return path
 
     def finish(self) -> None:
-        if not self.cfg.no_save and (not self.cfg.save_interval or
-                                     self.step % self.cfg.save_interval != 0):
+        cfg = self.cfg
+        if not (cfg.eval_interval and self.step % cfg.eval_interval == 0):
+            self.maybe_eval(self.step, force=True)
+        if not cfg.no_save and (not cfg.save_interval or self.step % cfg.save_interval != 0):
             self.save(self.step)
         self.logger.info(f"done: {self.step} steps; metrics in {self.logger.metrics_path}")
 
@@ -77,9 +95,11 @@ def resolve_device(cfg: TrainConfig) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_output_dir(cfg: TrainConfig) -> Path:
+def make_output_dir(cfg: TrainConfig, resume: Path | None = None) -> Path:
     if cfg.output_dir:
         out = Path(cfg.output_dir).expanduser()
+    elif resume is not None and resume.parent.name == "checkpoints":
+        out = resume.parent.parent  # the resumed run's own directory
     else:
         out = Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     try:
@@ -99,6 +119,16 @@ def load_data(cfg: TrainConfig, tokenizer: Any) -> tuple[RowSet, PromptSet]:
     else:
         rows = load_rows(cfg.dataset_path, split=cfg.dataset_split,
                          loader_fn=cfg.dataset_loader_fn, skip_bad_rows=cfg.skip_bad_rows)
+    prompts = tokenize_prompts(rows, tokenizer, use_chat_template=cfg.chat_template,
+                               system_prompt=cfg.system_prompt, max_prompt_len=cfg.max_prompt_len)
+    return rows, prompts
+
+
+def load_eval_data(cfg: TrainConfig, tokenizer: Any) -> tuple[RowSet, PromptSet]:
+    rows = load_rows(cfg.eval_dataset_path, split=cfg.eval_split,
+                     loader_fn=cfg.dataset_loader_fn, skip_bad_rows=cfg.skip_bad_rows)
+    if cfg.eval_max_prompts:
+        rows.rows[:] = rows.rows[: cfg.eval_max_prompts]
     prompts = tokenize_prompts(rows, tokenizer, use_chat_template=cfg.chat_template,
                                system_prompt=cfg.system_prompt, max_prompt_len=cfg.max_prompt_len)
     return rows, prompts
@@ -127,6 +157,23 @@ def load_tokenizer(model_path: str) -> Any:
                         f"({' '.join(str(e).split())[:200]})") from None
 
 
+def find_resume(cfg: TrainConfig) -> Path | None:
+    """The checkpoint --resume names (None without --resume)."""
+    if cfg.resume is None:
+        return None
+    if cfg.resume != "latest":
+        ckpt = Path(cfg.resume).expanduser()
+        read_state(ckpt)  # UserError unless it is a complete checkpoint
+        return ckpt
+    if not cfg.save_path and not cfg.output_dir:
+        raise UserError("--resume latest needs --output-dir (or --save-path) to look in")
+    root = checkpoint_root(cfg, Path(cfg.output_dir or "."))
+    ckpt = latest_checkpoint(root)
+    if ckpt is None:
+        raise UserError(f"--resume latest: no complete checkpoint under {root}")
+    return ckpt
+
+
 @contextlib.contextmanager
 def open_run(cfg: TrainConfig) -> Iterator[Run]:
     """Build a Run; everything started is stopped when the block exits."""
@@ -134,41 +181,55 @@ def open_run(cfg: TrainConfig) -> Iterator[Run]:
     from areno.rollout.engine import make_engine
 
     device = resolve_device(cfg)
-    out = make_output_dir(cfg)
-    model_path = model_path_for(cfg)
+    resume = find_resume(cfg)
+    state = read_state(resume) if resume else None
+    out = make_output_dir(cfg, resume)
+    base_model = state["model_path"] if state else model_path_for(cfg)
+    model_path = str(resume) if resume else base_model
     tokenizer = load_tokenizer(model_path)
-    rows, prompts = load_data(cfg, tokenizer)
-    sampler = PromptSampler(len(prompts), cfg.batch_size, cfg.seed)
-    total = total_steps_for(cfg, sampler)
+    if cfg.eval_only:
+        rows, prompts = None, None
+    else:
+        rows, prompts = load_data(cfg, tokenizer)
+    evalset = load_eval_data(cfg, tokenizer) if cfg.eval_dataset_path else None
+    sampler = PromptSampler(len(prompts), cfg.batch_size, cfg.seed) if prompts else None
+    if sampler and state:
+        sampler.load_state_dict(state["sampler"])
+    total = total_steps_for(cfg, sampler) if sampler else 0
+    start = int(state["step"]) if state else 0
     world_size = cfg.world_size or _default_world_size(device)
+    longest = max(int(p.lengths.max()) for p in (prompts, evalset and evalset[1]) if p)
     with contextlib.ExitStack() as stack:
         scorer = stack.enter_context(RewardScorer(
             resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,
             timeout=cfg.reward_timeout, on_error=cfg.on_reward_error))
-        backend = TorchBackend(backend_config(cfg, model_path, world_size, device, total))
-        stack.callback(backend.close)
-        engine = make_engine(
-            cfg.rollout_engine, model_path,
-            **_engine_kwargs(cfg, device, int(prompts.lengths.max())))
+        backend = None
+        if not cfg.eval_only:
+            backend = TorchBackend(backend_config(cfg, model_path, base_model, world_size,
+                                                  device, total))
+            stack.callback(backend.close)
+            if resume:
+                backend.load_state(resume / "backend")
+        engine = make_engine(cfg.rollout_engine, model_path,
+                             **_engine_kwargs(cfg, device, longest))
         stack.callback(engine.shutdown)
-        logger = stack.enter_context(RunLogger(out, total, cfg.report_to, config=cfg.to_dict()))
-        logger.info(
-            f"areno: {model_path} on {device} x{world_size}, {len(prompts)} prompts "
-            f"({prompts.dropped_overlong} overlong dropped), {total} steps of "
-            f"{cfg.batch_size}x{cfg.n_samples}; run dir {out}")
-        eos = tuple(getattr(engine, "eos_token_ids", ()) or ())
-        sampling = SamplingConfig(
-            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            max_tokens=cfg.max_new_tokens, stop_token_ids=eos)
-        run = Run(cfg=cfg, output_dir=out, model_path=model_path, tokenizer=tokenizer, rows=rows,
+        logger = stack.enter_context(RunLogger(out, total, cfg.report_to, config=cfg.to_dict(),
+                                               start_step=start))
+        what = "evaluating" if cfg.eval_only else (
+            f"{len(prompts)} prompts ({prompts.dropped_overlong} overlong dropped), {total} steps "
+            f"of {cfg.batch_size}x{cfg.n_samples}")
+        logger.info(f"areno: {model_path} on {device} x{world_size}, {what}"
+                    + (f", resumed at step {start}" if resume else "") + f"; run dir {out}")
+        sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                  max_tokens=cfg.max_new_tokens)
+        yield Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows,
                   prompts=prompts, sampler=sampler, sampling=sampling, scorer=scorer,
                   backend=backend, engine=engine, logger=logger, world_size=world_size,
-                  total_steps=total)
-        yield run
+                  total_steps=total, step=start, evalset=evalset)
 
 
-def backend_config(cfg: TrainConfig, model_path: str, world_size: int, device: str,
-                   total_steps: int) -> Any:
+def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_size: int,
+                   device: str, total_steps: int) -> Any:
     from areno.backend.config import BackendConfig
     from areno.losses import LossConfig
 
@@ -184,7 +245,7 @@ def backend_config(cfg: TrainConfig, model_path: str, world_size: int, device: s
         min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm or None,
         grad_checkpointing=cfg.grad_checkpointing, ppo_epochs=cfg.ppo_epochs,
         recompute_logprobs=cfg.recompute_logprobs, loss=loss, max_nan_steps=cfg.max_nan_steps,
-        seed=cfg.seed,
+        seed=cfg.seed, ref_model_path=base_model,
     )
 
 

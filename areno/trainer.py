@@ -15,10 +15,9 @@ from areno.advantages import group_advantages
 from areno.config import TrainConfig
 from areno.data import select
 from areno.pack import build_split_pack
-from areno.rewards import RewardRecord, RewardResult
+from areno.rewards import RewardResult, reward_records
 from areno.rollout.batch import (
     FINISH_LENGTH,
-    FINISH_REASONS,
     RolloutBatch,
     decode_completions,
     zero_variance_groups,
@@ -45,11 +44,17 @@ class PhaseTimer:
 def run_training(cfg: TrainConfig) -> None:
     """`areno train`: the whole run, from an opened Run to the final checkpoint."""
     with open_run(cfg) as run:
+        if cfg.eval_only:
+            run.maybe_eval(0, force=True)
+            return
+        if run.step == 0:
+            run.maybe_eval(0, force=True)
         for step in range(run.step + 1, run.total_steps + 1):
             metrics = train_step(run, step)
             run.step = step
             run.logger.log(step, metrics)
             run.maybe_save(step)
+            run.maybe_eval(step)
         run.finish()
 
 
@@ -64,7 +69,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     with timer("decode"):
         completions = decode_completions(run.tokenizer, batch)
     with timer("reward"):
-        scored = run.scorer.score(reward_records(run, prompt_idx, batch, completions))
+        scored = run.scorer.score(
+            reward_records(run.rows, run.prompts, prompt_idx, batch, completions))
     with timer("materialize"):
         adv, keep, n_zero_var = advantages_and_keep(cfg, batch, scored)
         split = build_split_pack(
@@ -84,25 +90,6 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     elapsed = time.perf_counter() - t_step
     return step_metrics(run, batch, scored, split.pack.num_tokens, split.plan.imbalance,
                         n_zero_var, opt_steps, timer.times, elapsed)
-
-
-def reward_records(run: Run, prompt_idx: np.ndarray, batch: RolloutBatch,
-                   completions: list[str]) -> list[RewardRecord]:
-    """One record per sample: O(N) Python, the only per-sample objects of the step."""
-    rows = run.rows
-    row_of_prompt = run.prompts.row_index[prompt_idx].tolist()
-    texts = run.prompts.texts
-    lengths = batch.response_lengths.tolist()
-    reasons = batch.finish_reason.tolist()
-    out = []
-    for i, (g, text) in enumerate(zip(batch.group_index.tolist(), completions)):
-        row = rows[row_of_prompt[g]]
-        out.append(RewardRecord(
-            prompt=texts[prompt_idx[g]], completion=text, answer=row.get("answer"),
-            solutions=row.get("solutions"), row=row, num_tokens=lengths[i],
-            finish_reason=FINISH_REASONS[reasons[i]], index=i,
-        ))
-    return out
 
 
 def advantages_and_keep(cfg: TrainConfig, batch: RolloutBatch, scored: RewardResult,
