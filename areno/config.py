@@ -206,6 +206,8 @@ class TrainConfig:
     def validate(self) -> None:
         for f in dataclasses.fields(self):
             _check_field(f, getattr(self, f.name))
+        if self.ckpt is not None and _looks_local(self.ckpt) and not Path(self.ckpt).is_dir():
+            raise UserError(f"--ckpt: no model directory at {self.ckpt}")
         if self.eval_only and self.eval_dataset_path is None:
             raise UserError("--eval-only needs --eval-dataset-path")
         if self.eval_dataset_path is not None and self.reward_fn_path is None:
@@ -223,8 +225,6 @@ class TrainConfig:
             _check_file("--reward-fn-path", self.reward_fn_path, suffix=".py")
         if self.dataset_loader_fn is not None:
             _check_file("--dataset-loader-fn", self.dataset_loader_fn.split(":", 1)[0], suffix=".py")
-        if self.ckpt is not None and _looks_local(self.ckpt) and not Path(self.ckpt).is_dir():
-            raise UserError(f"--ckpt: no model directory at {self.ckpt}")
         if self.tis_cap is not None and not self.recompute_logprobs:
             raise UserError("--tis-cap needs --recompute-logprobs (it weights the trainer/sampler "
                             "log-prob ratio)")
