@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -143,3 +144,51 @@ def test_controller_rejects_token_ids_outside_the_vocabulary(first_step) -> None
     split.pack.input_ids[3] = be1.vocab_size + 5
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         be1.train(split)
+
+
+def test_a_rank_with_no_sequences_still_steps(first_step) -> None:
+    """One sequence, two ranks: rank 1 runs a zero-weight dummy micro-batch so the
+    collectives line up; the step counts only the real tokens."""
+    from areno.pack import build_split_pack
+    from helpers import random_batch
+
+    _, be2, *_ = first_step
+    b = random_batch(seed=5, group_sizes=[1], vocab=300)
+    split = build_split_pack(b, np.ones(1, np.float32), world_size=2, max_tokens=64)
+    assert split.rank_seq_range(1)[0] == split.rank_seq_range(1)[1]
+    (m,) = be2.train(split)
+    assert m["num_tokens"] == split.pack.num_tokens and m["num_seqs"] == 1.0 and m["nan_skipped"] == 0.0
+
+
+def test_torchrun_launch_with_bytes_transport_matches_spawn(first_step, tiny_chat_path, tmp_path) -> None:
+    """Ranks started by torchrun dial the controller (launcher='external'); with
+    ARENO_RANK_ASSUME_REMOTE they take the multi-node bytes path for packs and weights."""
+    import subprocess
+    import sys
+
+    from areno.backend.controller import free_port
+
+    *_, s2, _, m2 = first_step
+    port = free_port()
+    env = dict(os.environ, ARENO_BACKEND_AUTHKEY="ab" * 16, ARENO_RANK_ASSUME_REMOTE="1",
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           "-m", "areno.backend.rank", "--connect", f"127.0.0.1:{port}"]
+    log = open(tmp_path / "torchrun.log", "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        os.environ["ARENO_BACKEND_AUTHKEY"] = env["ARENO_BACKEND_AUTHKEY"]
+        cfg = config(tiny_chat_path, 2, launcher="external", listen_host="127.0.0.1", listen_port=port,
+                     startup_timeout_s=120)
+        with TorchBackend(cfg) as be:
+            m = be.train(make_split(2))
+            assert [x["loss"] for x in m] == pytest.approx([x["loss"] for x in m2], rel=1e-4)
+            named, probe = be.export_weights()
+            assert_states_close(dict(named), s2)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
+    finally:
+        os.environ.pop("ARENO_BACKEND_AUTHKEY", None)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

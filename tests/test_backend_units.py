@@ -233,3 +233,47 @@ def test_nan_steps_are_skipped_then_k_in_a_row_stop(tiny_chat_path, monkeypatch)
                 worker.cmd_train(h)
         finally:
             writer.close()
+
+
+def test_gradient_checkpointing_gives_the_same_update(tiny_chat_path, monkeypatch) -> None:
+    split = make_split(1)
+    states = []
+    for ckpt in (False, True):
+        with local_worker(tiny_chat_path, monkeypatch, lr=1e-3, grad_checkpointing=ckpt) as worker:
+            writer = PackWriter()
+            try:
+                (h,) = writer.write(split)
+                worker.cmd_train(h)
+            finally:
+                writer.close()
+            states.append(worker.cmd_full_state())
+    for k in states[0]:
+        torch.testing.assert_close(states[0][k], states[1][k], atol=1e-6, rtol=1e-5)
+
+
+def test_bfloat16_export_and_probe_from_the_exported_bytes(tiny_chat_path, monkeypatch) -> None:
+    """The GPU path exports bf16: the probe must be computed from those bytes."""
+    from areno.backend.handoff import ShmSegment
+    from areno.backend.weights import WeightLayout, probe_ids
+    from areno.rollout.probe import probe_logprobs
+
+    with local_worker(tiny_chat_path, monkeypatch, export_dtype="bfloat16") as worker:
+        layout = WeightLayout.build(worker.export_meta)
+        seg = ShmSegment("weights")
+        try:
+            seg.ensure(layout.nbytes, headroom=0.0)
+            ids = probe_ids(worker.vocab_size)
+            out = worker.cmd_export(seg.name, layout, ids, 0.1)
+            named = dict(layout.views(seg.buf))
+            assert all(t.dtype == torch.bfloat16 for t in named.values())
+            full = worker.cmd_full_state()
+            for n, t in named.items():
+                assert torch.equal(t, full[n].to(torch.bfloat16)), n
+            from transformers import AutoModelForCausalLM
+
+            ref = AutoModelForCausalLM.from_pretrained(tiny_chat_path, dtype=torch.float32)
+            ref.load_state_dict({n: t.float() for n, t in named.items()}, strict=False)
+            np.testing.assert_allclose(out["probe"].expected_logprobs, probe_logprobs(ref, ids), atol=1e-5)
+            del named
+        finally:
+            seg.unlink()

@@ -211,6 +211,9 @@ class TorchBackend:
             "train_s": max(r["train_s"] for r in replies),
             "total_s": time.perf_counter() - t0,
         }
+        if "peak_mem_gb" in replies[0]:
+            self.last_timings["peak_gpu_mem_gb"] = max(r["peak_mem_gb"] for r in replies)
+            self.last_timings["peak_gpu_reserved_gb"] = max(r["peak_reserved_gb"] for r in replies)
         return steps
 
     def export_weights(self, *, probe_tolerance: float = 1e-3):

@@ -75,6 +75,7 @@ class ShmSegment:
             return False
         self.unlink()
         size = _round_up(max(int(nbytes * (1.0 + headroom)), _PAGE), _PAGE)
+        _check_room(size)
         self._shm = shared_memory.SharedMemory(name=shm_name(self.tag), create=True, size=size)
         return True
 
@@ -99,6 +100,22 @@ class ShmSegment:
             shm.close()
         except BufferError:  # a view still exports the buffer; freed with it
             pass
+
+
+def _check_room(size: int) -> None:
+    """A too-small /dev/shm (docker's default is 64 MB) would SIGBUS on the first
+    write past its end; fail with a clear message instead."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if free < size:
+        raise OSError(
+            f"{SHM_DIR} has {free / 2**20:.0f} MiB free, the backend needs {size / 2**20:.0f} MiB "
+            "for one shared-memory segment; enlarge it (docker: --shm-size=16g) or export in "
+            "bfloat16 (BackendConfig.export_dtype)"
+        )
 
 
 @dataclass(frozen=True)

@@ -44,11 +44,21 @@ def load_hf_model(path: str | os.PathLike, attn_implementation: str, device: tor
     """fp32 master weights on `device` (FSDP2 casts to the compute dtype per gather)."""
     from transformers import AutoModelForCausalLM
 
+    if attn_implementation in ("sdpa", "eager"):
+        try:  # packed sequences are told apart by position_ids restarts (transformers >= 4.56)
+            from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+        except ImportError:
+            raise RuntimeError(
+                f"transformers {__import__('transformers').__version__} cannot keep packed sequences "
+                f"apart with attn_implementation={attn_implementation!r}; install transformers>=4.56 "
+                "or flash-attn (attn_implementation='flash_attention_2')"
+            ) from None
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation=attn_implementation
     )
     model.config.use_cache = False
-    return model.to(device)
+    # fp32 master weights whatever the checkpoint's dtype
+    return model.to(device=device, dtype=torch.float32)
 
 
 # -- chunked log-probs -------------------------------------------------------
@@ -174,7 +184,11 @@ def wrap_policy(
         policy.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if strategy == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(device.type, (world,))
         mp = None

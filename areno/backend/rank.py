@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     conn = _dial(host, int(port), bytes.fromhex(key))
     conn.send(("hello", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), socket.gethostname()))
     cfg, marker = conn.recv()
-    serve(cfg, conn, same_host=_sees_segment(marker))
+    # ARENO_RANK_ASSUME_REMOTE=1 forces the bytes transport (tests of the multi-node path).
+    same_host = _sees_segment(marker) and not os.environ.get("ARENO_RANK_ASSUME_REMOTE")
+    serve(cfg, conn, same_host=same_host)
     return 0
 
 

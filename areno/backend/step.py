@@ -108,8 +108,10 @@ class RankTrainer:
         params = [p for p in w.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-            # fused keeps the step counter on the device: no per-parameter .item()
-            fused=True,
+            # CPU: fused keeps the step counters on the device, so the step makes no
+            # .item() call at all. CUDA: foreach (the FSDP2-tested path); its step
+            # counters live on the host, so their .item() is no device sync.
+            **({"fused": True} if device.type == "cpu" else {"foreach": True}),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.params = params

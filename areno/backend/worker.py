@@ -82,7 +82,11 @@ class RankWorker:
         local = LocalPack(handoff, payload)
         t1 = time.perf_counter()
         steps = self.trainer.train(local)
-        return {"steps": steps, "map_s": t1 - t0, "train_s": time.perf_counter() - t1}
+        out = {"steps": steps, "map_s": t1 - t0, "train_s": time.perf_counter() - t1}
+        if self.device.type == "cuda":  # allocator counters: host-side, no device sync
+            out["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            out["peak_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+        return out
 
     def cmd_export(self, segment: str | None, layout: WeightLayout, probe_ids: np.ndarray,
                    probe_tolerance: float) -> dict | None:
