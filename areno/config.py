@@ -76,6 +76,9 @@ class TrainConfig:
                               "Rollout", ge=0)
     reward_timeout: float = opt(10.0, "Seconds a reward call may take before its worker is killed.",
                                 "Rollout", gt=0.0)
+    overlap_rewards: bool = opt(
+        True, "Decode and score each group as soon as it finishes generating, while the rest "
+        "still generate (--no-overlap-rewards: score after the whole rollout).", "Rollout")
     on_reward_error: Literal["fail", "zero", "skip"] = opt(
         "fail", "A reward that raises, times out or is NaN: fail the run, score it 0, or skip "
         "the sample. Every case is counted in the metrics.", "Rollout")

@@ -689,21 +689,23 @@ def _exit_text(code: int | None) -> str:
 
 
 def reward_records(rows: Any, prompts: Any, prompt_idx: np.ndarray, batch: Any,
-                   completions: list[str]) -> list[RewardRecord]:
+                   completions: list[str], index: np.ndarray | None = None) -> list[RewardRecord]:
     """One RewardRecord per sample of `batch` (a RolloutBatch whose prompt p is
-    prompts[prompt_idx[p]]): O(N) Python, the only per-sample objects of a step."""
+    prompts[prompt_idx[p]]): O(N) Python, the only per-sample objects of a step.
+    index: [N] sample index in the step of each response (default 0..N-1)."""
     from areno.rollout.batch import FINISH_REASONS
 
     row_of_prompt = prompts.row_index[prompt_idx].tolist()
     texts = prompts.texts
     lengths = batch.response_lengths.tolist()
     reasons = batch.finish_reason.tolist()
+    sample = range(len(completions)) if index is None else index.tolist()
     out = []
     for i, (g, text) in enumerate(zip(batch.group_index.tolist(), completions)):
         row = rows[row_of_prompt[g]]
         out.append(RewardRecord(
             prompt=texts[prompt_idx[g]], completion=text, answer=row.get("answer"),
             solutions=row.get("solutions"), row=row, num_tokens=lengths[i],
-            finish_reason=FINISH_REASONS[reasons[i]], index=i,
+            finish_reason=FINISH_REASONS[reasons[i]], index=sample[i],
         ))
     return out

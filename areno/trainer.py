@@ -4,6 +4,7 @@ this module is the loop itself, one call per phase."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -22,6 +23,7 @@ from areno.rollout.batch import (
     decode_completions,
     zero_variance_groups,
 )
+from areno.rollout.engine import SamplingConfig
 from areno.setup import Run, open_run
 from areno.stats import TRAIN_METRICS, StreamingStats
 
@@ -61,16 +63,12 @@ def run_training(cfg: TrainConfig) -> None:
 def train_step(run: Run, step: int) -> dict[str, float]:
     cfg, timer = run.cfg, PhaseTimer()
     t_step = time.perf_counter()
-    with timer("rollout"):
-        prompt_idx = run.sampler.next_batch()
-        ids, offsets = select(run.prompts, prompt_idx)
-        sampling = replace(run.sampling, seed=cfg.seed * 1_000_003 + step)
-        batch = run.engine.generate(ids, offsets, cfg.n_samples, sampling)
-    with timer("decode"):
-        completions = decode_completions(run.tokenizer, batch)
-    with timer("reward"):
-        scored = run.scorer.score(
-            reward_records(run.rows, run.prompts, prompt_idx, batch, completions))
+    prompt_idx = run.sampler.next_batch()
+    sampling = replace(run.sampling, seed=cfg.seed * 1_000_003 + step)
+    if cfg.overlap_rewards:
+        batch, scored = rollout_overlapped(run, prompt_idx, sampling, timer)
+    else:
+        batch, scored = rollout_then_score(run, prompt_idx, sampling, timer)
     with timer("materialize"):
         adv, keep, n_zero_var = advantages_and_keep(cfg, batch, scored)
         split = build_split_pack(
@@ -88,8 +86,59 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             run.engine.update_weights(named, probe)
     run.lp_stats.update(batch.response_logprobs)
     elapsed = time.perf_counter() - t_step
-    return step_metrics(run, batch, scored, split.pack.num_tokens, split.plan.imbalance,
-                        n_zero_var, opt_steps, timer.times, elapsed)
+    m = step_metrics(run, batch, scored, split.pack.num_tokens, split.plan.imbalance,
+                     n_zero_var, opt_steps, timer.times, elapsed)
+    m["data/prompt_hash"] = prompt_hash(prompt_idx)
+    return m
+
+
+def prompt_hash(prompt_idx: np.ndarray) -> float:
+    """Which prompts a step drew, as one float (48 bits of blake2b over the int64
+    indices, exact in float64): equal across runs iff the data order is."""
+    digest = hashlib.blake2b(np.ascontiguousarray(prompt_idx, dtype=np.int64).tobytes(),
+                             digest_size=6).digest()
+    return float(int.from_bytes(digest, "little"))
+
+
+def rollout_then_score(run: Run, prompt_idx: np.ndarray, sampling: SamplingConfig,
+                       timer: PhaseTimer) -> tuple[RolloutBatch, RewardResult]:
+    """Generate everything, then decode in one call, then score."""
+    with timer("rollout"):
+        ids, offsets = select(run.prompts, prompt_idx)
+        batch = run.engine.generate(ids, offsets, run.cfg.n_samples, sampling)
+    with timer("decode"):
+        completions = decode_completions(run.tokenizer, batch)
+    with timer("reward"):
+        scored = run.scorer.score(
+            reward_records(run.rows, run.prompts, prompt_idx, batch, completions))
+    return batch, scored
+
+
+def rollout_overlapped(run: Run, prompt_idx: np.ndarray, sampling: SamplingConfig,
+                       timer: PhaseTimer) -> tuple[RolloutBatch, RewardResult]:
+    """Decode and submit each part of the rollout to the reward workers as its
+    groups finish; after the last one only the outstanding rewards are waited
+    for. The result is put back in prompt order, so it equals rollout_then_score's.
+    time/rollout includes the overlapped decode; time/reward is what remains."""
+    n = run.cfg.n_samples
+    parts, positions, tickets = [], [], []
+    with timer("rollout"):
+        ids, offsets = select(run.prompts, prompt_idx)
+        stream = run.engine.generate_stream(ids, offsets, n, sampling,
+                                            min_groups=max(1, len(prompt_idx) // 4))
+        for pos, part in stream:
+            with timer("decode"):
+                completions = decode_completions(run.tokenizer, part)
+            index = pos[part.group_index] * n + np.arange(part.num_responses) % n
+            tickets.append(run.scorer.submit(reward_records(
+                run.rows, run.prompts, prompt_idx[pos], part, completions, index=index)))
+            parts.append(part)
+            positions.append(pos)
+    with timer("reward"):
+        results = [run.scorer.collect(t) for t in tickets]
+    batch, perm = RolloutBatch.concat(parts).take_prompts(np.argsort(np.concatenate(positions)))
+    merged = RewardResult.concat(results)
+    return batch, replace(merged, rewards=merged.rewards[perm], valid=merged.valid[perm])
 
 
 def advantages_and_keep(cfg: TrainConfig, batch: RolloutBatch, scored: RewardResult,

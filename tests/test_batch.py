@@ -144,3 +144,19 @@ def test_decode_completions_is_one_batched_call(chat_tokenizer):
     out = decode_completions(counting, b)
     assert counting.calls == 1
     assert out == [chat_tokenizer.decode(e) for e in enc]
+
+
+def test_take_prompts_reorders_groups_and_returns_the_response_permutation():
+    b = random_batch(seed=31, group_sizes=[2, 1, 3, 2])
+    order = np.array([2, 0, 3, 1])
+    nb, perm = b.take_prompts(order)
+    assert nb.num_prompts == 4 and nb.num_responses == b.num_responses
+    for new_i, old_i in enumerate(perm):
+        np.testing.assert_array_equal(nb.response_tokens(new_i), b.response_tokens(old_i))
+        assert order[nb.group_index[new_i]] == b.group_index[old_i]
+        np.testing.assert_array_equal(nb.prompt_tokens(nb.group_index[new_i]),
+                                      b.prompt_tokens(b.group_index[old_i]))
+    assert np.all(np.diff(nb.group_index) >= 0)
+    back, _ = nb.take_prompts(np.argsort(order))
+    np.testing.assert_array_equal(back.response_ids, b.response_ids)
+    np.testing.assert_array_equal(back.response_logprobs, b.response_logprobs)

@@ -145,6 +145,34 @@ class RolloutBatch:
             finish_reason=np.concatenate([b.finish_reason for b in batches]),
         )
 
+    def take_prompts(self, order: np.ndarray) -> tuple["RolloutBatch", np.ndarray]:
+        """Reorder the groups so new prompt p is old prompt order[p] (order: a
+        permutation [P]); responses follow their prompt, keeping their order
+        within a group. Returns (batch, resp_perm) with resp_perm [N] the old
+        index of each new response. One gather per array."""
+        order = np.asarray(order, dtype=np.int64)
+        if np.array_equal(order, np.arange(self.num_prompts)):
+            return self, np.arange(self.num_responses, dtype=np.int64)
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size)
+        new_group = rank[self.group_index]
+        resp_perm = np.argsort(new_group, kind="stable")
+        p_len, r_len = self.prompt_lengths, self.response_lengths
+        p_new, r_new = p_len[order], r_len[resp_perm]
+        p_off, r_off = _offsets(p_new), _offsets(r_new)
+        p_src = np.repeat(self.prompt_offsets[:-1][order] - p_off[:-1], p_new) + np.arange(p_off[-1])
+        r_src = np.repeat(self.response_offsets[:-1][resp_perm] - r_off[:-1], r_new) + np.arange(r_off[-1])
+        batch = RolloutBatch(
+            prompt_ids=self.prompt_ids[p_src],
+            prompt_offsets=p_off,
+            response_ids=self.response_ids[r_src],
+            response_offsets=r_off,
+            response_logprobs=self.response_logprobs[r_src],
+            group_index=new_group[resp_perm],
+            finish_reason=self.finish_reason[resp_perm],
+        )
+        return batch, resp_perm
+
     # -- selection ---------------------------------------------------------
     def select_responses(self, keep: np.ndarray) -> "RolloutBatch":
         """Keep the responses where `keep` ([N] bool) is true; prompts left with no

@@ -10,7 +10,7 @@ temperature / top-k / top-p), i.e. of the distribution actually sampled.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -77,10 +77,33 @@ class HFEngine:
     def generate(
         self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int, sampling: SamplingConfig
     ) -> RolloutBatch:
+        ids, offsets = self._validate(prompt_ids, prompt_offsets, n)
+        parts = list(self._buckets(ids, offsets, n, sampling))
+        return _assemble(ids, offsets, n, *(list(x) for x in zip(*parts)))
+
+    def generate_stream(
+        self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int, sampling: SamplingConfig,
+        min_groups: int = 1,
+    ) -> Iterator[tuple[np.ndarray, RolloutBatch]]:
+        """Yield (prompt positions, RolloutBatch of those groups) one prompt-length
+        bucket at a time (transformers generates each bucket in one call)."""
+        ids, offsets = self._validate(prompt_ids, prompt_offsets, n)
+        for tok, lp, length, finish, who in self._buckets(ids, offsets, n, sampling):
+            members = who[::n]
+            sub_len = np.diff(offsets)[members]
+            sub_off = offsets_from_lengths(sub_len)
+            sub_ids = ids[np.repeat(offsets[members] - sub_off[:-1], sub_len) + np.arange(sub_off[-1])]
+            local = np.repeat(np.arange(members.size), n)
+            yield members, _assemble(sub_ids, sub_off, n, [tok], [lp], [length], [finish], [local])
+
+    def _validate(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int):
         self._check_awake()
-        ids, offsets = validate_prompts(
+        return validate_prompts(
             prompt_ids, prompt_offsets, n, max_model_len=self.max_model_len, vocab_size=self.vocab_size
         )
+
+    def _buckets(self, ids: np.ndarray, offsets: np.ndarray, n: int, sampling: SamplingConfig):
+        """Per distinct prompt length: (tokens, log-probs, lengths, finish, prompt of each response)."""
         lengths = np.diff(offsets)
         stop_ids = tuple(sampling.stop_token_ids) + (() if sampling.ignore_eos else self.eos_token_ids)
         if sampling.seed is None:  # next draw of the engine's own stream (seeded at init)
@@ -88,7 +111,6 @@ class HFEngine:
         else:
             seed = sampling.seed
         group_seeds = prompt_seeds(seed, int(lengths.max()) + 1)
-        tok_parts, lp_parts, len_parts, fin_parts, who = [], [], [], [], []
         for plen in np.unique(lengths):  # O(distinct prompt lengths)
             members = np.flatnonzero(lengths == plen)
             rows = ids[offsets[members][:, None] + np.arange(plen)]  # [G, plen], no padding
@@ -96,12 +118,7 @@ class HFEngine:
             tok, lp = self._sample(rows, n, sampling, max_new, stop_ids, int(group_seeds[plen]))
             length, finish = _cut_at_stop(tok, stop_ids, max_new)
             keep = np.arange(tok.shape[1]) < length[:, None]
-            tok_parts.append(tok[keep])
-            lp_parts.append(lp[keep])
-            len_parts.append(length)
-            fin_parts.append(finish)
-            who.append(np.repeat(members, n))
-        return _assemble(ids, offsets, n, tok_parts, lp_parts, len_parts, fin_parts, who)
+            yield tok[keep], lp[keep], length, finish, np.repeat(members, n)
 
     def _sample(
         self, rows: np.ndarray, n: int, s: SamplingConfig, max_new: int, stop_ids: tuple[int, ...], seed: int

@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Iterable, Sequence
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -150,6 +150,37 @@ class VLLMEngine:
         params = self._sampling_params(n, sampling, len(prompts))
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return batch_from_request_outputs(outputs, ids, offsets, n)
+
+    def generate_stream(
+        self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int, sampling: SamplingConfig,
+        min_groups: int = 1,
+    ) -> Iterator[tuple[np.ndarray, RolloutBatch]]:
+        """Yield (prompt positions [p] int64, RolloutBatch of those p groups) as
+        groups finish, at least `min_groups` at a time (fewer only at the end), so
+        the caller can decode and score them while the rest are still generating.
+        Concatenated and put back in prompt order, the parts equal generate()."""
+        self._check_awake()
+        ids, offsets = validate_prompts(
+            prompt_ids, prompt_offsets, n, max_model_len=self.max_model_len, vocab_size=self.vocab_size
+        )
+        from vllm.inputs import TokensPrompt
+
+        pieces = np.split(ids, offsets[1:-1])
+        prompts = [TokensPrompt(prompt_token_ids=p.tolist()) for p in pieces]
+        params = self._sampling_params(n, sampling, len(prompts))
+        req_ids = self.llm.enqueue(prompts, params, use_tqdm=False)
+        # enqueue returns "<counter>-<suffix>"; finished outputs carry "<counter>".
+        position = {rid.split("-", 1)[0]: i for i, rid in enumerate(req_ids)}
+        engine = self.llm.llm_engine
+        done: list[Any] = []
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
+            if len(done) >= min_groups or (done and not engine.has_unfinished_requests()):
+                pos = np.fromiter((position[o.request_id] for o in done), np.int64, len(done))
+                lengths = np.diff(offsets)[pos]
+                sub_ids = np.concatenate([pieces[i] for i in pos.tolist()])
+                yield pos, batch_from_request_outputs(done, sub_ids, offsets_from_lengths(lengths), n)
+                done = []
 
     def _sampling_params(self, n: int, s: SamplingConfig, num_prompts: int) -> SamplingParams | list[SamplingParams]:
         kw: dict[str, Any] = dict(
