@@ -8,7 +8,7 @@ transformers.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -85,6 +85,14 @@ class RolloutEngine(Protocol):
     ) -> RolloutBatch:
         """P prompts (CSR: prompt_ids int32, prompt_offsets [P+1] int64) -> n
         samples each. Responses are ordered by prompt, group_index[i] = i // n."""
+        ...
+
+    def generate_stream(
+        self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int, sampling: SamplingConfig,
+        min_groups: int = 1,
+    ) -> Iterator[tuple[np.ndarray, RolloutBatch]]:
+        """Like generate, but yields (prompt positions [p] int64, RolloutBatch of
+        those p groups) as groups finish, so they can be scored meanwhile."""
         ...
 
     def update_weights(
