@@ -175,8 +175,9 @@ def find_resume(cfg: TrainConfig) -> Path | None:
 
 
 @contextlib.contextmanager
-def open_run(cfg: TrainConfig) -> Iterator[Run]:
-    """Build a Run; everything started is stopped when the block exits."""
+def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
+    """Build a Run; everything started is stopped when the block exits.
+    engine: a RolloutEngine to use instead of building one (benchmarks, tests)."""
     from areno.backend.controller import TorchBackend
     from areno.rollout.engine import make_engine
 
@@ -210,9 +211,10 @@ def open_run(cfg: TrainConfig) -> Iterator[Run]:
             stack.callback(backend.close)
             if resume:
                 backend.load_state(resume / "backend")
-        engine = make_engine(cfg.rollout_engine, model_path,
-                             **_engine_kwargs(cfg, device, longest))
-        stack.callback(engine.shutdown)
+        if engine is None:
+            engine = make_engine(cfg.rollout_engine, model_path,
+                                 **_engine_kwargs(cfg, device, longest))
+            stack.callback(engine.shutdown)
         logger = stack.enter_context(RunLogger(out, total, cfg.report_to, config=cfg.to_dict(),
                                                start_step=start))
         what = "evaluating" if cfg.eval_only else (

@@ -8,7 +8,7 @@ import hashlib
 import time
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -43,9 +43,10 @@ class PhaseTimer:
             self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
 
 
-def run_training(cfg: TrainConfig) -> None:
-    """`areno train`: the whole run, from an opened Run to the final checkpoint."""
-    with open_run(cfg) as run:
+def run_training(cfg: TrainConfig, engine: Any = None) -> None:
+    """`areno train`: the whole run, from an opened Run to the final checkpoint.
+    engine: optional RolloutEngine instance (see setup.open_run)."""
+    with open_run(cfg, engine) as run:
         if cfg.eval_only:
             run.maybe_eval(0, force=True)
             return
