@@ -9,6 +9,7 @@ picked up (and is removed by the next save).
     <save_path>/step_000100/
         config.json, model.safetensors, tokenizer files   (HF format)
         trainer_state.json   step, data cursor, run config
+        controller_rng.pt    the controller's python/numpy/torch RNG states
         backend/             optimizer, LR scheduler, RNG states of every rank
 """
 
@@ -26,6 +27,9 @@ from areno.errors import UserError
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
+TMP_PREFIX = ".tmp-"  # a save in progress (or interrupted): never listed
+OLD_PREFIX = ".old-"  # a replaced checkpoint on its way out: never listed
+CONTROLLER_RNG = "controller_rng.pt"
 
 
 def checkpoint_root(cfg: Any, output_dir: Path) -> Path:
@@ -53,14 +57,15 @@ def save_checkpoint(run: Any, step: int) -> Path:
     """Write run's state at `step` atomically; prune to --keep-last. Returns the path."""
     root = checkpoint_root(run.cfg, run.output_dir)
     final = root / f"step_{step:06d}"
-    tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
+    tmp = root / f"{TMP_PREFIX}step_{step:06d}-{os.getpid()}"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-step_*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        remove_stale(root)
         run.backend.save_pretrained(tmp)  # HF model files at the top level (creates tmp)
+        restore_source_settings(tmp, run.model_path)
         run.backend.save_state(tmp / "backend")  # optimizer, scheduler, RNG of every rank
         run.tokenizer.save_pretrained(str(tmp))
+        save_controller_rng(tmp / CONTROLLER_RNG)
         state = {
             "step": step,
             "sampler": run.sampler.state_dict(),
@@ -69,9 +74,7 @@ def save_checkpoint(run: Any, step: int) -> Path:
         }
         _write_json(tmp / STATE_FILE, state)
         _fsync_dir(tmp)
-        if final.exists():  # a re-save of the same step replaces it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        _replace_dir(tmp, final)
         _fsync_dir(root)
     except (OSError, BackendError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -82,11 +85,97 @@ def save_checkpoint(run: Any, step: int) -> Path:
     return final
 
 
+def remove_stale(root: Path) -> None:
+    """Delete what an interrupted save left behind: our `.tmp-step_*` dirs, the
+    backend's own temp dirs beside them (`..tmp-step_*`, a SIGKILL inside
+    save_pretrained), and `.old-step_*` (a SIGKILL between the two renames)."""
+    for pattern in (f"{TMP_PREFIX}step_*", f".{TMP_PREFIX}step_*", f"{OLD_PREFIX}step_*"):
+        for stale in root.glob(pattern):
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+
+
+def restore_source_settings(ckpt: Path, source: str) -> None:
+    """Make the checkpoint sample as the model it was trained from.
+
+    The backend writes config.json from its training copy of the config
+    (use_cache switched off) and lets transformers derive generation_config.json
+    from it, which drops the source's own generation settings, e.g. an eos list
+    like [2, 0] becomes 2, so vLLM and transformers would no longer stop at 0.
+    Take both back from the source model (local directory or cached hub id)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        GenerationConfig.from_pretrained(source).save_pretrained(str(ckpt))
+    except (OSError, ValueError):
+        pass  # the source has no generation_config.json: keep the derived one
+    cfg_path = ckpt / "config.json"
+    if not cfg_path.is_file():
+        return
+    try:
+        use_cache = bool(getattr(AutoConfig.from_pretrained(source), "use_cache", True))
+    except (OSError, ValueError):
+        use_cache = True
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("use_cache", use_cache) != use_cache:
+        cfg["use_cache"] = use_cache
+        tmp = cfg_path.with_name("config.json.tmp")
+        tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        tmp.replace(cfg_path)
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Rename tmp to final. A re-save of the same step (e.g. the end of a run
+    resumed at its last step) moves the old one aside first, so a crash never
+    leaves the step without a complete checkpoint for longer than two renames."""
+    if not final.exists():
+        os.rename(tmp, final)
+        return
+    old = final.with_name(f"{OLD_PREFIX}{final.name}-{os.getpid()}")
+    os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def prune(root: Path, keep_last: int) -> None:
     if keep_last <= 0:
         return
     for old in list_checkpoints(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def save_controller_rng(path: Path) -> None:
+    """The controller's global RNGs (python, numpy, torch). The loop itself draws
+    from none of them (data order is seeded per epoch, sampling per step), but an
+    in-process reward plugin (--reward-workers 0) may."""
+    import random
+
+    import numpy as np
+    import torch
+
+    with open(path, "wb") as f:
+        torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
+                    "torch": torch.get_rng_state()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def restore_controller_rng(ckpt: Path) -> None:
+    """Put back what save_controller_rng wrote (a no-op for older checkpoints)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    path = ckpt / CONTROLLER_RNG
+    if not path.is_file():
+        return
+    rng = torch.load(path, weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
 
 
 def read_state(ckpt: Path) -> dict:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
 import yaml
 
-from areno.checkpoint import checkpoint_root, latest_checkpoint, read_state
+from areno.checkpoint import checkpoint_root, latest_checkpoint, read_state, restore_controller_rng
 from areno.config import TrainConfig
 from areno.data import PromptSampler, PromptSet, RowSet, load_rows, normalize_rows, tokenize_prompts
 from areno.errors import UserError
@@ -23,6 +23,8 @@ from areno.rewards import RewardScorer
 from areno.rollout.engine import SamplingConfig
 from areno.stats import StreamingStats
 from areno.tasks import resolve_plugin_path
+
+EVAL_SEED_BASE = 1 << 62  # eval sampling seeds never coincide with a training step's
 
 
 @dataclass
@@ -55,7 +57,10 @@ class Run:
             return
         from areno.evaluate import evaluate
 
-        m = evaluate(self.engine, self.tokenizer, self.scorer, *self.evalset, self.sampling,
+        # mean@k samples with a seed of its own per step, so a resumed run evaluates as
+        # an uninterrupted one would (the engine's own stream is not checkpointed).
+        sampling = replace(self.sampling, seed=EVAL_SEED_BASE + cfg.seed * 1_000_003 + step)
+        m = evaluate(self.engine, self.tokenizer, self.scorer, *self.evalset, sampling,
                      k=cfg.eval_n)
         self.logger.log(step, m, advance=False)
         self.logger.info(f"eval step {step}: " + " ".join(
@@ -218,12 +223,15 @@ def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
         logger = stack.enter_context(RunLogger(out, total, cfg.report_to, config=cfg.to_dict(),
                                                start_step=start))
         what = "evaluating" if cfg.eval_only else (
-            f"{len(prompts)} prompts ({prompts.dropped_overlong} overlong dropped), {total} steps "
-            f"of {cfg.batch_size}x{cfg.n_samples}")
+            f"{len(prompts)} prompts ({prompts.dropped_overlong} overlong dropped"
+            + (f", {rows.skipped} malformed rows skipped" if rows.skipped else "")
+            + f"), {total} steps of {cfg.batch_size}x{cfg.n_samples}")
         logger.info(f"areno: {model_path} on {device} x{world_size}, {what}"
                     + (f", resumed at step {start}" if resume else "") + f"; run dir {out}")
         sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                   max_tokens=cfg.max_new_tokens)
+        if resume:  # last: engine and backend start-up may reseed the global RNGs
+            restore_controller_rng(resume)
         yield Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows,
                   prompts=prompts, sampler=sampler, sampling=sampling, scorer=scorer,
                   backend=backend, engine=engine, logger=logger, world_size=world_size,
