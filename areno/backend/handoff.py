@@ -196,7 +196,11 @@ class PackWriter:
                     src = src[s0:s1]
                 else:
                     src = src[t0:t1]
-                self.segment.tensor(src.dtype, base + f.offset, f.numel).copy_(src)
+                # numpy's copy is a plain single-threaded memcpy: torch's copy_ would open
+                # an OpenMP region, which stalls for whole scheduler slices on a busy host
+                dst = np.frombuffer(self.segment.buf, dtype=src.numpy().dtype, count=f.numel,
+                                    offset=base + f.offset)
+                np.copyto(dst, src.numpy())
             out.append(RankHandoff(
                 segment=self.segment.name, offset=base, nbytes=nbytes, fields=tuple(fields),
                 micro_seqs=np.ascontiguousarray(split.plan.micro_seqs[r] - s0),
