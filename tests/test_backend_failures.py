@@ -63,3 +63,61 @@ def test_k_nonfinite_steps_in_a_row_stop_the_run(tiny_chat_path) -> None:
     assert_clean()
 
 
+
+
+def test_ctrl_c_in_the_controller_stops_every_rank(tiny_chat_path) -> None:
+    import _thread
+
+    be = TorchBackend(config(tiny_chat_path, 1))
+    threading.Timer(1.0, _thread.interrupt_main).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        be.debug("sleep", seconds=60)
+    assert time.monotonic() - t0 < 10
+    assert_clean()
+
+
+_ORPHAN_SCRIPT = r"""
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from areno.backend import BackendConfig, TorchBackend
+from areno.backend.handoff import list_segments
+from test_backend_units import make_split
+if __name__ == "__main__":
+    be = TorchBackend(BackendConfig(model_path={model!r}, world_size=2))
+    be.train(make_split(2))
+    be.export_weights()
+    print(" ".join(map(str, be.rank_pids)), flush=True)
+    print(" ".join(list_segments(os.getpid())), flush=True)
+    if {how!r} == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    # "exit": leave without close(); atexit / finalizers must clean up
+"""
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit"])
+def test_ranks_and_segments_do_not_outlive_the_controller(tiny_chat_path, tmp_path, how) -> None:
+    """Controller SIGKILLed (ranks: PDEATHSIG / parent watchdog; segments: the
+    resource tracker) or exiting without close() (finalizers)."""
+    import subprocess
+    import sys
+
+    from areno.backend.handoff import SHM_DIR
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "controller.py"
+    script.write_text(_ORPHAN_SCRIPT.format(tests=tests, model=str(tiny_chat_path), how=how))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    lines = proc.stdout.splitlines()
+    assert len(lines) >= 2, proc.stderr[-3000:]
+    pids, segments = [int(p) for p in lines[0].split()], lines[1].split()
+    assert len(pids) == 2 and len(segments) == 2
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        left = [s for s in segments if os.path.exists(os.path.join(SHM_DIR, s))]
+        if not alive and not left:
+            break
+        time.sleep(0.2)
+    assert not alive, f"orphaned ranks {alive}"
+    assert not left, f"leaked segments {left}"
