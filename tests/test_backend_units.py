@@ -59,6 +59,18 @@ def test_chunked_logprobs_equal_full_log_softmax_values_and_grads(chunk: int) ->
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
 
 
+def test_packed_causal_mask_is_block_diagonal_causal() -> None:
+    from areno.backend.model import packed_causal_mask
+
+    lengths = [3, 1, 4, 2]
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    L = int(pos.numel())
+    want = torch.tensor([[bool(seq[i] == seq[j] and j <= i) for j in range(L)] for i in range(L)])
+    got = packed_causal_mask(pos)
+    assert got.shape == (1, 1, L, L) and torch.equal(got[0, 0], want)
+
+
 def test_packed_and_padded_logprobs_agree(tiny_chat_path) -> None:
     """Packed sequences (position_ids restarts, sdpa) attend only within their sequence."""
     from transformers import AutoModelForCausalLM

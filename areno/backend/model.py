@@ -155,10 +155,25 @@ class PolicyModule(nn.Module):
         self.chunk_size = chunk_size
 
     def forward(self, input_ids, position_ids, targets, attention_mask=None):
+        if attention_mask is None and getattr(self.hf.config, "_attn_implementation", None) == "sdpa":
+            # Our own block-diagonal mask (passed 4-D, transformers uses it as is):
+            # its packed-sequence detection would cost a host sync per forward on GPU.
+            attention_mask = packed_causal_mask(position_ids)
         out = self.hf.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
         )
         return chunked_logprobs(out.last_hidden_state, self.hf.lm_head.weight, targets, self.chunk_size)
+
+
+def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, L] positions of back-to-back sequences -> [B, 1, L, L] bool, True where
+    query i may attend key j: same sequence and j <= i. The sequence of i starts at
+    i - position_ids[i], so no sequence ids and no host sync are needed."""
+    L = position_ids.shape[-1]
+    i = torch.arange(L, device=position_ids.device)
+    start = i[None, :] - position_ids  # [B, L] first position of each query's sequence
+    j = i[None, None, :]
+    return ((j >= start[:, :, None]) & (j <= i[None, :, None]))[:, None]
 
 
 @dataclass
