@@ -133,5 +133,20 @@ def truncate_metrics(path: Path, last_step: int) -> None:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """Every record of a metrics.jsonl. A last line cut short (the trainer was
+    killed mid-write) is dropped; a bad line anywhere else is a UserError."""
+    from areno.errors import UserError
+
+    text = Path(path).read_text()
+    lines = text.split("\n")
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1:  # no newline after it: an unfinished write
+                break
+            raise UserError(f"{path}: line {i + 1} is not a JSON object") from None
+    return out

@@ -5,6 +5,7 @@ this module is the loop itself, one call per phase."""
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import replace
@@ -13,6 +14,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from areno.advantages import group_advantages
+from areno.backend.controller import BackendError
+from areno.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config import TrainConfig
 from areno.data import select
 from areno.pack import build_split_pack
@@ -52,13 +55,28 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
             return
         if run.step == 0:
             run.maybe_eval(0, force=True)
-        for step in range(run.step + 1, run.total_steps + 1):
-            metrics = train_step(run, step)
-            run.step = step
-            run.logger.log(step, metrics)
-            run.maybe_save(step)
-            run.maybe_eval(step)
+        try:
+            for step in range(run.step + 1, run.total_steps + 1):
+                metrics = train_step(run, step)
+                run.step = step
+                run.logger.log(step, metrics)
+                run.maybe_save(step)
+                run.maybe_eval(step)
+        except BackendError as e:  # a rank died or failed: every process is stopped on the way out
+            stopped(run, e)
         run.finish()
+
+
+def stopped(run: Run, e: BackendError) -> None:
+    """Report a backend failure as one last line (after the rank's traceback, if it
+    sent one: that is a bug worth reading) and exit 1, naming what to resume from."""
+    last = latest_checkpoint(checkpoint_root(run.cfg, run.output_dir))
+    if e.remote_traceback:
+        print(e.remote_traceback, file=sys.stderr)
+    print(f"areno: error: training stopped in step {run.step + 1}: {e.remote_message}"
+          + (f"; continue from the last complete checkpoint with --resume {last}" if last else ""),
+          file=sys.stderr, flush=True)
+    raise SystemExit(1)
 
 
 def train_step(run: Run, step: int) -> dict[str, float]:

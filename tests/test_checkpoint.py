@@ -1,0 +1,222 @@
+"""checkpoint.py without processes: which directories count as checkpoints, the
+atomic save (temp dir + rename), pruning, failed saves, and what a save adds
+on top of the backend's files (source generation settings, controller RNG).
+
+The backend is a fake that writes files the way TorchBackend does; the real
+backend is exercised end to end in test_resume.py and test_faults.py."""
+
+from __future__ import annotations
+
+import errno
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from areno.backend.controller import BackendError
+from areno.checkpoint import (
+    STATE_FILE,
+    latest_checkpoint,
+    list_checkpoints,
+    read_state,
+    restore_controller_rng,
+    save_checkpoint,
+    save_controller_rng,
+)
+from areno.config import TrainConfig
+from areno.errors import UserError
+
+
+def make_ckpt(root: Path, name: str, complete: bool = True) -> Path:
+    p = root / name
+    p.mkdir(parents=True)
+    (p / "model.safetensors").write_bytes(b"x")
+    if complete:
+        (p / STATE_FILE).write_text(json.dumps({"step": 1}))
+    return p
+
+
+@dataclass
+class FakeBackend:
+    """Writes what TorchBackend writes: HF files (config with use_cache off, a
+    generation_config derived from it) and a backend/ state directory."""
+
+    fail_on: str | None = None  # "save_pretrained" | "save_state"
+    error: BaseException | None = None
+    tag: str = "a"
+
+    def save_pretrained(self, path: Path) -> None:
+        if self.fail_on == "save_pretrained":
+            raise self.error
+        path.mkdir(parents=True)
+        (path / "model.safetensors").write_text(self.tag)
+        (path / "config.json").write_text(json.dumps({"model_type": "qwen3", "use_cache": False}))
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+
+    def save_state(self, path: Path) -> None:
+        path.mkdir(parents=True)
+        (path / "trainer.pt").write_text(self.tag)
+        if self.fail_on == "save_state":
+            raise self.error
+
+
+class FakeTokenizer:
+    def save_pretrained(self, path: str) -> None:
+        (Path(path) / "tokenizer.json").write_text("{}")
+
+
+class FakeSampler:
+    def state_dict(self) -> dict:
+        return {"epoch": 3, "position": 8, "seed": 0, "num_prompts": 55, "batch_size": 4}
+
+
+@dataclass
+class FakeRun:
+    output_dir: Path
+    model_path: str
+    keep_last: int = 2
+    backend: FakeBackend = field(default_factory=FakeBackend)
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    sampler: FakeSampler = field(default_factory=FakeSampler)
+
+    def __post_init__(self) -> None:
+        self.cfg = TrainConfig(keep_last=self.keep_last, output_dir=str(self.output_dir))
+
+
+@pytest.fixture
+def run(tmp_path) -> FakeRun:
+    return FakeRun(tmp_path / "run", model_path=str(tmp_path / "no-such-model"))
+
+
+def entries(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_temp_old_and_incomplete_dirs_are_never_listed(tmp_path):
+    good = make_ckpt(tmp_path, "step_000001")
+    make_ckpt(tmp_path, ".tmp-step_000002-123")  # a save in progress (even with its state file)
+    make_ckpt(tmp_path, "..tmp-step_000002-123.tmp-ab12")  # the backend's own temp dir
+    make_ckpt(tmp_path, ".old-step_000001-9")  # a replaced checkpoint on its way out
+    make_ckpt(tmp_path, "step_000003", complete=False)  # no trainer_state.json
+    make_ckpt(tmp_path, "step_x")
+    (tmp_path / "step_000004").write_text("a file")
+    assert list_checkpoints(tmp_path) == [good]
+    assert latest_checkpoint(tmp_path) == good
+    assert list_checkpoints(tmp_path / "missing") == [] and latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_latest_is_the_highest_step_number_not_the_last_name(tmp_path):
+    make_ckpt(tmp_path, "step_000009")
+    make_ckpt(tmp_path, "step_000010")
+    big = make_ckpt(tmp_path, "step_1000000")  # past the 6-digit padding
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000009", "step_000010", "step_1000000"]
+    assert latest_checkpoint(tmp_path) == big
+
+
+def test_save_is_complete_renamed_and_pruned_to_keep_last(run):
+    for step in (1, 2, 3):
+        save_checkpoint(run, step)
+    root = run.output_dir / "checkpoints"
+    assert entries(root) == ["step_000002", "step_000003"]  # no temp dir, step 1 pruned
+    ck = root / "step_000003"
+    state = read_state(ck)
+    assert state["step"] == 3 and state["sampler"]["epoch"] == 3 and state["sampler"]["position"] == 8
+    assert state["config"]["keep_last"] == 2 and state["model_path"] == run.model_path
+    for f in ("model.safetensors", "config.json", "tokenizer.json", "controller_rng.pt",
+              "backend/trainer.pt"):
+        assert (ck / f).is_file(), f
+
+
+def test_keep_last_zero_keeps_every_checkpoint(tmp_path):
+    run = FakeRun(tmp_path / "run", model_path=str(tmp_path / "none"), keep_last=0)
+    for step in (1, 2, 3):
+        save_checkpoint(run, step)
+    assert len(list_checkpoints(run.output_dir / "checkpoints")) == 3
+
+
+def test_save_path_overrides_the_run_directory(tmp_path):
+    run = FakeRun(tmp_path / "run", model_path=str(tmp_path / "none"))
+    run.cfg.save_path = str(tmp_path / "elsewhere")
+    assert save_checkpoint(run, 5) == tmp_path / "elsewhere" / "step_000005"
+    assert not (run.output_dir / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("fail_on, error, why", [
+    ("save_state", OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
+    ("save_pretrained", OSError(errno.EACCES, "Permission denied"), "Permission denied"),
+    ("save_state", BackendError("save_state: rank 0 failed: OSError: [Errno 28] No space left"),
+     "rank 0 failed"),
+])
+def test_failed_save_is_one_clear_error_and_leaves_the_previous_checkpoint(run, fail_on, error, why):
+    save_checkpoint(run, 1)
+    run.backend = FakeBackend(fail_on=fail_on, error=error, tag="b")
+    with pytest.raises(UserError) as info:
+        save_checkpoint(run, 2)
+    msg = str(info.value)
+    assert "\n" not in msg and "step_000002" in msg and why in msg and "previous checkpoint is intact" in msg
+    root = run.output_dir / "checkpoints"
+    assert entries(root) == ["step_000001"]  # no temp dir left behind
+    assert (root / "step_000001" / "model.safetensors").read_text() == "a"
+
+
+def test_leftovers_of_an_interrupted_save_are_removed_by_the_next_save(run):
+    root = run.output_dir / "checkpoints"
+    make_ckpt(root, ".tmp-step_000002-77")
+    make_ckpt(root, "..tmp-step_000002-77.tmp-ab12")
+    make_ckpt(root, ".old-step_000001-77")
+    save_checkpoint(run, 2)
+    assert entries(root) == ["step_000002"]
+
+
+def test_resaving_a_step_replaces_it_whole(run):
+    save_checkpoint(run, 2)
+    run.backend = FakeBackend(tag="b")
+    save_checkpoint(run, 2)
+    root = run.output_dir / "checkpoints"
+    assert entries(root) == ["step_000002"]
+    assert (root / "step_000002" / "model.safetensors").read_text() == "b"
+
+
+def test_checkpoint_keeps_the_source_models_generation_settings(tmp_path, tiny_arith_path):
+    """The arith model stops at eos 2 or pad 0; a checkpoint that forgot 0 would
+    sample differently from the model it was saved from (seen as a resumed run
+    drifting from an uninterrupted one)."""
+    run = FakeRun(tmp_path / "run", model_path=str(tiny_arith_path))
+    ck = save_checkpoint(run, 1)
+    src_gen = json.loads((tiny_arith_path / "generation_config.json").read_text())
+    gen = json.loads((ck / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == src_gen["eos_token_id"] and len(gen["eos_token_id"]) == 2
+    assert json.loads((ck / "config.json").read_text())["use_cache"] is True
+
+
+def test_controller_rng_round_trip(tmp_path):
+    save_controller_rng(tmp_path / "rng.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(1).item())
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "rng.pt").rename(tmp_path / "ck" / "controller_rng.pt")
+    restore_controller_rng(tmp_path / "ck")
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+    restore_controller_rng(tmp_path / "missing")  # older checkpoints: a no-op
+
+
+def test_read_state_of_an_incomplete_checkpoint_is_a_user_error(tmp_path):
+    make_ckpt(tmp_path, "step_000001", complete=False)
+    with pytest.raises(UserError, match="not a complete areno checkpoint"):
+        read_state(tmp_path / "step_000001")
+
+
+def test_resume_latest_skips_temp_dirs_and_says_when_there_is_nothing(tmp_path):
+    from areno.setup import find_resume
+
+    cfg = TrainConfig(output_dir=str(tmp_path), resume="latest")
+    with pytest.raises(UserError, match="no complete checkpoint under"):
+        find_resume(cfg)
+    good = make_ckpt(tmp_path / "checkpoints", "step_000003")
+    make_ckpt(tmp_path / "checkpoints", ".tmp-step_000004-1")
+    make_ckpt(tmp_path / "checkpoints", "step_000005", complete=False)
+    assert find_resume(cfg) == good
+    assert find_resume(TrainConfig(resume=str(good))) == good

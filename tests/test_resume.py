@@ -1,0 +1,167 @@
+"""Resume end to end: a run stopped at a checkpoint and resumed continues
+exactly as the uninterrupted run did (same prompts, same metrics), and its
+checkpoints load as they are in transformers and in vLLM.
+
+The pair of runs uses the real default path (vLLM rollouts, 2 gloo ranks): the
+resumed run loads its model into vLLM and both ranks straight from the
+checkpoint directory. Helpers here are shared by test_faults.py and
+test_eval_plot.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# The embedded demo (tiny arith model, builtin task), small and quick.
+SMALL = ["--batch-size", "4", "--n-samples", "4"]
+HF1 = [*SMALL, "--rollout-engine", "hf", "--world-size", "1"]
+DEMO_PROMPTS = 55  # areno.tasks.arith: a+b < 10
+# Metrics that measure time, not what was computed.
+UNTIMED = ("time/", "perf/")
+
+
+def cli(args: list[str], cache: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m areno.cli ARGS` with the test session's tiny-model cache."""
+    return subprocess.run([sys.executable, "-m", "areno.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO, env=cli_env(cache))
+
+
+def cli_env(cache: Path) -> dict:
+    return {**os.environ, "ARENO_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+
+
+def popen_train(args: list[str], cache: Path) -> subprocess.Popen:
+    """`areno train ARGS` in the background, in a session (process group) of its own."""
+    return subprocess.Popen([sys.executable, "-m", "areno.cli", "train", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=cli_env(cache), start_new_session=True)
+
+
+def ok(res: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_steps(run_dir: Path) -> dict[int, dict]:
+    """step -> training record (eval records left out)."""
+    return {r["step"]: r for r in read_metrics(run_dir) if "reward/mean" in r}
+
+
+def expected_prompt_hashes(steps: range, batch_size: int, seed: int = 0,
+                           num_prompts: int = DEMO_PROMPTS) -> dict[int, float]:
+    """The data order an uninterrupted run draws, straight from PromptSampler."""
+    from areno.data import PromptSampler
+    from areno.trainer import prompt_hash
+
+    sampler = PromptSampler(num_prompts, batch_size, seed)
+    out = {}
+    for step in range(1, steps.stop):
+        idx = sampler.next_batch()
+        if step in steps:
+            out[step] = prompt_hash(idx)
+    return out
+
+
+def assert_same_steps(a: dict, b: dict, steps, rel: float = 1e-5) -> None:
+    """Same prompts exactly; every computed metric equal within `rel` (CPU fp32
+    with per-step seeds is deterministic, so in practice they are identical)."""
+    for s in steps:
+        assert a[s]["data/prompt_hash"] == b[s]["data/prompt_hash"], f"step {s}: other prompts"
+        keys = [k for k in a[s] if not k.startswith(UNTIMED)]
+        assert sorted(keys) == sorted(k for k in b[s] if not k.startswith(UNTIMED))
+        for k in keys:
+            assert math.isclose(a[s][k], b[s][k], rel_tol=rel, abs_tol=1e-7), (s, k, a[s][k], b[s][k])
+
+
+def pgroup_alive(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group pgid."""
+    alive = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(d.name))
+    return alive
+
+
+def wait_group_gone(pgid: int, seconds: float = 10.0) -> list[int]:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while (left := pgroup_alive(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+# ---------------------------------------------------------------------------
+FLAGS = [*SMALL, "--world-size", "2", "--max-steps", "4", "--save-interval", "2", "--seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, areno_cache) -> Path:
+    """4 steps, checkpoints at 2 and 4 (all kept), vLLM rollouts, 2 ranks."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    ok(cli(["train", *FLAGS, "--keep-last", "0", "--output-dir", str(out)], areno_cache))
+    return out
+
+
+@pytest.mark.slow
+def test_resumed_run_repeats_the_uninterrupted_runs_steps(uninterrupted, tmp_path, areno_cache):
+    ckpt = uninterrupted / "checkpoints" / "step_000002"
+    out = tmp_path / "resumed"
+    res = ok(cli(["train", *FLAGS, "--resume", str(ckpt), "--output-dir", str(out)], areno_cache))
+    assert "resumed at step 2" in res.stdout
+    full, resumed = train_steps(uninterrupted), train_steps(out)
+    assert sorted(full) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
+    assert_same_steps(full, resumed, [3, 4])
+    expected = expected_prompt_hashes(range(1, 5), batch_size=4, seed=3)
+    assert {s: full[s]["data/prompt_hash"] for s in full} == expected
+    # ... and the same model comes out.
+    from safetensors.numpy import load_file
+
+    a = load_file(uninterrupted / "checkpoints/step_000004/model.safetensors")
+    b = load_file(out / "checkpoints/step_000004/model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+@pytest.mark.slow
+def test_checkpoint_is_a_plain_hf_directory_with_the_trainer_state(uninterrupted, tiny_arith_path):
+    """transformers loads it as it is (vLLM does too: the resumed run above starts
+    its engine from the checkpoint directory)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt = uninterrupted / "checkpoints" / "step_000004"
+    assert [p.name for p in (uninterrupted / "checkpoints").iterdir()
+            if p.name.startswith(".")] == []  # no temp dirs left
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    assert tok("1+2=")["input_ids"] == AutoTokenizer.from_pretrained(tiny_arith_path)("1+2=")["input_ids"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_arith_path, dtype=torch.float32)
+    assert model.generation_config.eos_token_id == base.generation_config.eos_token_id
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), base.parameters()))
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["step"] == 4 and state["config"]["seed"] == 3
+    assert {"epoch", "position", "seed"} <= state["sampler"].keys()
+    backend = ckpt / "backend"
+    assert (backend / "trainer.pt").is_file()
+    assert sorted(p.name for p in backend.glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]
+    assert (ckpt / "controller_rng.pt").is_file()
