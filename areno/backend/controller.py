@@ -16,37 +16,19 @@ import os
 import secrets
 import shutil
 import signal
-import socket
-import sys
-import threading
 import time
 import weakref
-from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import torch
 
 from areno.backend.config import BackendConfig
+from areno.backend.errors import BackendError
 from areno.backend.handoff import PackWriter, RankHandoff, ShmSegment
+from areno.backend.launch import accept_ranks, free_port, spawn_ranks  # noqa: F401 (free_port re-exported)
 from areno.backend.weights import WeightLayout, probe_ids
 from areno.pack import SplitPack
-
-
-class BackendError(RuntimeError):
-    """A rank failed (exception, death, timeout); the backend has been shut down."""
-
-    def __init__(self, message: str, *, rank: int | None = None, remote_traceback: str | None = None):
-        full = message if not remote_traceback else f"{message}\n--- rank {rank} traceback ---\n{remote_traceback}"
-        super().__init__(full)
-        self.rank = rank
-        self.remote_message = message
-        self.remote_traceback = remote_traceback
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class TorchBackend:
@@ -69,9 +51,9 @@ class TorchBackend:
         )
         try:
             if config.launcher == "spawn":
-                self._spawn()
+                self._procs.extend(spawn_ranks(config, self._conns))
             else:
-                self._accept_external()
+                accept_ranks(config, self._conns, self._marker)
             self._hellos = self._gather("startup", config.startup_timeout_s)
         except BaseException:
             self._abort()
@@ -83,70 +65,6 @@ class TorchBackend:
         self._probe_ids = probe_ids(self.vocab_size)
 
     # -- lifecycle -----------------------------------------------------------
-    def _spawn(self) -> None:
-        import torch.multiprocessing as tmp
-
-        from areno.backend.rank import spawn_main
-
-        cfg = self.config
-        ctx = tmp.get_context("spawn")
-        port = cfg.master_port or free_port(cfg.master_addr)
-        pdeathsig = threading.current_thread() is threading.main_thread()
-        for r in range(cfg.world_size):
-            parent, child = ctx.Pipe(duplex=True)
-            env = {
-                "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "RANK": str(r),
-                "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r),
-                "LOCAL_WORLD_SIZE": str(cfg.world_size),
-            }
-            p = ctx.Process(
-                target=spawn_main, args=(cfg, child, env, os.getpid(), pdeathsig),
-                name=f"areno-rank{r}", daemon=True,
-            )
-            p.start()
-            child.close()
-            self._procs.append(p)
-            self._conns[r] = parent
-
-    def _accept_external(self) -> None:
-        """torchrun launcher: listen, let world_size ranks dial in (see docs/BACKEND.md)."""
-        cfg = self.config
-        key_hex = os.environ.get("ARENO_BACKEND_AUTHKEY") or secrets.token_hex(16)
-        os.environ["ARENO_BACKEND_AUTHKEY"] = key_hex
-        token = secrets.token_bytes(16)
-        self._marker.ensure(len(token), headroom=0.0)
-        self._marker.buf[: len(token)] = token
-        listener = Listener((cfg.listen_host, cfg.listen_port), authkey=bytes.fromhex(key_hex))
-        print(
-            f"areno backend: waiting for {cfg.world_size} ranks on {cfg.listen_host}:{cfg.listen_port}; "
-            f"start them with ARENO_BACKEND_AUTHKEY={key_hex} torchrun ... -m areno.backend.rank "
-            f"--connect <this-host>:{cfg.listen_port}", file=sys.stderr, flush=True,
-        )
-        accepted: list = []
-
-        def accept_all() -> None:
-            try:
-                while len(accepted) < cfg.world_size:
-                    accepted.append(listener.accept())
-            except OSError:
-                pass
-
-        t = threading.Thread(target=accept_all, daemon=True)
-        t.start()
-        t.join(cfg.startup_timeout_s)
-        listener.close()
-        if len(accepted) < cfg.world_size:
-            for c in accepted:
-                c.close()
-            raise BackendError(f"startup: {len(accepted)} of {cfg.world_size} ranks connected "
-                               f"within {cfg.startup_timeout_s:g}s")
-        for conn in accepted:
-            _, rank, world, _host = conn.recv()
-            if world != cfg.world_size or not 0 <= rank < world or self._conns[rank] is not None:
-                raise BackendError(f"startup: rank {rank} of {world} does not fit world_size {cfg.world_size}")
-            self._conns[rank] = conn
-            conn.send((cfg, (self._marker.name, token)))
-
     def close(self) -> None:
         """Ask every rank to exit, then make sure they have; unlink all segments."""
         if self._closed:

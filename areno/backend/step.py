@@ -184,8 +184,7 @@ class RankTrainer:
             self.scheduler.step()
             self.step += 1
             self.nan_streak = 0
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+        else:  # skip: the gradients are dropped below, weights and schedule stay
             self.nan_streak += 1
         self.optimizer.zero_grad(set_to_none=True)
         out = finalize_loss_metrics({k: v[k] for k in LOSS_SUM_KEYS + tuple(MAX_METRICS)})

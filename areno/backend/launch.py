@@ -1,0 +1,98 @@
+"""Starting ranks: spawn them here (one node) or accept ranks torchrun started (multi-node)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import sys
+import threading
+from multiprocessing.connection import Connection, Listener
+
+from areno.backend.config import BackendConfig
+from areno.backend.errors import BackendError
+from areno.backend.handoff import ShmSegment
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(cfg: BackendConfig, conns: list[Connection | None]) -> list:
+    """Start world_size rank processes (spawn context); fills conns[r]; returns the processes."""
+    import torch.multiprocessing as tmp
+
+    from areno.backend.rank import spawn_main
+
+    ctx = tmp.get_context("spawn")
+    port = cfg.master_port or free_port(cfg.master_addr)
+    # PR_SET_PDEATHSIG fires when the spawning *thread* exits: only safe from the main thread
+    pdeathsig = threading.current_thread() is threading.main_thread()
+    procs = []
+    for r in range(cfg.world_size):
+        parent, child = ctx.Pipe(duplex=True)
+        env = {
+            "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "RANK": str(r),
+            "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": str(cfg.world_size),
+        }
+        p = ctx.Process(
+            target=spawn_main, args=(cfg, child, env, os.getpid(), pdeathsig),
+            name=f"areno-rank{r}", daemon=True,
+        )
+        p.start()
+        child.close()
+        procs.append(p)
+        conns[r] = parent
+    return procs
+
+
+def accept_ranks(cfg: BackendConfig, conns: list[Connection | None], marker: ShmSegment) -> None:
+    """torchrun launcher: listen until world_size ranks dial in; fills conns[rank].
+
+    Each rank gets the config and the name of a marker segment holding a random
+    token: a rank that can read it shares this host's /dev/shm (see rank.py).
+    """
+    key_hex = os.environ.get("ARENO_BACKEND_AUTHKEY") or secrets.token_hex(16)
+    os.environ["ARENO_BACKEND_AUTHKEY"] = key_hex
+    token = secrets.token_bytes(16)
+    marker.ensure(len(token), headroom=0.0)
+    marker.buf[: len(token)] = token
+    listener = Listener((cfg.listen_host, cfg.listen_port), authkey=bytes.fromhex(key_hex))
+    print(
+        f"areno backend: waiting for {cfg.world_size} ranks on {cfg.listen_host}:{cfg.listen_port}; "
+        f"start them with ARENO_BACKEND_AUTHKEY={key_hex} torchrun ... -m areno.backend.rank "
+        f"--connect <this-host>:{cfg.listen_port}", file=sys.stderr, flush=True,
+    )
+    accepted: list[Connection] = []
+
+    def accept_all() -> None:
+        try:
+            while len(accepted) < cfg.world_size:
+                accepted.append(listener.accept())
+        except OSError:  # listener closed on timeout
+            pass
+
+    t = threading.Thread(target=accept_all, daemon=True)
+    t.start()
+    t.join(cfg.startup_timeout_s)
+    listener.close()
+    try:
+        if len(accepted) < cfg.world_size:
+            raise BackendError(f"startup: {len(accepted)} of {cfg.world_size} ranks connected "
+                               f"within {cfg.startup_timeout_s:g}s")
+        for conn in accepted:
+            if not conn.poll(cfg.startup_timeout_s):
+                raise BackendError("startup: a rank connected but never said hello")
+            _, rank, world, _host = conn.recv()
+            if world != cfg.world_size or not 0 <= rank < world or conns[rank] is not None:
+                raise BackendError(f"startup: rank {rank} of {world} does not fit world_size {cfg.world_size}")
+            conns[rank] = conn
+            conn.send((cfg, (marker.name, token)))
+    except BaseException:
+        for c in accepted:
+            if c not in conns:
+                c.close()
+        raise
