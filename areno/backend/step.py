@@ -1,9 +1,9 @@
 """One rank's share of `TorchBackend.train`: epochs x mini-batches x micro-batches.
 
 Every metric of an optimizer step stays on the device until the end of the
-step, where the rank all-reduces one stacked vector of sums and one of maxima
-and reads both back with ONE device-to-host copy (`Tensor.tolist` on the
-concatenation). That readback happens after gradient clipping and before
+step, where the rank all-gathers one stacked vector (sums and maxima), reduces
+it on the device and reads it back with ONE device-to-host copy
+(`Tensor.tolist`). That readback happens after gradient clipping and before
 `optimizer.step()`, so the host sees the grad norm and the loss and decides
 there whether to step or to skip a non-finite update: no second sync. All
 ranks read the same reduced values, so they all decide the same way.
@@ -169,12 +169,16 @@ class RankTrainer:
         return self._apply(values)
 
     def _reduce_and_read(self, sums: dict, maxes: dict) -> dict[str, float]:
-        s = torch.stack([sums[k] for k in SUM_KEYS])
-        x = torch.stack([maxes[k] for k in MAX_KEYS])
+        """One stacked vector, one all_gather (then sum / max per key on the device,
+        where NaN propagates the same way on every backend), one readback."""
+        vec = torch.stack([sums[k] for k in SUM_KEYS] + [maxes[k] for k in MAX_KEYS])
         if self.world > 1:
-            dist.all_reduce(s, op=dist.ReduceOp.SUM)
-            dist.all_reduce(x, op=dist.ReduceOp.MAX)
-        host = torch.cat([s, x]).tolist()  # THE one device-to-host copy of the step
+            parts = [torch.empty_like(vec) for _ in range(self.world)]
+            dist.all_gather(parts, vec)
+            every = torch.stack(parts)  # [R, n]
+            n = len(SUM_KEYS)
+            vec = torch.cat([every[:, :n].sum(0), every[:, n:].amax(0)])
+        host = vec.tolist()  # THE one device-to-host copy of the step
         return dict(zip(SUM_KEYS + MAX_KEYS, host))
 
     def _apply(self, v: dict[str, float]) -> dict[str, float]:
