@@ -77,12 +77,60 @@ def save_checkpoint(run: Any, step: int) -> Path:
         _replace_dir(tmp, final)
         _fsync_dir(root)
     except (OSError, BackendError) as e:
+        full = disk_full_note(root, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        why = e.strerror if isinstance(e, OSError) and e.strerror else " ".join(str(e).split())[:300]
-        raise UserError(f"cannot save checkpoint {final}: {why} "
-                        "(the previous checkpoint is intact)") from None
+        raise UserError(f"cannot save checkpoint {final}: {full + ': ' if full else ''}"
+                        f"{_save_failure(e)} (the previous checkpoint is intact)") from None
     prune(root, run.cfg.keep_last)
     return final
+
+
+def disk_full_note(root: Path, tmp: Path) -> str | None:
+    """Say so when a failed save looks like a full disk: less than 16 MiB free, or
+    less than another checkpoint as big as the last one needs. (torch.save's zip
+    writer reports ENOSPC as "unexpected pos", with no errno to go by.)"""
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return None
+    last = latest_checkpoint(root)
+    need = _du(last) if last else 0
+    if free >= LOW_SPACE and free + _du(tmp) >= need:
+        return None
+    return (f"no space left on the device of {root} ({free / 2**20:.1f} MiB free"
+            + (f"; a checkpoint takes {need / 2**20:.1f} MiB" if need else "") + ")")
+
+
+def _du(path: Path) -> int:
+    total = 0
+    for d, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(d, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _save_failure(e: BaseException) -> str:
+    """The cause on one line: the OS error (ENOSPC, EACCES, ...) when there is one,
+    even inside a rank's error, else the rank's message and its exception's last
+    line (torch.distributed.checkpoint nests a whole traceback in its message)."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    m = _ERRNO.search(str(e))
+    rank = getattr(e, "rank", None)
+    if m:
+        return m.group(1).strip() + (f" (on rank {rank})" if rank is not None else "")
+    if isinstance(e, BackendError):
+        head = e.remote_message.strip().splitlines()[0]
+        tail = [ln for ln in (e.remote_traceback or "").splitlines() if ln.strip()]
+        return " ".join(f"{head}{' ... ' + tail[-1].strip() if tail else ''}".split())[:400]
+    return " ".join(str(e).split())[:400]
+
+
+_ERRNO = re.compile(r"\[Errno \d+\] ([^\n'\"():]+)")
+LOW_SPACE = 16 << 20  # bytes
 
 
 def remove_stale(root: Path) -> None:

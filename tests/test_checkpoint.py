@@ -148,8 +148,11 @@ def test_save_path_overrides_the_run_directory(tmp_path):
 @pytest.mark.parametrize("fail_on, error, why", [
     ("save_state", OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
     ("save_pretrained", OSError(errno.EACCES, "Permission denied"), "Permission denied"),
-    ("save_state", BackendError("save_state: rank 0 failed: OSError: [Errno 28] No space left"),
-     "rank 0 failed"),
+    ("save_state", BackendError("save_state: rank 0 failed: OSError: [Errno 28] No space left on "
+                                "device: '/ck/backend/optim/__0_0.distcp'", rank=0),
+     "No space left on device (on rank 0)"),
+    ("save_pretrained", BackendError("save_pretrained: rank 1 died (killed by SIGKILL)", rank=1),
+     "save_pretrained: rank 1 died (killed by SIGKILL)"),
 ])
 def test_failed_save_is_one_clear_error_and_leaves_the_previous_checkpoint(run, fail_on, error, why):
     save_checkpoint(run, 1)
@@ -220,3 +223,24 @@ def test_resume_latest_skips_temp_dirs_and_says_when_there_is_nothing(tmp_path):
     make_ckpt(tmp_path / "checkpoints", "step_000005", complete=False)
     assert find_resume(cfg) == good
     assert find_resume(TrainConfig(resume=str(good))) == good
+
+
+def test_a_failed_save_on_a_full_disk_says_so(run, monkeypatch):
+    """torch.save reports ENOSPC as "unexpected pos" with no errno; free space tells."""
+    import shutil
+    from collections import namedtuple
+
+    save_checkpoint(run, 1)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(5 << 20, (5 << 20) - 4096, 4096))
+    run.backend = FakeBackend(fail_on="save_state", error=BackendError(
+        "save_state: rank 0 failed: CheckpointException", rank=0,
+        remote_traceback="Traceback ...\nRuntimeError: unexpected pos 704 vs 598\n"))
+    with pytest.raises(UserError, match=r"no space left on the device of .*0\.0 MiB free.*"
+                                        r"unexpected pos 704 vs 598 \(the previous checkpoint"):
+        save_checkpoint(run, 2)
+    monkeypatch.undo()
+    run.backend = FakeBackend(fail_on="save_state", error=OSError(errno.EIO, "I/O error"))
+    with pytest.raises(UserError) as info:
+        save_checkpoint(run, 2)
+    assert "no space" not in str(info.value) and "I/O error" in str(info.value)

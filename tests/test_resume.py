@@ -35,7 +35,8 @@ def cli(args: list[str], cache: Path, timeout: float = 300) -> subprocess.Comple
 
 
 def cli_env(cache: Path) -> dict:
-    return {**os.environ, "ARENO_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    # COLUMNS: rich would wrap the console lines at 80 columns in a pipe.
+    return {**os.environ, "ARENO_CACHE": str(cache), "PYTHONUNBUFFERED": "1", "COLUMNS": "500"}
 
 
 def popen_train(args: list[str], cache: Path) -> subprocess.Popen:
