@@ -24,6 +24,15 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--batch-size", "4", "--n-samples", "4"]
 HF1 = [*SMALL, "--rollout-engine", "hf", "--world-size", "1"]
 DEMO_PROMPTS = 55  # areno.tasks.arith: a+b < 10
+EVAL_ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in
+             [(1, 2), (3, 4), (0, 5), (2, 2), (6, 1)]]
+# 1 for the right digit, 0.5 for another digit, 0 otherwise: graded, so the
+# untrained demo model scores something and pass@1 != reward@1.
+DIGIT_REWARD = """
+def reward_fn(record):
+    first = record.completion.strip()[:1]
+    return 1.0 if first == record.answer else 0.5 if first.isdigit() else 0.0
+"""
 # Metrics that measure time, not what was computed.
 UNTIMED = ("time/", "perf/")
 
@@ -111,28 +120,46 @@ def wait_group_gone(pgid: int, seconds: float = 10.0) -> list[int]:
 
 
 # ---------------------------------------------------------------------------
-FLAGS = [*SMALL, "--world-size", "2", "--max-steps", "4", "--save-interval", "2", "--seed", "3"]
+FLAGS = [*SMALL, "--world-size", "2", "--max-steps", "4", "--save-interval", "2", "--seed", "3",
+         "--eval-interval", "2", "--eval-n", "2"]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, areno_cache) -> Path:
-    """4 steps, checkpoints at 2 and 4 (all kept), vLLM rollouts, 2 ranks."""
+def eval_flags(tmp_path_factory) -> list[str]:
+    """A held-out set and a graded reward (eval mean@2 samples: its seed must survive a resume)."""
+    d = tmp_path_factory.mktemp("evalset")
+    (d / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in EVAL_ROWS))
+    (d / "digit.py").write_text(DIGIT_REWARD)
+    return ["--eval-dataset-path", str(d / "eval.jsonl"), "--reward-fn-path", str(d / "digit.py")]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, areno_cache, eval_flags) -> Path:
+    """4 steps, checkpoints at 2 and 4 (all kept), eval at 0, 2, 4, vLLM rollouts, 2 ranks."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    ok(cli(["train", *FLAGS, "--keep-last", "0", "--output-dir", str(out)], areno_cache))
+    ok(cli(["train", *FLAGS, *eval_flags, "--keep-last", "0", "--output-dir", str(out)],
+           areno_cache))
     return out
 
 
 @pytest.mark.slow
-def test_resumed_run_repeats_the_uninterrupted_runs_steps(uninterrupted, tmp_path, areno_cache):
+def test_resumed_run_repeats_the_uninterrupted_runs_steps(uninterrupted, tmp_path, areno_cache,
+                                                          eval_flags):
     ckpt = uninterrupted / "checkpoints" / "step_000002"
     out = tmp_path / "resumed"
-    res = ok(cli(["train", *FLAGS, "--resume", str(ckpt), "--output-dir", str(out)], areno_cache))
+    res = ok(cli(["train", *FLAGS, *eval_flags, "--resume", str(ckpt), "--output-dir", str(out)],
+                 areno_cache))
     assert "resumed at step 2" in res.stdout
     full, resumed = train_steps(uninterrupted), train_steps(out)
     assert sorted(full) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
     assert_same_steps(full, resumed, [3, 4])
     expected = expected_prompt_hashes(range(1, 5), batch_size=4, seed=3)
     assert {s: full[s]["data/prompt_hash"] for s in full} == expected
+    # the step-4 eval, greedy and sampled, is the same too
+    evals = [{r["step"]: r for r in read_metrics(d) if "eval/pass@1" in r} for d in (uninterrupted, out)]
+    assert sorted(evals[0]) == [0, 2, 4] and sorted(evals[1]) == [4]
+    assert evals[0][4] == evals[1][4]
+    assert any(r["eval/reward@1"] > 0 or r["eval/mean@2"] > 0 for r in evals[0].values())
     # ... and the same model comes out.
     from safetensors.numpy import load_file
 
