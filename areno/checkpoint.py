@@ -64,7 +64,10 @@ def save_checkpoint(run: Any, step: int) -> Path:
         run.backend.save_pretrained(tmp)  # HF model files at the top level (creates tmp)
         restore_source_settings(tmp, run.model_path)
         run.backend.save_state(tmp / "backend")  # optimizer, scheduler, RNG of every rank
-        run.tokenizer.save_pretrained(str(tmp))
+        if not (tmp / "tokenizer_config.json").is_file():
+            # The backend copies a local source's tokenizer files verbatim (transformers 5
+            # would rewrite tokenizer_class, which older transformers cannot load).
+            run.tokenizer.save_pretrained(str(tmp))
         save_controller_rng(tmp / CONTROLLER_RNG)
         state = {
             "step": step,

@@ -158,7 +158,7 @@ def test_hanging_reward_is_killed_at_the_timeout_and_handled_by_policy(policy, t
     plugin.write_text(HANG)
     out = tmp_path / "run"
     t0 = time.monotonic()
-    res = cli(["train", *HF1, "--max-steps", "2", "--no-save", "--output-dir", str(out),
+    res = cli(["train", *HF1, "--max-steps", "1", "--no-save", "--output-dir", str(out),
                "--reward-fn-path", str(plugin), "--reward-workers", "1", "--reward-timeout", "1",
                "--on-reward-error", policy], areno_cache, timeout=180)
     assert time.monotonic() - t0 < 120
@@ -169,7 +169,7 @@ def test_hanging_reward_is_killed_at_the_timeout_and_handled_by_policy(policy, t
         return
     ok(res)
     steps = train_steps(out)
-    assert sorted(steps) == [1, 2]
+    assert sorted(steps) == [1]
     for m in steps.values():
         assert m["reward/timeouts"] == 1.0
         if policy == "zero":
@@ -181,7 +181,7 @@ def test_hanging_reward_is_killed_at_the_timeout_and_handled_by_policy(policy, t
 # -- a dying rank ---------------------------------------------------------------------
 def test_killed_rank_stops_the_run_within_seconds_cleanly_and_resumably(tmp_path, areno_cache):
     out = tmp_path / "run"
-    flags = [*HF1[:-1], "2", "--max-steps", "5", "--save-interval", "1", "--output-dir", str(out)]
+    flags = [*HF1[:-1], "2", "--max-steps", "4", "--save-interval", "1", "--output-dir", str(out)]
     assert flags[flags.index("--world-size") + 1] == "2"
     proc = popen_train(flags, areno_cache)
     wait_for(lambda: (out / "checkpoints" / "step_000002").is_dir(), proc)
@@ -198,7 +198,7 @@ def test_killed_rank_stops_the_run_within_seconds_cleanly_and_resumably(tmp_path
 
     res = ok(cli(["train", *flags, "--resume", "latest"], areno_cache))
     assert "resumed at step" in res.stdout
-    assert sorted(train_steps(out)) == [1, 2, 3, 4, 5]
+    assert sorted(train_steps(out)) == [1, 2, 3, 4]
 
 
 # -- disk full while saving ------------------------------------------------------------
