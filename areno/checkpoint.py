@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from areno.backend.controller import BackendError
+from areno.backend.errors import BackendError
 from areno.errors import UserError
 
 STEP_DIR = re.compile(r"^step_(\d+)$")

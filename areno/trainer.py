@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from areno.advantages import group_advantages
-from areno.backend.controller import BackendError
+from areno.backend.errors import BackendError
 from areno.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config import TrainConfig
 from areno.data import select

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from areno.backend.controller import BackendError
+from areno.backend.errors import BackendError
 from areno.checkpoint import (
     STATE_FILE,
     latest_checkpoint,
