@@ -1,0 +1,125 @@
+"""scripts/bench_longcot.py --quick: the real loop (controller, reward workers, 2
+CPU ranks) with the synthetic engine runs end to end, writes JSON with every
+field finite, and overlapped rewards give identical advantages and packs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "bench_longcot.py"
+
+STEP_FIELDS = (
+    "critical_s", "crit_decode_s", "crit_reward_s", "crit_advantages_s", "crit_pack_s", "crit_merge_s",
+    "crit_handoff_s", "crit_other_s", "crit_cpu_s", "decode_total_s", "gen_time_s", "handoff_write_s",
+    "handoff_ready_s", "first_wait_s", "rank_arrival_skew_s", "rank_prep_s", "readbacks", "opt_steps",
+    "readbacks_per_opt_step", "train_s", "rank_train_s", "export_s", "host_outside_s", "step_s",
+    "rss_peak_mb", "rss_growth_mb", "loadavg_1m", "pack_tokens",
+)
+MODES = ("areno_overlap_free", "reference_free", "areno_plain_free", "areno_overlap_5ms",
+         "areno_plain_5ms", "whatif_free", "whatif_5ms")
+
+
+def _finite(obj, path=""):
+    bad = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            bad += _finite(v, f"{path}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            bad += _finite(v, f"{path}[{i}]")
+    elif isinstance(obj, float) and not math.isfinite(obj):
+        bad.append(path)
+    return bad
+
+
+@pytest.mark.slow
+def test_bench_longcot_quick(tmp_path: Path) -> None:
+    out = tmp_path / "longcot.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert _finite(data) == []
+    assert data["meta"]["quick"] is True and data["meta"]["world_size"] == 2
+    for mode in MODES:
+        med = data["modes"][mode]["median"]
+        missing = [f for f in STEP_FIELDS if f not in med]
+        assert not missing, (mode, missing)
+        steps = data["modes"][mode]["steps"]
+        assert steps and all(f in s for s in steps for f in STEP_FIELDS)
+        assert med["critical_s"] > 0 and med["gen_time_s"] > 0 and med["opt_steps"] >= 1
+        assert med["readbacks_per_opt_step"] == 1.0, data["modes"][mode]["median"]
+    assert data["modes"]["reference_free"]["median"]["pickle_s"] > 0
+    checks = data["checks"]
+    for name in ("identical:areno_overlap_free==areno_plain_free",
+                 "identical:areno_overlap_5ms==areno_plain_5ms",
+                 "reference_equals_areno (advantages to 1e-5)"):
+        assert checks[name]["pass"], (name, checks[name])
+    assert all(c["pass"] for c in checks.values()), checks
+    names = {t["target"] for t in data["targets"]}
+    assert any("critical reward time" in n for n in names) and any("readbacks" in n for n in names)
+    assert "host critical path (end of generation -> hand-off written)" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def bl():
+    """scripts/bench_longcot.py imported as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_longcot", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_union_in(bl) -> None:
+    assert bl.union_in([], 0, 1) == 0
+    assert bl.union_in([(0, 2), (1, 3), (5, 6)], 0.5, 5.5) == pytest.approx(3.0)
+    assert bl.union_in([(0, 1), (0.2, 0.4)], 0, 10) == pytest.approx(1.0)
+
+
+class _Prompts:
+    def __init__(self, lengths, seed=0):
+        rng = np.random.default_rng(seed)
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self.ids = rng.integers(3, 50, int(self.offsets[-1])).astype(np.int32)
+
+    def __len__(self):
+        return self.offsets.size - 1
+
+
+def test_synthetic_engine_stream_equals_generate(bl) -> None:
+    from areno.rollout.batch import RolloutBatch
+
+    prompts = _Prompts([3, 5, 2, 7, 4, 6, 3])
+    eng = bl.SyntheticEngine(n=3, resp_len=20, max_new_tokens=30, vocab=(3, 100), gen_time_s=0.0, seed=1)
+    total = eng.prepare(prompts)
+    assert total == 7 * 3 * 20
+    order = np.array([4, 0, 6, 2, 1, 5, 3])
+    lens = np.diff(prompts.offsets)[order]
+    ids = np.concatenate([prompts.ids[prompts.offsets[p]:prompts.offsets[p + 1]] for p in order])
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    whole = eng.generate(ids, offsets, 3, None)
+    assert whole.num_responses == 21 and int(whole.response_lengths.max()) <= 30
+    assert np.all((whole.response_ids >= 3) & (whole.response_ids < 100))
+    parts = list(eng.generate_stream(ids, offsets, 3, None, min_groups=3))
+    assert [p.size for p, _ in parts] == [3, 3, 1]
+    finish = [max(eng.blocks[k].finish_s for k in [ids[offsets[q]:offsets[q + 1]].tobytes() for q in p])
+              for p, _ in parts]
+    assert finish == sorted(finish)  # parts come in finishing order
+    pos = np.concatenate([p for p, _ in parts])
+    got, _ = RolloutBatch.concat([b for _, b in parts]).take_prompts(np.argsort(pos))
+    for f in ("prompt_ids", "prompt_offsets", "response_ids", "response_offsets", "response_logprobs",
+              "group_index", "finish_reason"):
+        np.testing.assert_array_equal(getattr(got, f), getattr(whole, f), err_msg=f)
+    lists, finish_l = eng.generate_lists(ids, offsets, 3)
+    assert [x for r in lists.responses for x in r] == whole.response_ids.tolist()
+    assert finish_l == whole.finish_reason.tolist() and lists.group_of == whole.group_index.tolist()
