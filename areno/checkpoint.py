@@ -62,7 +62,6 @@ def save_checkpoint(run: Any, step: int) -> Path:
         root.mkdir(parents=True, exist_ok=True)
         remove_stale(root)
         run.backend.save_pretrained(tmp)  # HF model files at the top level (creates tmp)
-        restore_source_settings(tmp, run.model_path)
         run.backend.save_state(tmp / "backend")  # optimizer, scheduler, RNG of every rank
         if not (tmp / "tokenizer_config.json").is_file():
             # The backend copies a local source's tokenizer files verbatim (transformers 5
@@ -148,35 +147,6 @@ def remove_stale(root: Path) -> None:
                 stale.unlink(missing_ok=True)
 
 
-def restore_source_settings(ckpt: Path, source: str) -> None:
-    """Make the checkpoint sample as the model it was trained from.
-
-    The backend writes config.json from its training copy of the config
-    (use_cache switched off) and lets transformers derive generation_config.json
-    from it, which drops the source's own generation settings, e.g. an eos list
-    like [2, 0] becomes 2, so vLLM and transformers would no longer stop at 0.
-    Take both back from the source model (local directory or cached hub id)."""
-    from transformers import AutoConfig, GenerationConfig
-
-    try:
-        GenerationConfig.from_pretrained(source).save_pretrained(str(ckpt))
-    except (OSError, ValueError):
-        pass  # the source has no generation_config.json: keep the derived one
-    cfg_path = ckpt / "config.json"
-    if not cfg_path.is_file():
-        return
-    try:
-        use_cache = bool(getattr(AutoConfig.from_pretrained(source), "use_cache", True))
-    except (OSError, ValueError):
-        use_cache = True
-    cfg = json.loads(cfg_path.read_text())
-    if cfg.get("use_cache", use_cache) != use_cache:
-        cfg["use_cache"] = use_cache
-        tmp = cfg_path.with_name("config.json.tmp")
-        tmp.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        tmp.replace(cfg_path)
-
-
 def _replace_dir(tmp: Path, final: Path) -> None:
     """Rename tmp to final. A re-save of the same step (e.g. the end of a run
     resumed at its last step) moves the old one aside first, so a crash never
@@ -227,6 +197,14 @@ def restore_controller_rng(ckpt: Path) -> None:
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
+
+
+def drop_after(root: Path, step: int) -> None:
+    """Remove complete checkpoints newer than `step` (a resume abandons them)."""
+    for ckpt in list_checkpoints(root):
+        m = STEP_DIR.match(ckpt.name)
+        if m and int(m.group(1)) > step:
+            shutil.rmtree(ckpt, ignore_errors=True)
 
 
 def read_state(ckpt: Path) -> dict:

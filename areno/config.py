@@ -135,7 +135,7 @@ class TrainConfig:
     batch_size: int = opt(16, "Prompts per step.", "Parallelism", ge=1)
     n_samples: int = opt(8, "Completions per prompt (the GRPO group size).", "Parallelism", ge=1)
     strategy: Literal["auto", "fsdp2", "ddp"] = opt(
-        "auto", "Data parallelism: auto (FSDP2 on GPU, DDP on CPU), fsdp2 or ddp.", "Parallelism")
+        "auto", "Data parallelism: auto (= fsdp2, which also runs on CPU under gloo), fsdp2 or ddp.", "Parallelism")
     # -- Logging and checkpoints -------------------------------------------------
     max_steps: int | None = opt(None, "Stop after this many steps (unset: run --epochs).",
                                 "Logging and checkpoints", ge=1)

@@ -14,10 +14,11 @@ from typing import Any, Iterator
 
 import yaml
 
-from areno.checkpoint import checkpoint_root, latest_checkpoint, read_state, restore_controller_rng
+from areno.checkpoint import checkpoint_root, drop_after, latest_checkpoint, read_state, restore_controller_rng
 from areno.config import TrainConfig
 from areno.data import PromptSampler, PromptSet, RowSet, load_rows, normalize_rows, tokenize_prompts
 from areno.errors import UserError
+from areno.pack import Workspace
 from areno.reporting import RunLogger
 from areno.rewards import RewardScorer
 from areno.rollout.engine import SamplingConfig
@@ -47,6 +48,7 @@ class Run:
     total_steps: int
     step: int = 0
     evalset: tuple[RowSet, PromptSet] | None = None
+    workspace: Workspace = field(default_factory=Workspace)  # pack buffers reused every step
     lp_stats: StreamingStats = field(default_factory=StreamingStats)
 
     def maybe_eval(self, step: int, force: bool = False) -> None:
@@ -107,6 +109,9 @@ def make_output_dir(cfg: TrainConfig, resume: Path | None = None) -> Path:
         out = resume.parent.parent  # the resumed run's own directory
     else:
         out = Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if resume is None and not cfg.eval_only and (out / "metrics.jsonl").is_file():
+        raise UserError(f"--output-dir {out} already holds a run (metrics.jsonl): continue it "
+                        "with --resume latest, or choose another --output-dir")
     try:
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "config.yaml", "w") as f:
@@ -190,6 +195,10 @@ def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
     resume = find_resume(cfg)
     state = read_state(resume) if resume else None
     out = make_output_dir(cfg, resume)
+    if resume:
+        # Checkpoints after the resumed one belong to the abandoned continuation
+        # (like its metrics.jsonl lines): `--resume latest` must not pick them later.
+        drop_after(checkpoint_root(cfg, out), int(state["step"]))
     base_model = state["model_path"] if state else model_path_for(cfg)
     model_path = str(resume) if resume else base_model
     tokenizer = load_tokenizer(model_path)

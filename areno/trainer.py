@@ -5,6 +5,7 @@ this module is the loop itself, one call per phase."""
 from __future__ import annotations
 
 import hashlib
+import signal
 import sys
 import time
 from contextlib import contextmanager
@@ -64,12 +65,19 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
                 run.maybe_eval(step)
         except BackendError as e:  # a rank died or failed: every process is stopped on the way out
             stopped(run, e)
+        except KeyboardInterrupt:  # the backend's watchdog interrupts us when a rank dies
+            if run.backend is None or run.backend.dead is None:
+                raise
+            stopped(run, run.backend.dead)
         run.finish()
 
 
 def stopped(run: Run, e: BackendError) -> None:
     """Report a backend failure as one last line (after the rank's traceback, if it
     sent one: that is a bug worth reading) and exit 1, naming what to resume from."""
+    # The backend's watchdog may also have seen the death and be about to interrupt
+    # this thread (SIGINT); from here on the run is stopping anyway.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     last = latest_checkpoint(checkpoint_root(run.cfg, run.output_dir))
     if e.remote_traceback:
         print(e.remote_traceback, file=sys.stderr)
@@ -93,7 +101,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         split = build_split_pack(
             batch, adv, world_size=run.world_size, max_tokens=cfg.max_tokens_per_micro,
             num_minibatches=cfg.mini_batches, loss_agg=cfg.loss_agg,
-            norm_len=cfg.max_new_tokens, keep=keep,
+            norm_len=cfg.max_new_tokens, keep=keep, workspace=run.workspace,
         )
     with timer("train"):
         run.engine.sleep()
@@ -143,8 +151,10 @@ def rollout_overlapped(run: Run, prompt_idx: np.ndarray, sampling: SamplingConfi
     parts, positions, tickets = [], [], []
     with timer("rollout"):
         ids, offsets = select(run.prompts, prompt_idx)
-        stream = run.engine.generate_stream(ids, offsets, n, sampling,
-                                            min_groups=max(1, len(prompt_idx) // 4))
+        # Every finished group goes out at once: the last part, whose scoring
+        # cannot hide behind generation, stays as small as possible (with parts of
+        # P/4 groups a quarter of the reward time stayed on the critical path).
+        stream = run.engine.generate_stream(ids, offsets, n, sampling, min_groups=1)
         for pos, part in stream:
             with timer("decode"):
                 completions = decode_completions(run.tokenizer, part)

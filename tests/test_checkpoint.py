@@ -184,16 +184,24 @@ def test_resaving_a_step_replaces_it_whole(run):
     assert (root / "step_000002" / "model.safetensors").read_text() == "b"
 
 
-def test_checkpoint_keeps_the_source_models_generation_settings(tmp_path, tiny_arith_path):
+def test_saved_model_keeps_the_source_models_generation_settings(tmp_path, tiny_arith_path):
     """The arith model stops at eos 2 or pad 0; a checkpoint that forgot 0 would
     sample differently from the model it was saved from (seen as a resumed run
-    drifting from an uninterrupted one)."""
-    run = FakeRun(tmp_path / "run", model_path=str(tiny_arith_path))
-    ck = save_checkpoint(run, 1)
+    drifting from an uninterrupted one). The backend's HF writer keeps them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from areno.backend.weights import save_hf_dir
+
+    config = AutoConfig.from_pretrained(tiny_arith_path)
+    config.use_cache = False  # as the training copy has it
+    model = AutoModelForCausalLM.from_pretrained(tiny_arith_path)
+    out = tmp_path / "saved"
+    out.mkdir()
+    save_hf_dir(config, iter(model.state_dict().items()), out, tiny_arith_path)
     src_gen = json.loads((tiny_arith_path / "generation_config.json").read_text())
-    gen = json.loads((ck / "generation_config.json").read_text())
+    gen = json.loads((out / "generation_config.json").read_text())
     assert gen["eos_token_id"] == src_gen["eos_token_id"] and len(gen["eos_token_id"]) == 2
-    assert json.loads((ck / "config.json").read_text())["use_cache"] is True
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True
 
 
 def test_controller_rng_round_trip(tmp_path):

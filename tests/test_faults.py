@@ -291,3 +291,41 @@ def test_skip_bad_rows_skips_and_counts_them(tmp_path, areno_cache, tiny_arith_p
     res = ok(cli([*dataset_args(tmp_path, rows, tiny_arith_path), "--skip-bad-rows"], areno_cache))
     assert f"{len(GOOD)} prompts (0 overlong dropped, 2 malformed rows skipped)" in res.stdout
     assert sorted(train_steps(tmp_path / "run")) == [1]
+
+
+SLOW_REWARD = """
+import os, time
+
+def reward_fn(record):
+    if os.path.exists(os.environ["ARENO_TEST_SLOW_FLAG"]):
+        time.sleep(60)
+    return float(record.completion[:1] == record.answer)
+"""
+
+
+def test_rank_killed_while_the_controller_is_busy_elsewhere_stops_within_seconds(
+        tmp_path, areno_cache, monkeypatch):
+    """A rank that dies during a long reward (or rollout) phase is noticed by the
+    backend's watchdog, not at the next backend call a minute later."""
+    plugin = tmp_path / "slow_reward.py"
+    plugin.write_text(SLOW_REWARD)
+    flag = tmp_path / "slow"
+    out = tmp_path / "run"
+    flags = [*HF1[:-1], "2", "--max-steps", "4", "--no-save", "--output-dir", str(out),
+             "--reward-fn-path", str(plugin), "--reward-timeout", "120"]
+    monkeypatch.setenv("ARENO_TEST_SLOW_FLAG", str(flag))
+    proc = popen_train(flags, areno_cache)
+    wait_for(lambda: (out / "metrics.jsonl").is_file()
+             and (out / "metrics.jsonl").read_text().strip(), proc)
+    flag.touch()  # from now on every reward call takes a minute
+    time.sleep(3)  # the next step is in its reward phase
+    ranks = rank_pids(proc.pid)
+    assert len(ranks) == 2, ranks
+    killed = time.monotonic()
+    os.kill(ranks[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - killed < 10, "the dead rank was not noticed during the reward phase"
+    assert proc.returncode == 1, err[-3000:]
+    line = one_error_line(err)
+    assert "rank 0" in line and "died" in line, line
+    assert wait_group_gone(proc.pid, 5) == [], "orphan processes after a rank died"

@@ -144,11 +144,25 @@ def probe_ids(vocab_size: int, length: int = 16, seed: int = 1234) -> np.ndarray
     return rng.integers(0, vocab_size, length).astype(np.int32)
 
 
+def _copy_use_cache(src: Path, dst: Path) -> None:
+    if not src.is_file():
+        return
+    use_cache = json.loads(src.read_text()).get("use_cache", True)
+    cfg = json.loads(dst.read_text())
+    if cfg.get("use_cache") != use_cache:
+        cfg["use_cache"] = use_cache
+        dst.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
 def save_hf_dir(hf_config, named: Iterator[tuple[str, torch.Tensor]], out_dir: Path, src_dir: Path) -> None:
     """Write an HF directory (safetensors + config + tokenizer files) into out_dir."""
     model = cpu_skeleton(hf_config, named)
     model.save_pretrained(out_dir, safe_serialization=True)
+    # save_pretrained derives generation_config.json from the model config (an eos
+    # list [2, 0] becomes 2) and training turned use_cache off: a checkpoint must
+    # sample like its source, so the source's files win.
     for f in _AUX_FILES:
-        if (src_dir / f).is_file() and not (out_dir / f).exists():
+        if (src_dir / f).is_file():
             shutil.copy2(src_dir / f, out_dir / f)
+    _copy_use_cache(src_dir / "config.json", out_dir / "config.json")
     (out_dir / "areno_export.json").write_text(json.dumps({"source": str(src_dir)}) + "\n")
