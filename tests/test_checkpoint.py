@@ -252,3 +252,25 @@ def test_a_failed_save_on_a_full_disk_says_so(run, monkeypatch):
     with pytest.raises(UserError) as info:
         save_checkpoint(run, 2)
     assert "no space" not in str(info.value) and "I/O error" in str(info.value)
+
+
+def test_resume_drops_checkpoints_of_the_abandoned_continuation(tmp_path):
+    from areno.checkpoint import drop_after
+
+    for s in (1, 2, 3, 4):
+        make_ckpt(tmp_path, f"step_00000{s}")
+    drop_after(tmp_path, 2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000001", "step_000002"]
+
+
+def test_a_fresh_run_refuses_an_output_dir_that_holds_a_run(tmp_path):
+    from areno.config import TrainConfig
+    from areno.setup import make_output_dir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    cfg = TrainConfig.from_sources(None, {"output_dir": str(out)})
+    with pytest.raises(UserError, match="already holds a run.*--resume latest"):
+        make_output_dir(cfg)
+    assert make_output_dir(cfg, resume=out / "checkpoints" / "step_000001") == out
