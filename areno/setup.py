@@ -22,7 +22,6 @@ from areno.pack import Workspace
 from areno.reporting import RunLogger
 from areno.rewards import RewardScorer
 from areno.rollout.engine import SamplingConfig
-from areno.stats import StreamingStats
 from areno.tasks import resolve_plugin_path
 
 EVAL_SEED_BASE = 1 << 62  # eval sampling seeds never coincide with a training step's
@@ -49,7 +48,6 @@ class Run:
     step: int = 0
     evalset: tuple[RowSet, PromptSet] | None = None
     workspace: Workspace = field(default_factory=Workspace)  # pack buffers reused every step
-    lp_stats: StreamingStats = field(default_factory=StreamingStats)
 
     def maybe_eval(self, step: int, force: bool = False) -> None:
         cfg = self.cfg

@@ -111,7 +111,6 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         if opt_steps:
             named, probe = run.backend.export_weights()
             run.engine.update_weights(named, probe)
-    run.lp_stats.update(batch.response_logprobs)
     elapsed = time.perf_counter() - t_step
     m = step_metrics(run, batch, scored, split.pack.num_tokens, split.plan.imbalance,
                      n_zero_var, opt_steps, timer.times, elapsed)
