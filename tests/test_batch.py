@@ -97,20 +97,10 @@ def test_concat_renumbers():
 
 
 @pytest.fixture(scope="module")
-def chat_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+def chat_tokenizer(tiny_chat_path):
+    from transformers import AutoTokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        special_tokens=["<|endoftext|>"],
-    )
-    tok.train_from_iterator(["hello world 1+2=3 seven apples"] * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+    return AutoTokenizer.from_pretrained(tiny_chat_path)
 
 
 class _CountingTokenizer:
@@ -160,3 +150,45 @@ def test_take_prompts_reorders_groups_and_returns_the_response_permutation():
     back, _ = nb.take_prompts(np.argsort(order))
     np.testing.assert_array_equal(back.response_ids, b.response_ids)
     np.testing.assert_array_equal(back.response_logprobs, b.response_logprobs)
+
+
+def _shuffle_responses(b: RolloutBatch, rng) -> RolloutBatch:
+    """The same batch with its responses in a random order (groups interleaved)."""
+    perm = rng.permutation(b.num_responses)
+    lengths = b.response_lengths[perm]
+    src = np.concatenate([np.arange(b.response_offsets[i], b.response_offsets[i + 1]) for i in perm]
+                         + [np.zeros(0, np.int64)]).astype(np.int64)
+    return dataclasses.replace(
+        b, response_ids=b.response_ids[src], response_logprobs=b.response_logprobs[src],
+        response_offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        group_index=b.group_index[perm], finish_reason=b.finish_reason[perm])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_merge_parts_equals_concat_then_take_prompts(seed):
+    rng = np.random.default_rng(seed)
+    num_parts = int(rng.integers(1, 6))
+    parts = [random_batch(seed=100 * seed + i, num_prompts=int(rng.integers(1, 5)),
+                          min_response=int(rng.integers(0, 2)))
+             for i in range(num_parts)]
+    if seed % 3 == 0:
+        parts = [_shuffle_responses(b, rng) for b in parts]
+    P = sum(b.num_prompts for b in parts)
+    order = rng.permutation(P) if seed % 4 else np.arange(P)
+    positions = np.split(order, np.cumsum([b.num_prompts for b in parts])[:-1])
+    want, want_perm = RolloutBatch.concat(parts).take_prompts(np.argsort(np.concatenate(positions)))
+    got, got_perm = RolloutBatch.merge_parts(parts, positions)
+    for name, value in _fields(want).items():
+        np.testing.assert_array_equal(getattr(got, name), value, err_msg=name)
+        assert getattr(got, name).dtype == value.dtype, name
+    np.testing.assert_array_equal(got_perm, want_perm)
+
+
+def test_merge_parts_rejects_bad_positions():
+    a, b = random_batch(seed=1, group_sizes=[2, 1]), random_batch(seed=2, group_sizes=[1])
+    with pytest.raises(ValueError, match="permutation"):
+        RolloutBatch.merge_parts([a, b], [np.array([0, 1]), np.array([1])])
+    with pytest.raises(ValueError, match="positions for a part"):
+        RolloutBatch.merge_parts([a, b], [np.array([0]), np.array([1, 2])])
+    with pytest.raises(ValueError, match="parts"):
+        RolloutBatch.merge_parts([a], [np.array([0, 1]), np.array([2])])

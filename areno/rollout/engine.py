@@ -158,6 +158,16 @@ def validate_prompts(
     return ids.astype(np.int32, copy=False), offsets.astype(np.int64, copy=False)
 
 
+def validate_sequence(ids: Any, *, max_model_len: int, vocab_size: int | None) -> np.ndarray:
+    """Check a prompt_logprobs() input: 1-D, at least 2 tokens, fits the engine."""
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.size < 2:
+        raise ValueError(f"prompt_logprobs: need at least 2 tokens, got shape {ids.shape}")
+    validate_prompts(ids, np.array([0, ids.size]), 1, max_model_len=max_model_len,
+                     vocab_size=vocab_size)
+    return ids
+
+
 def check_weight_names(names: Iterable[str], expected: set[str], optional: set[str] = frozenset()) -> None:
     """Strict name check for a weight push, before anything is loaded.
 

@@ -22,6 +22,7 @@ from areno.rollout.engine import (
     named_tensor_dict,
     prompt_seeds,
     validate_prompts,
+    validate_sequence,
 )
 from areno.rollout.probe import Probe, probe_logprobs, verify_probe
 
@@ -153,11 +154,7 @@ class HFEngine:
 
     def prompt_logprobs(self, ids: np.ndarray) -> np.ndarray:
         self._check_awake()
-        ids = np.asarray(ids)
-        if ids.ndim != 1 or ids.size < 2:
-            raise ValueError(f"prompt_logprobs: need at least 2 tokens, got shape {ids.shape}")
-        validate_prompts(ids, np.array([0, ids.size]), 1, max_model_len=self.max_model_len,
-                         vocab_size=self.vocab_size)
+        ids = validate_sequence(ids, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         return probe_logprobs(self.model, ids)
 
     # -- weights -------------------------------------------------------------

@@ -49,6 +49,7 @@ from areno.rollout.engine import (  # noqa: E402
     named_tensor_dict,
     prompt_seeds,
     validate_prompts,
+    validate_sequence,
 )
 from areno.rollout.probe import Probe, WeightSyncError, verify_probe  # noqa: E402
 
@@ -206,11 +207,7 @@ class VLLMEngine:
         """[L] ids -> [L-1] float32 at temperature 1 (vLLM's prompt log-probs skip
         the sampling processors)."""
         self._check_awake()
-        ids = np.asarray(ids)
-        if ids.ndim != 1 or ids.size < 2:
-            raise ValueError(f"prompt_logprobs: need at least 2 tokens, got shape {ids.shape}")
-        validate_prompts(ids, np.array([0, ids.size]), 1, max_model_len=self.max_model_len,
-                         vocab_size=self.vocab_size)
+        ids = validate_sequence(ids, max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         from vllm.inputs import TokensPrompt
 
         kw: dict[str, Any] = dict(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=1.0)
