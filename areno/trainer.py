@@ -164,7 +164,7 @@ def rollout_overlapped(run: Run, prompt_idx: np.ndarray, sampling: SamplingConfi
             positions.append(pos)
     with timer("reward"):
         results = [run.scorer.collect(t) for t in tickets]
-    batch, perm = RolloutBatch.concat(parts).take_prompts(np.argsort(np.concatenate(positions)))
+    batch, perm = RolloutBatch.merge_parts(parts, positions)  # one copy of the token arrays
     merged = RewardResult.concat(results)
     return batch, replace(merged, rewards=merged.rewards[perm], valid=merged.valid[perm])
 

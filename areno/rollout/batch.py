@@ -173,6 +173,66 @@ class RolloutBatch:
         )
         return batch, resp_perm
 
+    @staticmethod
+    def merge_parts(parts: list["RolloutBatch"], positions: list[np.ndarray],
+                    ) -> tuple["RolloutBatch", np.ndarray]:
+        """Streamed parts back into one batch in prompt order: part i's prompt j
+        becomes prompt positions[i][j] (the positions of all parts together: a
+        permutation of 0..P-1). Equals
+        `concat(parts).take_prompts(np.argsort(np.concatenate(positions)))`,
+        (batch, resp_perm) with resp_perm [N] the index of each new response in
+        concat(parts), but copies the token arrays once: the destination is cut
+        into runs of responses contiguous in one part (a group, usually), found
+        with vectorized passes, and each array is one np.concatenate of the
+        runs' views. O(parts + runs) Python, runs <= responses."""
+        if not parts or len(parts) != len(positions):
+            raise ValueError(f"merge_parts: {len(parts)} parts, {len(positions)} position arrays")
+        positions = [np.asarray(q, dtype=np.int64) for q in positions]
+        for b, q in zip(parts, positions):
+            if q.shape != (b.num_prompts,):
+                raise ValueError(f"merge_parts: {q.size} positions for a part of {b.num_prompts} prompts")
+        pos_all = np.concatenate(positions)
+        P = pos_all.size
+        if P and (pos_all.min() < 0 or pos_all.max() >= P or np.bincount(pos_all, minlength=P).max() > 1):
+            raise ValueError("merge_parts: the positions are not a permutation of 0..P-1")
+        # responses: new group of each (in concat order), stable sort by it
+        new_group = np.concatenate([q[b.group_index] for b, q in zip(parts, positions)])
+        if np.array_equal(pos_all, np.arange(P)):  # already in order: kept as is (as take_prompts does)
+            resp_perm = np.arange(new_group.size, dtype=np.int64)
+        else:
+            resp_perm = np.argsort(new_group, kind="stable")
+        part_of = np.repeat(np.arange(len(parts)), [b.num_responses for b in parts])[resp_perm]
+        src_a = np.concatenate([b.response_offsets[:-1] for b in parts])[resp_perm]
+        src_b = np.concatenate([b.response_offsets[1:] for b in parts])[resp_perm]
+        # runs: consecutive new responses from one part whose tokens follow on
+        brk = np.flatnonzero((part_of[1:] != part_of[:-1]) | (src_a[1:] != src_b[:-1])) + 1
+        first = np.concatenate([[0], brk]) if resp_perm.size else brk
+        last = np.concatenate([brk - 1, [resp_perm.size - 1]]) if resp_perm.size else brk
+        runs = list(zip(part_of[first].tolist(), src_a[first].tolist(), src_b[last].tolist()))
+        r_len = src_b - src_a
+        # prompts: new prompt p is the prompt of part k with position p
+        p_part = np.repeat(np.arange(len(parts)), [b.num_prompts for b in parts])
+        p_a = np.concatenate([b.prompt_offsets[:-1] for b in parts])
+        p_b = np.concatenate([b.prompt_offsets[1:] for b in parts])
+        inv = np.empty(P, np.int64)
+        inv[pos_all] = np.arange(P)
+        prompt_views = [parts[k].prompt_ids[a:z]
+                        for k, a, z in zip(p_part[inv].tolist(), p_a[inv].tolist(), p_b[inv].tolist())]
+
+        def cat(views: list[np.ndarray], dtype) -> np.ndarray:
+            return np.concatenate(views) if views else np.zeros(0, dtype)
+
+        batch = RolloutBatch(
+            prompt_ids=cat(prompt_views, np.int32),
+            prompt_offsets=_offsets(p_b[inv] - p_a[inv]),
+            response_ids=cat([parts[k].response_ids[a:z] for k, a, z in runs], np.int32),
+            response_offsets=_offsets(r_len),
+            response_logprobs=cat([parts[k].response_logprobs[a:z] for k, a, z in runs], np.float32),
+            group_index=new_group[resp_perm],
+            finish_reason=np.concatenate([b.finish_reason for b in parts])[resp_perm],
+        )
+        return batch, resp_perm
+
     # -- selection ---------------------------------------------------------
     def select_responses(self, keep: np.ndarray) -> "RolloutBatch":
         """Keep the responses where `keep` ([N] bool) is true; prompts left with no
