@@ -17,9 +17,10 @@ What runs (one process tree, one run):
               finishes at gen_time * len_i / max_len, and a group is done when its
               longest sample is. `generate` returns after gen_time;
               `generate_stream` yields groups in finishing order, at least
-              `min_groups` per part (the trainer asks for P // 4), each part at its
-              finishing time; the host work done on a part does not delay the
-              next one (the engine is modelled as running on its own device).
+              `min_groups` per part (the trainer asks for 1: every finished group
+              goes out at once), each part at its finishing time; the host work
+              done on a part does not delay the next one (the engine is modelled
+              as running on its own device).
               update_weights ignores the weights and the probe (no weight-sync
               check); sleep/wake_up/shutdown are no-ops.
   reward      a plugin whose per-sample cost is read from a file the bench
@@ -44,7 +45,7 @@ Measured per step (controller clock = time.monotonic, shared with the ranks):
               start". Split by phase as the union of the phase's intervals
               inside that window: decode, reward (records + submit + wait),
               advantages, pack (incl. split planning), merge (streamed parts
-              concatenated and put back in prompt order), hand-off (the
+              put back in prompt order, rewards included), hand-off (the
               backend's input check + shared-memory write), other (the rest:
               glue). With overlap, the decode/reward work done while the
               engine still generates falls outside the window and is not
@@ -76,7 +77,7 @@ only when ARENO_BENCH_LONGCOT_PROBE_DIR is set) that import wraps
 RankWorker.cmd_train, RankTrainer.train/_optimizer_step and step.forward_logprobs
 to record the figures above in a JSONL file per rank. On the controller the bench
 wraps, in this process only, what train_step calls (areno.trainer's module
-globals, RolloutBatch.concat/take_prompts, the scorer's and the backend's
+globals, RolloutBatch.concat/take_prompts/merge_parts, the scorer's and the backend's
 methods) to time them. Nothing in areno/ changes.
 
 Modes (one step of each per round, rounds repeated --steps times, after a
@@ -93,14 +94,10 @@ warm-up round; each round replays the same prompts in every mode):
   areno_plain_free     train_step, --no-overlap-rewards, free reward
   areno_overlap_5ms    overlap, --reward-ms per sample
   areno_plain_5ms      no overlap, --reward-ms per sample
-  whatif_free/_5ms     overlap with the engine yielding one group per part
-                       (ignoring the trainer's min_groups, P // 4) and a pack
-                       Workspace passed to build_split_pack (the trainer keeps
-                       none): what those two changes would give
 
 Checks (recorded in the JSON; exit status 1 if any fails): advantages and the
 whole pack (every field, by SHA-256) identical with and without overlap, for
-both reward costs and the what-if; packs equal between the reference and areno
+both reward costs; packs equal between the reference and areno
 (every field by SHA-256 but the advantages, and those to 1e-5).
 
 Usage:
@@ -296,10 +293,9 @@ class SyntheticEngine:
     supports_sleep = False
 
     def __init__(self, *, n: int, resp_len: int, max_new_tokens: int, vocab: tuple[int, int],
-                 gen_time_s: float, seed: int = 0, part_groups: int | None = None) -> None:
+                 gen_time_s: float, seed: int = 0) -> None:
         self.n, self.resp_len, self.max_new = n, resp_len, max_new_tokens
         self.vocab, self.gen_time_s, self.seed = vocab, gen_time_s, seed
-        self.part_groups = part_groups  # None: honour min_groups
         self.max_model_len = 1 << 20
         self.blocks: dict[bytes, _Block] = {}
         self.timeline: dict = {}
@@ -391,7 +387,7 @@ class SyntheticEngine:
         keys = self._keys(ids, offsets)
         fin = np.array([self.blocks[k].finish_s for k in keys])
         order = np.argsort(fin, kind="stable")
-        k = self.part_groups or max(1, int(min_groups))
+        k = max(1, int(min_groups))
         parts = [order[i:i + k].astype(np.int64) for i in range(0, order.size, k)]
         built = [(pos, self._assemble(ids, offsets, keys, pos)) for pos in parts]
         self.timeline = {"t_start": t0, "t_gen_end": t0 + float(fin.max()), "parts": len(parts),
@@ -461,12 +457,9 @@ class Recorder:
         self.events: list[tuple[str, float, float]] = []
         self.cpu: list[float] = []
         self.captured: dict = {}
-        self.workspace = None  # what-if: a pack Workspace injected into build_split_pack
 
-    def wrap(self, phase: str, fn, capture: str | None = None, inject_workspace: bool = False):
+    def wrap(self, phase: str, fn, capture: str | None = None):
         def wrapped(*a, **k):
-            if inject_workspace and self.workspace is not None:
-                k["workspace"] = self.workspace
             c0, t0 = time.thread_time(), time.monotonic()
             try:
                 out = fn(*a, **k)
@@ -522,10 +515,11 @@ def instrument(run, rec: Recorder, backend_log: list) -> None:
     T.decode_completions = rec.wrap("decode", T.decode_completions)
     T.reward_records = rec.wrap("reward", T.reward_records)
     T.advantages_and_keep = rec.wrap("advantages", T.advantages_and_keep, capture="adv")
-    T.build_split_pack = rec.wrap("pack", T.build_split_pack, capture="split", inject_workspace=True)
+    T.build_split_pack = rec.wrap("pack", T.build_split_pack, capture="split")
     RB = T.RolloutBatch
     RB.concat = staticmethod(rec.wrap("merge", RB.concat))
     RB.take_prompts = rec.wrap("merge", RB.take_prompts)
+    RB.merge_parts = staticmethod(rec.wrap("merge", RB.merge_parts))
     T.RewardResult.concat = staticmethod(rec.wrap("merge", T.RewardResult.concat))
     for name in ("submit", "collect", "score"):
         setattr(run.scorer, name, rec.wrap("reward", getattr(run.scorer, name)))
@@ -653,19 +647,16 @@ def ref_train_step(run, step: int, rec: Recorder) -> dict:
 # The benchmark
 # =============================================================================
 MODES = {
-    # key: (label, kind, overlap, reward cost, engine part_groups)
-    "areno_overlap_free": ("areno, overlap, free reward", "areno", True, "free", None),
-    "reference_free": ("list reference, free reward", "reference", False, "free", None),
-    "areno_plain_free": ("areno, no overlap, free reward", "areno", False, "free", None),
-    "areno_overlap_5ms": ("areno, overlap, R ms reward", "areno", True, "cost", None),
-    "areno_plain_5ms": ("areno, no overlap, R ms reward", "areno", False, "cost", None),
-    "whatif_free": ("what-if: 1-group parts+workspace, free", "areno", True, "free", 1),
-    "whatif_5ms": ("what-if: 1-group parts+workspace, R ms", "areno", True, "cost", 1),
+    # key: (label, kind, overlap, reward cost)
+    "areno_overlap_free": ("areno, overlap, free reward", "areno", True, "free"),
+    "reference_free": ("list reference, free reward", "reference", False, "free"),
+    "areno_plain_free": ("areno, no overlap, free reward", "areno", False, "free"),
+    "areno_overlap_5ms": ("areno, overlap, R ms reward", "areno", True, "cost"),
+    "areno_plain_5ms": ("areno, no overlap, R ms reward", "areno", False, "cost"),
 }
-WARMUP = ("areno_overlap_free", "reference_free", "whatif_free")
+WARMUP = ("areno_overlap_free", "reference_free")
 # (a, b): advantages and pack must be identical between modes a and b, same round.
-IDENTICAL = (("areno_overlap_free", "areno_plain_free"), ("areno_overlap_5ms", "areno_plain_5ms"),
-             ("whatif_free", "areno_plain_free"), ("whatif_5ms", "areno_plain_5ms"))
+IDENTICAL = (("areno_overlap_free", "areno_plain_free"), ("areno_overlap_5ms", "areno_plain_5ms"))
 
 
 def _proc_kb(field: str) -> int:
@@ -736,7 +727,7 @@ def measure_step(run, mode: str, step: int, rec: Recorder, backend_log: list, ra
 
     import areno.trainer as T
 
-    _, kind, _, _, _ = MODES[mode]
+    _, kind, _, _ = MODES[mode]
     gc.collect()
     rec.clear()
     n_backend = len(backend_log)
@@ -888,14 +879,11 @@ def run_bench(args) -> dict:
     ))
     engine = SyntheticEngine(n=args.samples, resp_len=args.resp_len, max_new_tokens=args.max_new_tokens,
                              vocab=(3, 0), gen_time_s=args.gen_time, seed=args.seed)
-    modes = [m for m in MODES if args.whatif or not m.startswith("whatif")]
+    modes = list(MODES)
     rows: dict[str, list[dict]] = {m: [] for m in modes}
     warm: dict[str, dict] = {}
     backend_log: list[dict] = []
     rec = Recorder()
-    from areno.pack import Workspace
-
-    workspace = Workspace()  # the what-if modes' (areno's trainer does not keep one)
     with open_run(cfg, engine=engine) as run:
         t_setup = time.monotonic() - t_start
         vocab = min(len(run.tokenizer), run.backend.vocab_size)
@@ -914,11 +902,9 @@ def run_bench(args) -> dict:
         for rnd in range(args.steps + 1):  # round 0 is the warm-up
             round_modes = [m for m in modes if m in WARMUP] if rnd == 0 else modes
             for mode in round_modes:
-                label, kind, overlap, cost, part_groups = MODES[mode]
+                label, kind, overlap, cost = MODES[mode]
                 run.sampler.load_state_dict(state)
                 run.cfg.overlap_rewards = overlap
-                engine.part_groups = part_groups
-                rec.workspace = workspace if mode.startswith("whatif") else None
                 set_reward_cost(cost_file, args.reward_ms if cost == "cost" else 0.0, args.reward_busy)
                 row = measure_step(run, mode, rnd, rec, backend_log, ranks)
                 if rnd:
@@ -1052,12 +1038,6 @@ def evaluate_targets(out: dict) -> list[dict]:
     add("reference / areno critical-path CPU time (main thread)",
         paired_ratio(out, "reference_free", "areno_overlap_free", "crit_cpu_s"), ">=", 20.0,
         "info: load-insensitive; excludes the hand-off write")
-    if "whatif_5ms" in med:
-        add("what-if: critical reward, overlap / no overlap (R ms reward)",
-            paired_ratio(out, "whatif_5ms", "areno_plain_5ms", "crit_reward_s"), "<=", 0.10, "info")
-        add("what-if: reference / areno host critical path",
-            paired_ratio(out, "reference_free", "whatif_free", "critical_s"), ">=", 20.0, "info")
-        add("what-if: host critical path [s]", med["whatif_free"]["critical_s"], "<=", 0.5, "info")
     return t
 
 
@@ -1170,7 +1150,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-micro", type=int,
                     help="micro-batches each rank trains per optimizer step, its last ones (0 = all; default 1)")
     ap.add_argument("--steps", type=int, help="measured rounds (default 5; quick 1)")
-    ap.add_argument("--no-whatif", dest="whatif", action="store_false", help="skip the what-if modes")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench_results/longcot.json"), help="JSON output path")
     args = ap.parse_args(argv)

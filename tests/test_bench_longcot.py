@@ -24,7 +24,7 @@ STEP_FIELDS = (
     "rss_peak_mb", "rss_growth_mb", "loadavg_1m", "pack_tokens",
 )
 MODES = ("areno_overlap_free", "reference_free", "areno_plain_free", "areno_overlap_5ms",
-         "areno_plain_5ms", "whatif_free", "whatif_5ms")
+         "areno_plain_5ms")
 
 
 def _finite(obj, path=""):
