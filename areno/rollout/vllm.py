@@ -140,15 +140,7 @@ class VLLMEngine:
     def generate(
         self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int, sampling: SamplingConfig
     ) -> RolloutBatch:
-        self._check_awake()
-        ids, offsets = validate_prompts(
-            prompt_ids, prompt_offsets, n, max_model_len=self.max_model_len, vocab_size=self.vocab_size
-        )
-        from vllm.inputs import TokensPrompt
-
-        # O(prompts): vLLM takes each prompt as a list of ints.
-        prompts = [TokensPrompt(prompt_token_ids=p.tolist()) for p in np.split(ids, offsets[1:-1])]
-        params = self._sampling_params(n, sampling, len(prompts))
+        ids, offsets, _, prompts, params = self._requests(prompt_ids, prompt_offsets, n, sampling)
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return batch_from_request_outputs(outputs, ids, offsets, n)
 
@@ -160,15 +152,7 @@ class VLLMEngine:
         groups finish, at least `min_groups` at a time (fewer only at the end), so
         the caller can decode and score them while the rest are still generating.
         Concatenated and put back in prompt order, the parts equal generate()."""
-        self._check_awake()
-        ids, offsets = validate_prompts(
-            prompt_ids, prompt_offsets, n, max_model_len=self.max_model_len, vocab_size=self.vocab_size
-        )
-        from vllm.inputs import TokensPrompt
-
-        pieces = np.split(ids, offsets[1:-1])
-        prompts = [TokensPrompt(prompt_token_ids=p.tolist()) for p in pieces]
-        params = self._sampling_params(n, sampling, len(prompts))
+        _, offsets, pieces, prompts, params = self._requests(prompt_ids, prompt_offsets, n, sampling)
         req_ids = self.llm.enqueue(prompts, params, use_tqdm=False)
         # enqueue returns "<counter>-<suffix>"; finished outputs carry "<counter>".
         position = {rid.split("-", 1)[0]: i for i, rid in enumerate(req_ids)}
@@ -182,6 +166,20 @@ class VLLMEngine:
                 sub_ids = np.concatenate([pieces[i] for i in pos.tolist()])
                 yield pos, batch_from_request_outputs(done, sub_ids, offsets_from_lengths(lengths), n)
                 done = []
+
+    def _requests(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int,
+                  sampling: SamplingConfig) -> tuple[np.ndarray, np.ndarray, list, list, Any]:
+        """Checked inputs -> (ids, offsets, per-prompt id views, vLLM prompts, params)."""
+        self._check_awake()
+        ids, offsets = validate_prompts(
+            prompt_ids, prompt_offsets, n, max_model_len=self.max_model_len, vocab_size=self.vocab_size
+        )
+        from vllm.inputs import TokensPrompt
+
+        pieces = np.split(ids, offsets[1:-1])
+        # O(prompts): vLLM takes each prompt as a list of ints.
+        prompts = [TokensPrompt(prompt_token_ids=p.tolist()) for p in pieces]
+        return ids, offsets, pieces, prompts, self._sampling_params(n, sampling, len(prompts))
 
     def _sampling_params(self, n: int, s: SamplingConfig, num_prompts: int) -> SamplingParams | list[SamplingParams]:
         kw: dict[str, Any] = dict(
