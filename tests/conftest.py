@@ -94,7 +94,6 @@ def always_eos_state() -> Callable:
     token is `eos_id` with probability ~1: all embeddings equal and the blocks'
     output projections zero make the final hidden state the same for every
     input; lm_head then points only the eos row at it."""
-    import torch
 
     def make(state: dict, eos_id: int) -> dict:
         new = {k: v.clone() for k, v in state.items()}
