@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import yaml
 
 from areno.checkpoint import checkpoint_root, drop_after, latest_checkpoint, read_state, restore_controller_rng
+from areno.backend.engine_host import EngineSpec
 from areno.config import TrainConfig
 from areno.data import PromptSampler, PromptSet, RowSet, load_rows, normalize_rows, tokenize_prompts
 from areno.errors import UserError
@@ -66,6 +67,15 @@ class Run:
         self.logger.info(f"eval step {step}: " + " ".join(
             f"{k.split('/', 1)[1]} {v:.3f}" for k, v in m.items() if k != "eval/prompts"))
 
+    def sync_weights(self) -> None:
+        """New weights into the engines: each rank loads its own engine on its device;
+        an injected engine (benchmarks) gets them through export_weights."""
+        if getattr(self.engine, "backend", None) is self.backend:
+            self.backend.sync_weights()
+        else:
+            named, probe = self.backend.export_weights()
+            self.engine.update_weights(named, probe)
+
     def maybe_save(self, step: int) -> None:
         cfg = self.cfg
         if not cfg.no_save and cfg.save_interval and step % cfg.save_interval == 0:
@@ -87,17 +97,20 @@ class Run:
         self.logger.info(f"done: {self.step} steps; metrics in {self.logger.metrics_path}")
 
 
-def resolve_device(cfg: TrainConfig) -> str:
-    if cfg.device != "auto":
-        if cfg.device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise UserError("--device cuda: no CUDA GPU is visible")
-        return cfg.device
+def visible_gpus() -> int:
+    """GPUs this process could use, counted through NVML: no CUDA context is made
+    (the controller never holds one; ranks and engines own the GPUs)."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(cfg: TrainConfig) -> str:
+    gpus = visible_gpus() if cfg.device != "cpu" else 0
+    if cfg.device == "cuda" and not gpus:
+        raise UserError("--device cuda: no CUDA GPU is visible")
+    return "cuda" if gpus else "cpu"
 
 
 def make_output_dir(cfg: TrainConfig, resume: Path | None = None) -> Path:
@@ -187,7 +200,7 @@ def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
     """Build a Run; everything started is stopped when the block exits.
     engine: a RolloutEngine to use instead of building one (benchmarks, tests)."""
     from areno.backend.controller import TorchBackend
-    from areno.rollout.engine import make_engine
+    from areno.backend.rollout import RankEngines
 
     device = resolve_device(cfg)
     resume = find_resume(cfg)
@@ -216,17 +229,15 @@ def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
         scorer = stack.enter_context(RewardScorer(
             resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,
             timeout=cfg.reward_timeout, on_error=cfg.on_reward_error))
-        backend = None
-        if not cfg.eval_only:
-            backend = TorchBackend(backend_config(cfg, model_path, base_model, world_size,
-                                                  device, total))
-            stack.callback(backend.close)
-            if resume:
-                backend.load_state(resume / "backend")
+        # The ranks hold the rollout engines, so an eval-only run starts them too.
+        spec = None if engine is not None else engine_spec(cfg, device, longest)
+        backend = TorchBackend(backend_config(cfg, model_path, base_model, world_size, device,
+                                              max(total, 1), spec))
+        stack.callback(backend.close)
+        if resume:
+            backend.load_state(resume / "backend")
         if engine is None:
-            engine = make_engine(cfg.rollout_engine, model_path,
-                                 **_engine_kwargs(cfg, device, longest))
-            stack.callback(engine.shutdown)
+            engine = RankEngines(backend, cfg.tensor_parallel_size)
         logger = stack.enter_context(RunLogger(out, total, cfg.report_to, config=cfg.to_dict(),
                                                start_step=start))
         what = "evaluating" if cfg.eval_only else (
@@ -246,49 +257,41 @@ def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
 
 
 def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_size: int,
-                   device: str, total_steps: int) -> Any:
+                   device: str, total_steps: int, engine: EngineSpec | None = None) -> Any:
     from areno.backend.config import BackendConfig
     from areno.losses import LossConfig
 
     low, high = cfg.loss_eps()
     loss = LossConfig(algo=cfg.algo, clip_eps_low=low, clip_eps_high=high, kl_coef=cfg.kl_coef,
                       kl_type=cfg.kl_type, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap)
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     return BackendConfig(
-        model_path=model_path, world_size=world_size, device=device, dtype=dtype,
+        model_path=model_path, world_size=world_size, device=device, dtype=resolved_dtype(cfg, device),
         strategy=cfg.strategy, lr=cfg.lr, weight_decay=cfg.weight_decay,
         warmup_steps=cfg.warmup_steps,
         total_steps=total_steps * cfg.mini_batches * cfg.ppo_epochs,
         min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm or None,
         grad_checkpointing=cfg.grad_checkpointing, ppo_epochs=cfg.ppo_epochs,
         recompute_logprobs=cfg.recompute_logprobs, loss=loss, max_nan_steps=cfg.max_nan_steps,
-        seed=cfg.seed, ref_model_path=base_model,
+        seed=cfg.seed, ref_model_path=base_model, engine=engine,
     )
 
 
 def _default_world_size(device: str) -> int:
-    if device == "cuda":
-        import torch
-
-        return torch.cuda.device_count()
-    return 1
+    return visible_gpus() if device == "cuda" else 1
 
 
-def _engine_kwargs(cfg: TrainConfig, device: str, max_prompt_len: int) -> dict[str, Any]:
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    # At least 64: the weight-sync probe is scored as one prompt.
-    kw: dict[str, Any] = dict(dtype=dtype, seed=cfg.seed,
-                              max_model_len=max(max_prompt_len + cfg.max_new_tokens, 64))
-    if cfg.rollout_engine == "vllm":
-        kw["tensor_parallel_size"] = cfg.tensor_parallel_size
-        if device == "cuda":
-            kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-            kw["enable_sleep_mode"] = True
-        else:
-            kw["kv_cache_memory_bytes"] = int(cfg.kv_cache_gb * (1 << 30))
-    else:
-        kw["device"] = device
+def engine_spec(cfg: TrainConfig, device: str, max_prompt_len: int) -> EngineSpec:
+    """The rollout engine every rank builds beside its policy."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # vLLM logs several lines per weight push at INFO/WARNING; the step line is ours.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    return kw
+    # At least 64: the weight-sync probe is scored as one prompt.
+    return EngineSpec(kind=cfg.rollout_engine, dtype=resolved_dtype(cfg, device), seed=cfg.seed,
+                      max_model_len=max(max_prompt_len + cfg.max_new_tokens, 64),
+                      tensor_parallel_size=cfg.tensor_parallel_size,
+                      gpu_memory_utilization=cfg.gpu_memory_utilization,
+                      kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)))
+
+
+def resolved_dtype(cfg: TrainConfig, device: str) -> str:
+    return cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")

@@ -28,6 +28,7 @@ from areno.rollout.batch import (
     zero_variance_groups,
 )
 from areno.rollout.engine import SamplingConfig
+from areno.rollout.probe import WeightSyncError
 from areno.setup import Run, open_run
 from areno.stats import TRAIN_METRICS, StreamingStats
 
@@ -63,7 +64,7 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
                 run.logger.log(step, metrics)
                 run.maybe_save(step)
                 run.maybe_eval(step)
-        except BackendError as e:  # a rank died or failed: every process is stopped on the way out
+        except (BackendError, WeightSyncError) as e:  # every process is stopped on the way out
             stopped(run, e)
         except KeyboardInterrupt:  # the backend's watchdog interrupts us when a rank dies
             if run.backend is None or run.backend.dead is None:
@@ -72,17 +73,23 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
         run.finish()
 
 
-def stopped(run: Run, e: BackendError) -> None:
-    """Report a backend failure as one last line (after the rank's traceback, if it
-    sent one: that is a bug worth reading) and exit 1, naming what to resume from."""
+def stopped(run: Run, e: BackendError | WeightSyncError) -> None:
+    """Report a backend or engine failure as one line naming the step and the
+    checkpoint to resume from, and exit 1. A rank's traceback goes to run.log."""
     # The backend's watchdog may also have seen the death and be about to interrupt
     # this thread (SIGINT); from here on the run is stopping anyway.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     last = latest_checkpoint(checkpoint_root(run.cfg, run.output_dir))
-    if e.remote_traceback:
-        print(e.remote_traceback, file=sys.stderr)
-    print(f"areno: error: training stopped in step {run.step + 1}: {e.remote_message}"
-          + (f"; continue from the last complete checkpoint with --resume {last}" if last else ""),
+    tb = getattr(e, "remote_traceback", None)
+    log = run.output_dir / "run.log"
+    if tb:
+        with open(log, "a") as f:
+            f.write(tb)
+    message = getattr(e, "remote_message", None) or str(e)
+    print(f"areno: error: training stopped in step {run.step + 1}: {message}"
+          + (f"; continue from the last complete checkpoint with --resume {last}" if last
+             else "; no checkpoint was written yet")
+          + (f" (rank traceback in {log})" if tb else ""),
           file=sys.stderr, flush=True)
     raise SystemExit(1)
 
@@ -109,8 +116,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         run.engine.wake_up()
     with timer("weight_sync"):
         if opt_steps:
-            named, probe = run.backend.export_weights()
-            run.engine.update_weights(named, probe)
+            run.sync_weights()
     elapsed = time.perf_counter() - t_step
     m = step_metrics(run, batch, scored, split.pack.num_tokens, split.plan.imbalance,
                      n_zero_var, opt_steps, timer.times, elapsed)

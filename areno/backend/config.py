@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from areno.backend.engine_host import EngineSpec
 from areno.losses import LossConfig
 
 Device = Literal["cpu", "cuda"]
@@ -35,8 +36,8 @@ class BackendConfig:
     device: Device = "cpu"
     """'cuda': NCCL, one GPU per rank (cuda:LOCAL_RANK). 'cpu': gloo."""
     dtype: DType = "float32"
-    """Compute dtype. 'bfloat16' on GPU: FSDP2 gathers bf16 params and reduces
-    gradients in fp32; master weights and optimizer state stay fp32."""
+    """Compute dtype. 'bfloat16': FSDP2 gathers bf16 params and reduces gradients
+    in fp32 (on CPU under gloo too); master weights and optimizer state stay fp32."""
     strategy: Strategy = "auto"
     """'fsdp2' (fully_shard per decoder layer + root), 'ddp', or 'auto' (= fsdp2;
     FSDP2 works under gloo on CPU too, so CPU tests run the GPU code path)."""
@@ -76,6 +77,11 @@ class BackendConfig:
     max_nan_steps: int = 3
     """A non-finite loss or grad norm skips the step; this many in a row stop the run."""
     seed: int = 0
+
+    # rollout
+    engine: EngineSpec | None = None
+    """Each rank builds this rollout engine beside its policy (None: no engine;
+    rollouts come from elsewhere and weights leave through export_weights)."""
 
     # export
     export_dtype: DType | None = None
@@ -145,8 +151,9 @@ class BackendConfig:
         for name in ("startup_timeout_s", "command_timeout_s", "collective_timeout_s", "shutdown_grace_s"):
             if not getattr(self, name) > 0:
                 bad(name, getattr(self, name), "must be > 0")
-        if self.device == "cpu" and self.dtype == "bfloat16":
-            bad("dtype", self.dtype, "bfloat16 needs device='cuda' (CPU ranks train in float32)")
+        if self.engine is not None and self.world_size % self.engine.tensor_parallel_size:
+            bad("engine.tensor_parallel_size", self.engine.tensor_parallel_size,
+                f"must divide world_size {self.world_size}")
         if self.device == "cpu" and self.attn_implementation == "flash_attention_2":
             bad("attn_implementation", self.attn_implementation, "flash_attention_2 needs device='cuda'")
 

@@ -19,8 +19,10 @@ import signal
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,11 +45,12 @@ class TorchBackend:
         self._pack = PackWriter("pack")
         self._weights = ShmSegment("weights")
         self._marker = ShmSegment("marker")
+        self.rollout_segment = ShmSegment("rollout")  # engines' results (backend/rollout.py)
         self._closed = False
         self.step = 0
         self.last_timings: dict[str, float] = {}
         self._finalizer = weakref.finalize(
-            self, _cleanup, self._procs, self._conns, [self._pack.segment, self._weights, self._marker],
+            self, _cleanup, self._procs, self._conns, [self._pack.segment, self._weights, self._marker, self.rollout_segment],
             config.shutdown_grace_s,
         )
         try:
@@ -185,6 +188,19 @@ class TorchBackend:
                              "export_s": time.perf_counter() - t0}
         return self._layout.views(self._weights.buf), out["probe"]
 
+    def sync_weights(self) -> dict[str, float]:
+        """Every rank loads the current weights into its own engine (on its device)
+        and checks it with the probe; returns timings and the worst probe diff."""
+        self._check_open()
+        t0 = time.perf_counter()
+        self._broadcast("sync_weights", probe_ids=self._probe_ids)
+        replies = self._gather("sync_weights", self.config.command_timeout_s)
+        self.last_timings = {"sync_load_s": max(r["load_s"] for r in replies),
+                             "sync_probe_s": max(r["probe_s"] for r in replies),
+                             "probe_diff": max(r["probe_diff"] for r in replies),
+                             "sync_s": time.perf_counter() - t0}
+        return self.last_timings
+
     def save_pretrained(self, path: str | os.PathLike) -> Path:
         """Full HF checkpoint (safetensors, config, tokenizer files) written by rank 0."""
         return self._atomic_dir(path, "save_pretrained")
@@ -255,44 +271,59 @@ class TorchBackend:
 
     def _gather(self, what: str, timeout_s: float) -> list:
         """One reply per rank; any error, death or timeout aborts the backend."""
+        results: list = [None] * self.world_size
+        for r, kind, payload in self._events(what, timeout_s):
+            if kind == "part":
+                self._abort()
+                raise BackendError(f"{what}: rank {r} sent a streamed part to a plain command", rank=r)
+            results[r] = payload
+        return results
+
+    def _events(self, what: str, timeout_s: float) -> Iterator[tuple[int, str, Any]]:
+        """Yield (rank, "part" | "ok", payload) as replies arrive, until every rank
+        has sent its final "ok". Any error, death or timeout aborts the backend,
+        also when the consumer stops early (e.g. Ctrl-C while scoring a part)."""
         self._busy = True
+        finished = False
         try:
-            return self._gather_inner(what, timeout_s)
-        except BaseException:  # BackendError, KeyboardInterrupt, ...
-            self._abort()
-            raise
+            pending = set(range(self.world_size))
+            deadline = time.monotonic() + timeout_s
+            while pending:
+                for r, msg in self._wait_some(what, pending, deadline, timeout_s):
+                    if msg[0] == "ok":
+                        pending.discard(r)
+                    yield r, msg[0], msg[1]
+            finished = True
         finally:
             self._busy = False
+            if not finished:
+                self._abort()
 
-    def _gather_inner(self, what: str, timeout_s: float) -> list:
-        W = self.world_size
-        results: list = [None] * W
-        pending = set(range(W))
-        deadline = time.monotonic() + timeout_s
+    def _wait_some(self, what: str, pending: set[int], deadline: float, timeout_s: float) -> list:
+        """Wait (<= 1 s) for messages of pending ranks -> [(rank, message)]; raises
+        BackendError for a rank's error, death or the deadline."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BackendError(f"{what}: rank(s) {sorted(pending)} did not answer within {timeout_s:g}s")
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise BackendError(f"{what}: rank(s) {sorted(pending)} did not answer within {timeout_s:g}s")
-            ready = set(wait([self._conns[r] for r in pending] + list(sentinels), timeout=min(left, 1.0)))
-            errors: list[BackendError] = []
-            for r in sorted(pending):
-                if self._conns[r] in ready:
-                    try:
-                        results[r] = self._recv(r, what)
-                        pending.discard(r)
-                    except BackendError as e:
-                        errors.append(e)
-            dead = [r for s, r in sentinels.items() if s in ready]
-            if errors and not dead and sentinels:
-                # A rank's error is often the echo of a peer's death (gloo: "connection
-                # closed by peer"); look briefly so the root cause is what gets reported.
-                dead = [sentinels[s] for s in wait(list(sentinels), timeout=0.5)]
-            if dead:
-                raise self._death(dead[0], what, errors)
-            if errors:
-                raise errors[0]
-        return results
+        ready = set(wait([self._conns[r] for r in pending] + list(sentinels), timeout=min(left, 1.0)))
+        got, errors = [], []
+        for r in sorted(pending):
+            if self._conns[r] in ready:
+                try:
+                    got.append((r, self._recv(r, what)))
+                except BackendError as e:
+                    errors.append(e)
+        dead = [r for s, r in sentinels.items() if s in ready]
+        if errors and not dead and sentinels:
+            # A rank's error is often the echo of a peer's death (gloo: "connection
+            # closed by peer"); look briefly so the root cause is what gets reported.
+            dead = [sentinels[s] for s in wait(list(sentinels), timeout=0.5)]
+        if dead:
+            raise self._death(dead[0], what, errors)
+        if errors:
+            raise errors[0]
+        return got
 
     def _death(self, r: int, what: str, echoes: list[BackendError]) -> BackendError:
         if self._conns[r] is not None and self._conns[r].poll(0):
@@ -316,7 +347,7 @@ class TorchBackend:
         if msg[0] == "err":
             _, rank, message, tb = msg
             raise BackendError(f"{what}: rank {rank} failed: {message}", rank=rank, remote_traceback=tb)
-        return msg[1]
+        return msg
 
 
 def _remote(h: RankHandoff) -> RankHandoff:

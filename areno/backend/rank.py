@@ -128,6 +128,7 @@ def serve(cfg: BackendConfig, conn: Connection, *, same_host: bool) -> None:
         from areno.backend.worker import RankWorker
 
         worker = RankWorker(cfg, same_host=same_host)
+        worker.emit = lambda part: conn.send(("part", part))
         conn.send(("ok", worker.hello()))
     except BaseException as e:  # noqa: BLE001 - reported, then exit
         _reply_error(conn, rank, e)

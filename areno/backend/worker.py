@@ -14,6 +14,16 @@ import torch
 import torch.distributed as dist
 
 from areno.backend.config import BackendConfig
+from areno.backend.engine_host import (
+    PROBE_TOLERANCE,
+    OutRegion,
+    build_engine,
+    check_engine_names,
+    WeightStream,
+    generate_into,
+    verify_fingerprint,
+    verify_probe_logprobs,
+)
 from areno.backend.handoff import LocalPack, RankHandoff, map_region
 from areno.backend.model import PolicyModule, load_hf_model, resolve_attn_implementation, wrap_policy
 from areno.backend.step import RankTrainer
@@ -64,15 +74,23 @@ class RankWorker:
             ref_hf.requires_grad_(False)
             ref = wrap_policy(PolicyModule(ref_hf, cfg.logprob_chunk_size), cfg, self.device, trainable=False)
         self.trainer = RankTrainer(cfg, self.wrapped, self.device, ref)
+        self.emit = None  # set by serve(): sends one ("part", ...) message mid-command
+        self.engine, self.engine_kind = None, None
+        if cfg.engine is not None:
+            self.engine, self.engine_kind = build_engine(cfg.engine, cfg.model_path, self.device)
+            check_engine_names(self.engine, self.export_names)
 
     def hello(self) -> dict:
         return {
             "rank": self.rank, "pid": os.getpid(), "host": os.uname().nodename, "same_host": self.same_host,
             "vocab_size": self.vocab_size, "weights": self.export_meta if self.rank == 0 else None,
-            "strategy": self.wrapped.strategy,
+            "strategy": self.wrapped.strategy, "engine": self.engine_kind,
+            "engine_max_model_len": getattr(self.engine, "max_model_len", None),
         }
 
     def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -80,13 +98,55 @@ class RankWorker:
     def cmd_train(self, handoff: RankHandoff, payload: bytearray | None = None) -> dict:
         t0 = time.perf_counter()
         local = LocalPack(handoff, payload)
+        if self.engine is not None:  # its KV cache (and, on GPU, weights) make room for training
+            self.engine.sleep()
         t1 = time.perf_counter()
         steps = self.trainer.train(local)
-        out = {"steps": steps, "map_s": t1 - t0, "train_s": time.perf_counter() - t1}
+        t2 = time.perf_counter()
+        if self.engine is not None:
+            self.engine.wake_up()
+        out = {"steps": steps, "map_s": t1 - t0, "train_s": t2 - t1}
         if self.device.type == "cuda":  # allocator counters: host-side, no device sync
             out["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             out["peak_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 2**30
         return out
+
+    def cmd_generate(self, ids: np.ndarray, offsets: np.ndarray, n: int, sampling,
+                     out: OutRegion, leader: bool) -> dict:
+        """Sample this engine group's prompts; the leader streams finished parts
+        back (see engine_host.generate_into)."""
+        t0 = time.perf_counter()
+        tokens = 0
+        if offsets.size > 1:
+            tokens = generate_into(self.engine, ids, offsets, n, sampling, out,
+                                   self.emit if leader else None)
+        return {"tokens": tokens, "generate_s": time.perf_counter() - t0}
+
+    @torch.no_grad()
+    def cmd_sync_weights(self, probe_ids: np.ndarray) -> dict:
+        """Every rank gathers the full weights tensor by tensor straight into its own
+        engine (same device), then checks the engine against this rank's trainer on
+        the probe, in the dtype both compute in."""
+        t0 = time.perf_counter()
+        dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
+        stream = WeightStream(iter_full_state(self.hf, self.export_names), dtype)
+        self.engine.load_weights(stream)
+        verify_fingerprint(self.engine, stream, self.rank)
+        t1 = time.perf_counter()
+        ids = torch.from_numpy(probe_ids.astype(np.int64)).to(self.device)
+        from areno.backend.step import autocast_ctx
+
+        with autocast_ctx(self.cfg, self.wrapped.strategy):
+            ref, _ = self.wrapped.root(ids[None, :-1], torch.arange(ids.numel() - 1, device=self.device)[None],
+                                       ids[None, 1:])
+        if hasattr(self.wrapped.root, "reshard"):
+            # FSDP2 keeps the root unsharded after a forward (backward would need it);
+            # there is no backward here, and the state walk (save, export) wants shards.
+            self.wrapped.root.reshard()
+        got = self.engine.prompt_logprobs(probe_ids)
+        worst = verify_probe_logprobs(got, ref[0].float().cpu().numpy(), PROBE_TOLERANCE[self.cfg.dtype],
+                                      self.rank)
+        return {"load_s": t1 - t0, "probe_s": time.perf_counter() - t1, "probe_diff": worst}
 
     def cmd_export(self, segment: str | None, layout: WeightLayout, probe_ids: np.ndarray,
                    probe_tolerance: float) -> dict | None:

@@ -270,6 +270,16 @@ def offsets_from_lengths(lengths: np.ndarray) -> np.ndarray:
     return _offsets(np.asarray(lengths, dtype=np.int64))
 
 
+def csr_take(values: np.ndarray, offsets: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows idx of a CSR array (values [T], offsets [R+1]) -> (values', offsets'):
+    one gather, O(rows) index math, no per-token Python."""
+    idx = np.asarray(idx, dtype=np.int64)
+    lengths = np.diff(offsets)[idx]
+    out_off = offsets_from_lengths(lengths)
+    gather = np.repeat(offsets[idx] - out_off[:-1], lengths) + np.arange(out_off[-1])
+    return values[gather], out_off
+
+
 def group_sizes(group_index: np.ndarray, num_groups: int) -> np.ndarray:
     """[P] int64 number of responses per prompt."""
     return np.bincount(group_index, minlength=num_groups).astype(np.int64)

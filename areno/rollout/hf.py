@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch, offsets_from_lengths
+from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch, csr_take, offsets_from_lengths
 from areno.rollout.engine import (
     SamplingConfig,
     check_weight_names,
@@ -24,7 +24,7 @@ from areno.rollout.engine import (
     validate_prompts,
     validate_sequence,
 )
-from areno.rollout.probe import Probe, probe_logprobs, verify_probe
+from areno.rollout.probe import Probe, WeightSyncError, probe_logprobs, verify_probe
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -91,9 +91,7 @@ class HFEngine:
         ids, offsets = self._validate(prompt_ids, prompt_offsets, n)
         for tok, lp, length, finish, who in self._buckets(ids, offsets, n, sampling):
             members = who[::n]
-            sub_len = np.diff(offsets)[members]
-            sub_off = offsets_from_lengths(sub_len)
-            sub_ids = ids[np.repeat(offsets[members] - sub_off[:-1], sub_len) + np.arange(sub_off[-1])]
+            sub_ids, sub_off = csr_take(ids, offsets, members)
             local = np.repeat(np.arange(members.size), n)
             yield members, _assemble(sub_ids, sub_off, n, [tok], [lp], [length], [finish], [local])
 
@@ -167,6 +165,38 @@ class HFEngine:
         self._push(weights)
         if probe is not None:
             verify_probe(self, probe)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (any device/dtype) into the live parameters one at a
+        time (no full state dict is ever built); every expected name must come."""
+        self._check_awake()
+        live = self.model.state_dict(keep_vars=True)
+        seen: set[str] = set()
+        with torch.no_grad():
+            for name, t in named_tensors:
+                dst = live.get(name)
+                if dst is None:
+                    if name in self._optional_names:
+                        continue
+                    raise ValueError(f"weight update names {name!r}, which the engine's model does not have")
+                dst.copy_(t)
+                seen.add(name)
+        missing = self._weight_names - seen
+        if missing:
+            raise WeightSyncError(f"weight update is missing {len(missing)} tensors, e.g. {min(missing)}")
+
+    @torch.no_grad()
+    def weights_fingerprint(self, names: Iterable[str]) -> float:
+        """fp64 sum of squares of the tensors these HF names load into (a tied
+        lm_head.weight is the input embedding again)."""
+        live = self.model.state_dict(keep_vars=True)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name in names:
+            t = live.get(name)
+            if t is None and name == "lm_head.weight":
+                t = self.model.get_output_embeddings().weight
+            total += t.double().square().sum()
+        return float(total)
 
     def _push(self, weights: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():

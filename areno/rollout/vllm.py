@@ -130,8 +130,11 @@ class VLLMEngine:
         )
         # Tensors can be handed to the worker only when it lives in this process
         # (in-process engine core, one worker); otherwise they go through a file.
-        world = int(self.llm.llm_engine.vllm_config.parallel_config.world_size)
-        self.multiprocess: bool = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0" or world > 1
+        # external_launcher (an engine inside each training rank) is in-process at any TP size.
+        pc = self.llm.llm_engine.vllm_config.parallel_config
+        in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0" and (
+            int(pc.world_size) == 1 or pc.distributed_executor_backend == "external_launcher")
+        self.multiprocess: bool = not in_process
         self._weight_names, self._optional_names = _checkpoint_names(mc)
         self._shm_dir: Path | None = None
         self._asleep = False
@@ -239,6 +242,17 @@ class VLLMEngine:
             raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running)")
         if probe is not None:
             verify_probe(self, probe)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream a full set of HF-named tensors (any device) into the in-process
+        model, one at a time, then reset the prefix cache. Names are checked once,
+        up front, by the caller (see backend.engine_host.check_engine_names)."""
+        self._check_awake()
+        if self.multiprocess:
+            raise RuntimeError("VLLMEngine.load_weights needs an in-process engine")
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        if not self.llm.reset_prefix_cache():
+            raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running)")
 
     def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         if not self.multiprocess:

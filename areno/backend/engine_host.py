@@ -1,0 +1,204 @@
+"""The rollout engine that lives inside a rank process, beside the policy it samples.
+
+Placement (see docs/DESIGN.md, "Engines beside the ranks"): every training rank
+builds one engine on its own device (vLLM with `external_launcher`, as TRL's
+colocate mode; transformers where vLLM cannot run). `tensor_parallel_size` k
+groups k consecutive ranks into one engine: all of them run the same prompts
+(vLLM's TP collectives need every member), only the group's first rank writes
+results. New weights go from the rank's own (sharded) model straight into its
+engine, one gathered tensor at a time, without leaving the device.
+
+Results go back as flat arrays: the controller owns one shared-memory segment
+per step and gives each engine group a region of it (`OutRegion`); the leader
+writes each finished part's token ids and log-probs at a running cursor and
+sends only per-sequence metadata (O(sequences)) over its pipe. A rank on
+another host sends the part's arrays inline instead (still whole buffers).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from areno.rollout.engine import SamplingConfig, check_weight_names
+from areno.rollout.probe import WeightSyncError
+
+EngineKind = Literal["vllm", "hf"]
+
+# Largest acceptable max |engine - trainer| probe log-prob difference, by the
+# dtype both sides compute in. fp32 agrees to ~1e-6. In bf16 the two sides run
+# different kernels: a correct sync measured 0.002 (transformers) and 0.004 (vLLM)
+# on the tiny model, one optimizer step of staleness at the demo's lr 0.014-0.03.
+# A 1% error in one layer is below bf16's resolution (0.4%) on log-probs, so
+# engines that can (transformers) also compare an exact weight fingerprint.
+PROBE_TOLERANCE = {"float32": 1e-3, "bfloat16": 1e-2}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What each rank's engine is built with.
+
+    kind: "vllm" (falls back to "hf" on a rank where vLLM does not import).
+    dtype: "float32" | "bfloat16": the engine's weights and compute.
+    max_model_len: prompt + response tokens. tensor_parallel_size: ranks per engine.
+    gpu_memory_utilization: vLLM's GPU share (GPU only). kv_cache_bytes: vLLM's KV
+    cache on CPU.
+    """
+
+    kind: EngineKind = "vllm"
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    kv_cache_bytes: int = 256 << 20
+
+
+@dataclass(frozen=True)
+class OutRegion:
+    """Where an engine group writes its results: `capacity` int32 token ids at
+    `offset`, then `capacity` float32 log-probs (segment None: send inline)."""
+
+    segment: str | None
+    offset: int
+    capacity: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.capacity * 8
+
+
+def build_engine(spec: EngineSpec, model_path: str, device: torch.device) -> tuple[Any, str]:
+    """-> (engine, kind actually built). Runs in the rank after init_process_group."""
+    if spec.kind == "vllm":
+        try:
+            return _build_vllm(spec, model_path, device), "vllm"
+        except ImportError as e:
+            warnings.warn(f"vLLM is not importable here ({e}); this rank samples with the "
+                          "transformers engine (slow)", stacklevel=2)
+    from areno.rollout.hf import HFEngine
+
+    return HFEngine(model_path, dtype=spec.dtype, seed=spec.seed, max_model_len=spec.max_model_len,
+                    device=device), "hf"
+
+
+def _build_vllm(spec: EngineSpec, model_path: str, device: torch.device) -> Any:
+    # external_launcher runs the engine in this process, inside the torch world the
+    # ranks already formed (TP groups of consecutive ranks); it needs V1's
+    # in-process engine core.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from areno.rollout.vllm import VLLMEngine
+
+    on_gpu = device.type == "cuda"
+    kw: dict[str, Any] = dict(
+        tensor_parallel_size=spec.tensor_parallel_size, dtype=spec.dtype, seed=spec.seed,
+        max_model_len=spec.max_model_len, distributed_executor_backend="external_launcher",
+    )
+    if on_gpu:
+        kw.update(gpu_memory_utilization=spec.gpu_memory_utilization, enable_sleep_mode=True)
+    else:
+        kw.update(kv_cache_memory_bytes=spec.kv_cache_bytes)
+    return VLLMEngine(model_path, **kw)
+
+
+def generate_into(engine: Any, ids: np.ndarray, offsets: np.ndarray, n: int, sampling: SamplingConfig,
+                  out: OutRegion, emit: Callable[[dict], None] | None) -> int:
+    """Generate n samples per prompt, streaming each finished part to `emit` as
+    {positions [p] int64 (into ids/offsets), lengths [p*n] int64, finish [p*n]
+    uint8, start (token cursor in the region)} (+ ids/logprobs inline when the
+    region has no segment). emit None: a non-leader TP rank (runs, reports
+    nothing). Returns the tokens written."""
+    from areno.backend.handoff import map_region
+
+    region = map_region(out.segment, out.offset, out.nbytes, writable=True) \
+        if emit is not None and out.segment else None
+    skew = out.offset % 4096 if region is not None else 0
+    cursor = 0
+    try:
+        for pos, part in engine.generate_stream(ids, offsets, n, sampling, min_groups=1):
+            if emit is None:
+                continue
+            t = part.response_ids.size
+            if cursor + t > out.capacity:
+                raise RuntimeError(f"engine wrote {cursor + t} tokens into a region of {out.capacity}")
+            meta = dict(positions=pos, lengths=np.diff(part.response_offsets),
+                        finish=part.finish_reason, start=cursor)
+            if region is not None:
+                _write(region, skew + 4 * cursor, part.response_ids)
+                _write(region, skew + 4 * (out.capacity + cursor), part.response_logprobs)
+            else:
+                meta.update(ids=part.response_ids, logprobs=part.response_logprobs)
+            cursor += t
+            emit(meta)
+    finally:
+        if region is not None:
+            region.close()
+    return cursor
+
+
+def _write(region: Any, at: int, a: np.ndarray) -> None:
+    if a.size:
+        np.frombuffer(region, dtype=np.uint8, count=a.nbytes, offset=at)[:] = a.view(np.uint8)
+
+
+def check_engine_names(engine: Any, names: Iterable[str]) -> None:
+    """Fail at start-up, not at the first sync, if the trainer's tensor names and
+    the engine's disagree."""
+    expected = getattr(engine, "_weight_names", None)
+    if expected is not None:
+        check_weight_names(names, expected, getattr(engine, "_optional_names", set()))
+
+
+def verify_probe_logprobs(got: np.ndarray, ref: np.ndarray, tolerance: float, rank: int) -> float:
+    """max |got - ref|; WeightSyncError (naming the rank) beyond `tolerance`."""
+    diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+    worst = float(np.max(diff)) if diff.size and np.all(np.isfinite(diff)) else float("inf")
+    if not worst <= tolerance:
+        pos = int(np.argmax(np.nan_to_num(diff, nan=np.inf)))
+        raise WeightSyncError(
+            f"weight sync probe failed on rank {rank}: engine log-probs differ from the trainer's "
+            f"by max {worst:.3g} (tolerance {tolerance:g}, worst at position {pos + 1} of "
+            f"{ref.size + 1}); the engine is not serving the trained weights")
+    return worst
+
+
+class WeightStream:
+    """The trainer's gathered full tensors as fresh copies in the engine's dtype on
+    their device, one at a time (an engine may keep what it is given: vLLM's
+    in-place reload on CPU does), with a running fp64 sum of squares per name
+    kept on the device (`fingerprint`, read once after the load)."""
+
+    def __init__(self, named: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
+        self._named, self._dtype = named, dtype
+        self.names: list[str] = []
+        self._sumsq: torch.Tensor | None = None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self._named:
+            c = t.detach().to(self._dtype, copy=True)
+            s = c.double().square().sum()
+            self._sumsq = s if self._sumsq is None else self._sumsq + s
+            self.names.append(name)
+            yield name, c
+
+    def fingerprint(self) -> float:
+        return float(self._sumsq) if self._sumsq is not None else 0.0
+
+
+def verify_fingerprint(engine: Any, stream: WeightStream, rank: int) -> None:
+    """Exact check where the engine can report what it holds: the fp64 sum of
+    squares of every loaded tensor must equal the trainer's (same bf16/fp32 bytes)."""
+    if not hasattr(engine, "weights_fingerprint"):
+        return
+    got, want = engine.weights_fingerprint(stream.names), stream.fingerprint()
+    if not abs(got - want) <= 1e-9 * max(abs(want), 1.0):
+        raise WeightSyncError(
+            f"weight sync check failed on rank {rank}: the engine's weights (sum of squares "
+            f"{got:.9g}) are not the trainer's ({want:.9g}); the engine is not serving the "
+            "trained weights")

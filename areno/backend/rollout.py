@@ -1,0 +1,131 @@
+"""RankEngines: the RolloutEngine the trainer sees, backed by the engines inside
+the ranks (see engine_host.py). The controller only splits prompts, sends each
+engine group its share (a few arrays) and reassembles the finished parts from
+the shared-memory segment the ranks write into; it never imports vLLM and never
+touches a GPU.
+
+Prompts go to engines by whole groups (all n samples of a prompt on one engine),
+balanced by expected tokens with longest-first greedy (LPT): a prompt is
+expected to cost its length plus `max_tokens` per sample.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from areno.backend.engine_host import OutRegion
+from areno.rollout.batch import RolloutBatch, csr_take, offsets_from_lengths
+from areno.rollout.engine import SamplingConfig, prompt_seeds, validate_prompts
+
+if TYPE_CHECKING:
+    from areno.backend.controller import TorchBackend
+
+_PAGE = 4096
+
+
+def assign_groups(cost: np.ndarray, num_engines: int) -> np.ndarray:
+    """[P] expected cost per prompt -> [P] int64 engine of each prompt (LPT:
+    longest first onto the least-loaded engine; ties by engine index).
+    O(P log E) Python over prompts, none over tokens."""
+    cost = np.asarray(cost, dtype=np.int64)
+    out = np.zeros(cost.size, dtype=np.int64)
+    heap = [(0, e) for e in range(num_engines)]
+    for p in np.argsort(-cost, kind="stable").tolist():
+        load, e = heapq.heappop(heap)
+        out[p] = e
+        heapq.heappush(heap, (load + int(cost[p]), e))
+    return out
+
+
+class RankEngines:
+    """RolloutEngine over `backend.world_size // tensor_parallel_size` engines."""
+
+    supports_sleep = True  # each rank sleeps its own engine around training
+
+    def __init__(self, backend: "TorchBackend", tensor_parallel_size: int = 1) -> None:
+        self.backend = backend
+        self.tp = tensor_parallel_size
+        self.num_engines = backend.world_size // tensor_parallel_size
+        hellos = backend._hellos
+        self.kinds: list[str] = sorted({h["engine"] for h in hellos})
+        self.max_model_len: int = min(int(h["engine_max_model_len"]) for h in hellos)
+        self._remote = [not h["same_host"] for h in hellos]
+        self.last_tokens: list[int] = []  # response tokens each engine wrote in the last call
+
+    def generate(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int,
+                 sampling: SamplingConfig) -> RolloutBatch:
+        parts, positions = [], []
+        for pos, part in self.generate_stream(prompt_ids, prompt_offsets, n, sampling):
+            parts.append(part)
+            positions.append(pos)
+        return RolloutBatch.merge_parts(parts, positions)[0]
+
+    def generate_stream(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int,
+                        sampling: SamplingConfig, min_groups: int = 1,
+                        ) -> Iterator[tuple[np.ndarray, RolloutBatch]]:
+        """Yield (prompt positions [p] int64, RolloutBatch of those p groups) as each
+        engine finishes groups."""
+        be = self.backend
+        ids, offsets = validate_prompts(prompt_ids, prompt_offsets, n, max_model_len=self.max_model_len,
+                                        vocab_size=be.vocab_size)
+        lengths = np.diff(offsets)
+        engine_of = assign_groups(lengths + sampling.max_tokens, self.num_engines)
+        members = [np.flatnonzero(engine_of == g) for g in range(self.num_engines)]
+        caps = [m.size * n * sampling.max_tokens for m in members]
+        starts = np.cumsum([0] + [-(-8 * c // _PAGE) * _PAGE for c in caps]).tolist()
+        seg = be.rollout_segment
+        seg.ensure(max(starts[-1], 1))
+        seeds = prompt_seeds(sampling.seed, self.num_engines) if sampling.seed is not None else None
+        for r in range(be.world_size):
+            g = r // self.tp
+            sub_ids, sub_off = csr_take(ids, offsets, members[g])
+            out = OutRegion(None if self._remote[r] else seg.name, starts[g], caps[g])
+            s = sampling if seeds is None else replace(sampling, seed=int(seeds[g]))
+            be._send(r, "generate", ids=sub_ids, offsets=sub_off, n=n, sampling=s, out=out,
+                     leader=r % self.tp == 0)
+        self.last_tokens = [0] * self.num_engines
+        for r, kind, meta in be._events("generate", be.config.command_timeout_s):
+            if kind == "ok":
+                self.last_tokens[r // self.tp] = max(self.last_tokens[r // self.tp], meta["tokens"])
+            else:
+                g = r // self.tp
+                yield self._part(ids, offsets, n, members[g][meta["positions"]], meta,
+                                 starts[g], caps[g])
+
+    def _part(self, ids: np.ndarray, offsets: np.ndarray, n: int, pos: np.ndarray, meta: dict,
+              start: int, cap: int) -> tuple[np.ndarray, RolloutBatch]:
+        lengths = meta["lengths"]
+        total = int(lengths.sum())
+        if "ids" in meta:  # a rank on another host sent its arrays inline
+            rid, rlp = meta["ids"], meta["logprobs"]
+        else:
+            buf = self.backend.rollout_segment.buf
+            at = start + 4 * meta["start"]
+            # Copied out (one memcpy per part): no view may pin the segment, which
+            # is unlinked on any failure and reused by the next call.
+            rid = np.frombuffer(buf, dtype=np.int32, count=total, offset=at).copy()
+            rlp = np.frombuffer(buf, dtype=np.float32, count=total, offset=at + 4 * cap).copy()
+        p_ids, p_off = csr_take(ids, offsets, pos)
+        return pos, RolloutBatch(
+            prompt_ids=p_ids, prompt_offsets=p_off, response_ids=rid,
+            response_offsets=offsets_from_lengths(lengths), response_logprobs=rlp,
+            group_index=np.repeat(np.arange(pos.size, dtype=np.int64), n),
+            finish_reason=meta["finish"],
+        )
+
+    def update_weights(self, named_tensors, probe=None) -> None:
+        raise NotImplementedError("rank engines load weights from their own rank: backend.sync_weights()")
+
+    def sleep(self) -> None:
+        """No-op: each rank sleeps its engine while it trains (cmd_train)."""
+
+    def wake_up(self) -> None:
+        """No-op: see sleep()."""
+
+    def shutdown(self) -> None:
+        """No-op: the engines stop with their ranks (backend.close())."""

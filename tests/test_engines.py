@@ -1,0 +1,101 @@
+"""Rollout engines inside the ranks: prompt placement, generation on every rank,
+overlap identity through the ranks, the weight-sync probe in fp32 and bf16, and
+a controller that never imports vLLM nor touches CUDA."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from areno.backend.launch import free_port
+from areno.backend.rollout import assign_groups
+
+TESTS = Path(__file__).parent
+
+
+def test_assign_groups_is_lpt_balanced_and_deterministic():
+    rng = np.random.default_rng(0)
+    cost = rng.integers(10, 1000, 57)
+    a = assign_groups(cost, 4)
+    assert a.shape == (57,) and set(a.tolist()) == {0, 1, 2, 3}
+    np.testing.assert_array_equal(a, assign_groups(cost, 4))
+    loads = np.bincount(a, weights=cost, minlength=4)
+    # LPT: no engine exceeds the mean by more than the largest single prompt
+    assert loads.max() - loads.mean() <= cost.max()
+    assert loads.max() / loads.min() < 1.1
+    np.testing.assert_array_equal(assign_groups(cost, 1), np.zeros(57))
+    # fewer prompts than engines: some engines get none
+    assert sorted(assign_groups(np.array([5, 3]), 4).tolist()) == [0, 1]
+
+
+def _scenarios(model: Path, kind: str, dtype: str) -> dict[str, str]:
+    res = subprocess.run([sys.executable, str(TESTS / "probe_scenarios.py"), str(model), kind, dtype,
+                          str(free_port())], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_probe_passes_a_correct_sync_and_fails_corrupted_or_stale_hf(tiny_chat_path, dtype):
+    out = _scenarios(tiny_chat_path, "hf", dtype)
+    assert out["correct"] == "ok" and out["correct_again"] == "ok", out
+    assert out["corrupted"].startswith("WeightSyncError") and "rank 0" in out["corrupted"], out
+    assert out["stale"].startswith("WeightSyncError"), out
+
+
+@pytest.mark.slow
+def test_probe_in_bf16_with_vllm_passes_correct_and_fails_stale(tiny_chat_path):
+    pytest.importorskip("vllm")
+    out = _scenarios(tiny_chat_path, "vllm", "bfloat16")
+    assert out["correct"] == "ok" and out["correct_again"] == "ok", out
+    assert out["stale"].startswith("WeightSyncError") and "log-probs" in out["stale"], out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_two_ranks_both_generate_and_overlap_equals_plain(tiny_arith_path, tmp_path, kind):
+    if kind == "vllm":
+        pytest.importorskip("vllm")
+    from transformers import AutoTokenizer
+
+    from areno.backend.config import BackendConfig
+    from areno.backend.controller import TorchBackend
+    from areno.backend.engine_host import EngineSpec
+    from areno.backend.rollout import RankEngines
+    from test_overlap import _check_engine
+
+    cfg = BackendConfig(model_path=str(tiny_arith_path), world_size=2,
+                        engine=EngineSpec(kind=kind, max_model_len=64, kv_cache_bytes=64 << 20))
+    with TorchBackend(cfg) as be:
+        engines = RankEngines(be)
+        assert engines.kinds == [kind] and engines.num_engines == 2
+        _check_engine(engines, AutoTokenizer.from_pretrained(tiny_arith_path), tmp_path)
+        assert len(engines.last_tokens) == 2 and min(engines.last_tokens) > 0
+        be.sync_weights()  # the probe holds on every rank
+
+
+CPU_ONLY_RUN = """
+import sys, torch
+from areno.config import TrainConfig
+from areno.trainer import run_training
+cfg = TrainConfig.from_sources(overrides=dict(max_steps=2, world_size=2, output_dir=sys.argv[1],
+                                              no_save=True))
+run_training(cfg)
+print("vllm" in sys.modules, torch.cuda.is_initialized())
+"""
+
+
+@pytest.mark.slow
+def test_controller_imports_no_vllm_and_holds_no_cuda_context(tmp_path):
+    """A real 2-rank CPU run (vLLM engines in the ranks, where installed)."""
+    res = subprocess.run([sys.executable, "-c", CPU_ONLY_RUN, str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "False False"
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
