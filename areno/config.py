@@ -134,6 +134,16 @@ class TrainConfig:
                                  "Parallelism", ge=1)
     batch_size: int = opt(16, "Prompts per step.", "Parallelism", ge=1)
     n_samples: int = opt(8, "Completions per prompt (the GRPO group size).", "Parallelism", ge=1)
+    nnodes: int = opt(1, "Nodes in the run (as torchrun's --nnodes): every node runs the same "
+                      "command with its own --node-rank and ARENO_BACKEND_AUTHKEY.", "Parallelism", ge=1)
+    node_rank: int = opt(0, "This node, 0 .. --nnodes - 1; node 0 runs the controller.",
+                         "Parallelism", ge=0)
+    nproc_per_node: int | None = opt(None, "Ranks (each with its rollout engine) on this node "
+                                     "(default: its GPUs, 1 on CPU).", "Parallelism", ge=1)
+    master_addr: str = opt("127.0.0.1", "Node 0's address, reachable from every node.",
+                           "Parallelism")
+    master_port: int = opt(29500, "Rendezvous port on node 0; its controller listens on the next "
+                           "port.", "Parallelism", ge=1, le=65534)
     strategy: Literal["auto", "fsdp2", "ddp"] = opt(
         "auto", "Data parallelism: auto (= fsdp2, which also runs on CPU under gloo), fsdp2 or ddp.", "Parallelism")
     # -- Logging and checkpoints -------------------------------------------------
@@ -236,6 +246,16 @@ class TrainConfig:
                             f"step ({self.batch_size * self.n_samples})")
         if self.world_size and self.world_size > self.batch_size * self.n_samples:
             raise UserError(f"--world-size ({self.world_size}) exceeds the completions per step")
+        if self.node_rank >= self.nnodes:
+            raise UserError(f"--node-rank ({self.node_rank}) must be below --nnodes ({self.nnodes})")
+        if self.nnodes > 1:
+            from areno.multinode import check_authkey
+
+            check_authkey()
+            if self.world_size and self.nproc_per_node and \
+                    self.world_size != self.nnodes * self.nproc_per_node:
+                raise UserError(f"--world-size ({self.world_size}) must be --nnodes x "
+                                f"--nproc-per-node ({self.nnodes} x {self.nproc_per_node})")
         if self.n_samples < 2 and self.adv_mode in ("grpo", "rloo"):
             raise UserError(f"--n-samples must be >= 2 for --adv-mode {self.adv_mode} "
                             "(a group of one has no baseline)")

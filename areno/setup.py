@@ -19,6 +19,8 @@ from areno.backend.engine_host import EngineSpec
 from areno.config import TrainConfig
 from areno.data import PromptSampler, PromptSet, RowSet, load_rows, normalize_rows, tokenize_prompts
 from areno.errors import UserError
+from areno.multinode import controller_port, start_local_ranks
+from areno.multinode import stop as stop_ranks
 from areno.pack import Workspace
 from areno.reporting import RunLogger
 from areno.rewards import RewardScorer
@@ -223,7 +225,9 @@ def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
         sampler.load_state_dict(state["sampler"])
     total = total_steps_for(cfg, sampler) if sampler else 0
     start = int(state["step"]) if state else 0
-    world_size = cfg.world_size or _default_world_size(device)
+    nproc = cfg.nproc_per_node or (cfg.world_size // cfg.nnodes if cfg.world_size else
+                                   _default_world_size(device))
+    world_size = cfg.world_size or cfg.nnodes * nproc
     longest = max(int(p.lengths.max()) for p in (prompts, evalset and evalset[1]) if p)
     with contextlib.ExitStack() as stack:
         scorer = stack.enter_context(RewardScorer(
@@ -231,8 +235,12 @@ def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
             timeout=cfg.reward_timeout, on_error=cfg.on_reward_error))
         # The ranks hold the rollout engines, so an eval-only run starts them too.
         spec = None if engine is not None else engine_spec(cfg, device, longest)
-        backend = TorchBackend(backend_config(cfg, model_path, base_model, world_size, device,
-                                              max(total, 1), spec))
+        bcfg = backend_config(cfg, model_path, base_model, world_size, device, max(total, 1), spec)
+        if cfg.nnodes > 1:  # node 0: the controller, plus this node's ranks
+            bcfg = replace(bcfg, launcher="external", listen_port=controller_port(cfg.master_port))
+            ranks = start_local_ranks(cfg.nnodes, 0, nproc, cfg.master_addr, cfg.master_port)
+            stack.callback(stop_ranks, ranks)
+        backend = TorchBackend(bcfg)
         stack.callback(backend.close)
         if resume:
             backend.load_state(resume / "backend")

@@ -29,7 +29,8 @@ from areno.rollout.batch import (
 )
 from areno.rollout.engine import SamplingConfig
 from areno.rollout.probe import WeightSyncError
-from areno.setup import Run, open_run
+from areno.multinode import run_worker_node
+from areno.setup import Run, open_run, visible_gpus
 from areno.stats import TRAIN_METRICS, StreamingStats
 
 
@@ -51,6 +52,9 @@ class PhaseTimer:
 def run_training(cfg: TrainConfig, engine: Any = None) -> None:
     """`areno train`: the whole run, from an opened Run to the final checkpoint.
     engine: optional RolloutEngine instance (see setup.open_run)."""
+    if cfg.node_rank > 0:  # a worker node: its ranks serve node 0's controller
+        raise SystemExit(run_worker_node(cfg.nnodes, cfg.node_rank, cfg.nproc_per_node or
+                                         visible_gpus() or 1, cfg.master_addr, cfg.master_port))
     with open_run(cfg, engine) as run:
         if cfg.eval_only:
             run.maybe_eval(0, force=True)

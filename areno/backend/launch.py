@@ -55,17 +55,17 @@ def accept_ranks(cfg: BackendConfig, conns: list[Connection | None], marker: Shm
     Each rank gets the config and the name of a marker segment holding a random
     token: a rank that can read it shares this host's /dev/shm (see rank.py).
     """
-    key_hex = os.environ.get("ARENO_BACKEND_AUTHKEY") or secrets.token_hex(16)
+    given = os.environ.get("ARENO_BACKEND_AUTHKEY")
+    key_hex = given or secrets.token_hex(16)
     os.environ["ARENO_BACKEND_AUTHKEY"] = key_hex
     token = secrets.token_bytes(16)
     marker.ensure(len(token), headroom=0.0)
     marker.buf[: len(token)] = token
     listener = Listener((cfg.listen_host, cfg.listen_port), authkey=bytes.fromhex(key_hex))
-    print(
-        f"areno backend: waiting for {cfg.world_size} ranks on {cfg.listen_host}:{cfg.listen_port}; "
-        f"start them with ARENO_BACKEND_AUTHKEY={key_hex} torchrun ... -m areno.backend.rank "
-        f"--connect <this-host>:{cfg.listen_port}", file=sys.stderr, flush=True,
-    )
+    how = "" if given else (f"; start them with ARENO_BACKEND_AUTHKEY={key_hex} torchrun ... "
+                            f"-m areno.backend.rank --connect <this-host>:{cfg.listen_port}")
+    print(f"areno: waiting for {cfg.world_size} ranks on {cfg.listen_host}:{cfg.listen_port}{how}",
+          file=sys.stderr, flush=True)
     accepted: list[Connection] = []
 
     def accept_all() -> None:
