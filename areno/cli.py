@@ -96,7 +96,11 @@ def check() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: one-line errors with exit code 2 for user mistakes."""
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)
+        if code == 130:  # typer turns a KeyboardInterrupt into this status
+            print("areno: interrupted", file=sys.stderr)
+        if isinstance(code, int):
+            return code
     except typer.Exit as e:
         return e.exit_code
     except typer.Abort:

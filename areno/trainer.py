@@ -19,6 +19,7 @@ from areno.backend.errors import BackendError
 from areno.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config import TrainConfig
 from areno.data import select
+from areno.interrupt import interrupted, interrupts_raise
 from areno.pack import build_split_pack
 from areno.rewards import RewardResult, reward_records
 from areno.rollout.batch import (
@@ -50,7 +51,7 @@ class PhaseTimer:
 def run_training(cfg: TrainConfig, engine: Any = None) -> None:
     """`areno train`: the whole run, from an opened Run to the final checkpoint.
     engine: optional RolloutEngine instance (see setup.open_run)."""
-    with open_run(cfg, engine) as run:
+    with interrupts_raise(), open_run(cfg, engine) as run:
         if cfg.eval_only:
             run.maybe_eval(0, force=True)
             return
@@ -65,10 +66,10 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
                 run.maybe_eval(step)
         except BackendError as e:  # a rank died or failed: every process is stopped on the way out
             stopped(run, e)
-        except KeyboardInterrupt:  # the backend's watchdog interrupts us when a rank dies
-            if run.backend is None or run.backend.dead is None:
-                raise
-            stopped(run, run.backend.dead)
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM, or the backend's watchdog (a rank died)
+            if run.backend is not None and run.backend.dead is not None:
+                stopped(run, run.backend.dead)
+            interrupted(run)
         run.finish()
 
 
