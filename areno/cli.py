@@ -64,7 +64,10 @@ def train(**kwargs: Any) -> None:
     embedded demo: a tiny model learns one-digit addition on CPU in a few minutes."""
     config_path = kwargs.pop("config", None)
     cfg = TrainConfig.from_sources(config_path, kwargs)
+    from areno.resume import given_options, resume_config
     from areno.trainer import run_training  # heavy imports only after validation
+
+    cfg = resume_config(cfg, given_options(config_path, kwargs))
 
     run_training(cfg)
 

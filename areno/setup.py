@@ -20,6 +20,7 @@ from areno.data import PromptSampler, PromptSet, RowSet, load_rows, normalize_ro
 from areno.errors import UserError
 from areno.pack import Workspace
 from areno.reporting import RunLogger
+from areno.resume import restart_unsaved
 from areno.rewards import RewardScorer
 from areno.rollout.engine import SamplingConfig
 from areno.tasks import resolve_plugin_path
@@ -108,8 +109,7 @@ def make_output_dir(cfg: TrainConfig, resume: Path | None = None) -> Path:
     else:
         out = Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     if resume is None and not cfg.eval_only and (out / "metrics.jsonl").is_file():
-        raise UserError(f"--output-dir {out} already holds a run (metrics.jsonl): continue it "
-                        "with --resume latest, or choose another --output-dir")
+        restart_unsaved(cfg, out)  # UserError unless it stopped before its first checkpoint
     try:
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "config.yaml", "w") as f:
@@ -178,7 +178,8 @@ def find_resume(cfg: TrainConfig) -> Path | None:
     root = checkpoint_root(cfg, Path(cfg.output_dir or "."))
     ckpt = latest_checkpoint(root)
     if ckpt is None:
-        raise UserError(f"--resume latest: no complete checkpoint under {root}")
+        raise UserError(f"--resume latest: no complete checkpoint under {root} (a run that "
+                        "stopped before its first checkpoint starts again without --resume)")
     return ckpt
 
 
