@@ -18,6 +18,7 @@ from areno.checkpoint import checkpoint_root, drop_after, latest_checkpoint, rea
 from areno.config import TrainConfig
 from areno.data import PromptSampler, PromptSet, RowSet, load_rows, normalize_rows, tokenize_prompts
 from areno.errors import UserError
+from areno.leftovers import clean_leftovers
 from areno.pack import Workspace
 from areno.reporting import RunLogger
 from areno.resume import restart_unsaved
@@ -190,6 +191,7 @@ def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
     from areno.backend.controller import TorchBackend
     from areno.rollout.engine import make_engine
 
+    clean_leftovers()  # shared memory of areno processes that were SIGKILLed
     device = resolve_device(cfg)
     resume = find_resume(cfg)
     state = read_state(resume) if resume else None

@@ -1,10 +1,12 @@
 """What a resume may change (areno/resume.py), and starting again a run that
-stopped before its first checkpoint."""
+stopped before its first checkpoint (its leftover shared memory removed)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+from pathlib import Path
 
 import pytest
 import yaml
@@ -12,6 +14,7 @@ import yaml
 from areno.config import TrainConfig
 from areno.errors import UserError
 from areno.resume import resume_config
+from test_leftovers import dead_pid
 from test_resume import HF1, cli, ok, train_steps
 
 
@@ -46,8 +49,12 @@ def test_restart_before_a_checkpoint_then_a_longer_max_steps_gets_the_longer_run
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')  # killed in step 2
+    # ... by SIGKILL, leaving its hand-off segment behind
+    segment = Path("/dev/shm") / f"areno-bk-{dead_pid()}-{os.getpid():08x}-pack"
+    segment.write_bytes(b"x" * 4096)
     res = ok(cli(["train", *HF1, "--max-steps", "2", "--output-dir", str(out)], areno_cache))
     assert "stopped before its first checkpoint: starting it again from step 0" in res.stdout
+    assert not segment.exists() and segment.name in res.stdout  # removed at the start
     assert sorted(train_steps(out)) == [1, 2]
 
     # Only --max-steps given: the rest (engine, batch shape, LR) is the checkpoint's.
