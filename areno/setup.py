@@ -24,6 +24,7 @@ from areno.reporting import RunLogger
 from areno.resume import restart_unsaved
 from areno.rewards import RewardScorer
 from areno.rollout.engine import SamplingConfig
+from areno.runlog import third_party_to_log
 from areno.tasks import resolve_plugin_path
 
 EVAL_SEED_BASE = 1 << 62  # eval sampling seeds never coincide with a training step's
@@ -187,7 +188,15 @@ def find_resume(cfg: TrainConfig) -> Path | None:
 @contextlib.contextmanager
 def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
     """Build a Run; everything started is stopped when the block exits.
-    engine: a RolloutEngine to use instead of building one (benchmarks, tests)."""
+    engine: a RolloutEngine to use instead of building one (benchmarks, tests).
+    Third-party output goes to RUN_DIR/run.log from the moment the run dir exists
+    until the last process is stopped (areno/runlog.py)."""
+    with contextlib.ExitStack() as logs, _open_run(cfg, engine, logs) as run:
+        yield run
+
+
+@contextlib.contextmanager
+def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iterator[Run]:
     from areno.backend.controller import TorchBackend
     from areno.rollout.engine import make_engine
 
@@ -196,6 +205,7 @@ def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
     resume = find_resume(cfg)
     state = read_state(resume) if resume else None
     out = make_output_dir(cfg, resume)
+    logs.enter_context(third_party_to_log(out, cfg.verbose))
     if resume:
         # Checkpoints after the resumed one belong to the abandoned continuation
         # (like its metrics.jsonl lines): `--resume latest` must not pick them later.
