@@ -21,12 +21,14 @@ from test_faults import assert_complete, wait_for
 from test_resume import HF1, REPO, cli_env, popen_train, read_metrics, wait_group_gone
 
 
-def interrupt_after(proc: subprocess.Popen, out: Path, steps: int, sig: int) -> tuple[str, str]:
-    """Send `sig` once `steps` more steps are in metrics.jsonl; -> (stdout, stderr)."""
+def interrupt_after(proc: subprocess.Popen, out: Path, steps: int, sig: int,
+                    group: bool = False) -> tuple[str, str]:
+    """Send `sig` (to the whole process group, as a terminal's Ctrl-C does, if
+    `group`) once `steps` more steps are in metrics.jsonl; -> (stdout, stderr)."""
     path = out / "metrics.jsonl"
     done = len(read_metrics(out)) if path.is_file() else 0
     wait_for(lambda: path.is_file() and len(path.read_text().splitlines()) >= done + steps, proc)
-    os.kill(proc.pid, sig)
+    (os.killpg if group else os.kill)(proc.pid, sig)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
@@ -45,7 +47,7 @@ def test_sigint_then_sigterm_save_the_last_finished_step_and_print_a_working_res
         tmp_path, areno_cache):
     out = tmp_path / "run"
     proc = popen_train([*HF1, "--max-steps", "200", "--output-dir", str(out)], areno_cache)
-    _, err = interrupt_after(proc, out, 2, signal.SIGINT)
+    _, err = interrupt_after(proc, out, 2, signal.SIGINT, group=True)
     line = resume_line(err)
     ckpt = latest_checkpoint(out / "checkpoints")
     assert ckpt is not None, err[-3000:]
