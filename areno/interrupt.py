@@ -54,11 +54,11 @@ def interrupted(run: Any) -> None:
     print where the run stopped and how to continue, exit 130."""
     name = _received[-1] if _received else "SIGINT"
     root = checkpoint_root(run.cfg, run.output_dir)
-    ckpt = latest_checkpoint(root)
+    last = latest_checkpoint(root)
     note = "; --no-save: nothing saved" if run.cfg.no_save else ""
-    if run.step > 0 and not run.cfg.no_save and (ckpt is None or ckpt.name != _step_dir(run.step)):
+    if run.step > 0 and not run.cfg.no_save and (last is None or last.name != _step_dir(run.step)):
         try:
-            ckpt = run.save(run.step)
+            run.save(run.step)
         except KeyboardInterrupt:  # a second Ctrl-C: stop now, the save is atomic
             note = f"; saving step {run.step} was interrupted"
         except (BackendError, UserError):
