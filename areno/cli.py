@@ -64,7 +64,10 @@ def train(**kwargs: Any) -> None:
     embedded demo: a tiny model learns one-digit addition on CPU in a few minutes."""
     config_path = kwargs.pop("config", None)
     cfg = TrainConfig.from_sources(config_path, kwargs)
+    from areno.resume import given_options, resume_config
     from areno.trainer import run_training  # heavy imports only after validation
+
+    cfg = resume_config(cfg, given_options(config_path, kwargs))
 
     run_training(cfg)
 
@@ -96,7 +99,11 @@ def check() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: one-line errors with exit code 2 for user mistakes."""
     try:
-        app(args=argv, standalone_mode=False)
+        code = app(args=argv, standalone_mode=False)
+        if code == 130:  # typer turns a KeyboardInterrupt into this status
+            print("areno: interrupted", file=sys.stderr)
+        if isinstance(code, int):
+            return code
     except typer.Exit as e:
         return e.exit_code
     except typer.Abort:

@@ -158,6 +158,10 @@ class TrainConfig:
         "Logging and checkpoints")
     report_to: Literal["none", "tensorboard", "wandb"] = opt(
         "none", "Also log metrics to TensorBoard or W&B (if installed).", "Logging and checkpoints")
+    verbose: bool = opt(
+        False, "Show third-party output (warnings, logs and progress bars of vLLM, torch, "
+        "transformers) on the terminal too; by default it goes only to <output-dir>/run.log.",
+        "Logging and checkpoints")
     save_interval: int = opt(0, "Save a checkpoint every N steps (0: only at the end).",
                              "Logging and checkpoints", ge=0)
     save_path: str | None = opt(None, "Checkpoint directory (default <output-dir>/checkpoints).",

@@ -12,21 +12,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
     TimeRemainingColumn
 
-# (metric key, console label, format) for the per-step line; everything goes to JSONL.
-CONSOLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("reward/mean", "reward", "{:.3f}"),
-    ("reward/std", "±", "{:.3f}"),
-    ("reward/accuracy", "acc", "{:.2f}"),
-    ("response/len_mean", "len", "{:.1f}"),
-    ("response/len_max", "max", "{:.0f}"),
-    ("train/clip_frac", "clip", "{:.3f}"),
-    ("train/kl", "kl", "{:.4f}"),
-    ("train/entropy", "ent", "{:.3f}"),
-    ("train/grad_norm", "gnorm", "{:.3f}"),
-    ("train/lr", "lr", "{:.2e}"),
-    ("perf/tokens_per_s", "tok/s", "{:.0f}"),
-)
+# The per-step line: the key figures in at most LINE_LIMIT characters (README:
+# "one line per step"); every metric, phase times included, goes to metrics.jsonl.
+LINE_LIMIT = 120
 PHASES: tuple[str, ...] = ("rollout", "decode", "reward", "materialize", "train", "weight_sync")
+# (metric key, console label, format) of the update's figures; shown only for a
+# step that took an optimizer step (else they are all 0 and say nothing).
+TRAIN_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("train/kl", "kl", "{:.3g}"),
+    ("train/clip_frac", "clip", "{:.3f}"),
+    ("train/grad_norm", "gnorm", "{:.3g}"),
+    ("train/lr", "lr", "{:.1e}"),
+)
 
 
 def _fmt(fmt: str, v: Any) -> str:
@@ -36,12 +33,43 @@ def _fmt(fmt: str, v: Any) -> str:
 
 
 def format_step_line(step: int, total: int, m: dict[str, float]) -> str:
-    parts = [f"step {step}/{total}"]
-    for key, label, fmt in CONSOLE_COLUMNS:
-        if key in m:
-            parts.append(f"{label} {_fmt(fmt, m[key])}" if label != "±" else f"± {_fmt(fmt, m[key])}")
-    times = " ".join(f"{p[:6]} {m[f'time/{p}']:.2f}" for p in PHASES if f"time/{p}" in m)
-    return " | ".join([" ".join(parts[:1]), " ".join(parts[1:]), f"s: {times}"])
+    """One line of at most LINE_LIMIT characters (for realistic values): reward,
+    accuracy, length, the update's KL / clip / grad norm / LR (when it made one),
+    step time and throughput, and the failed rewards whenever there are any."""
+    g = m.get
+    parts = [f"step {step}/{total}",
+             f"reward {_fmt('{:.3f}', g('reward/mean', 0.0))}±{_fmt('{:.3f}', g('reward/std', 0.0))}"
+             + reward_failures(m), f"acc {_fmt('{:.2f}', g('reward/accuracy', 0.0))}"]
+    mean_len = g("response/len_mean", 0.0)
+    parts.append(f"len {_fmt('{:.0f}' if mean_len >= 100 else '{:.1f}', mean_len)}"
+                 f"/{_fmt('{:.0f}', g('response/len_max', 0.0))}")
+    if g("train/lr", 0.0) > 0:  # lr is > 0 in every optimizer step, 0 when none ran
+        parts += [f"{label} {_fmt(fmt, m[key])}" for key, label, fmt in TRAIN_COLUMNS if key in m]
+    else:
+        parts.append("no update")
+    # Least telling last: dropped, in this order, while the line is too long.
+    extra = []
+    if "time/step" in m:
+        extra.append(f"{_fmt('{:.2f}' if m['time/step'] < 10 else '{:.0f}', m['time/step'])}s")
+    if "perf/tokens_per_s" in m:
+        extra.append(f"{_fmt('{:.0f}', m['perf/tokens_per_s'])} tok/s")
+    line = " ".join(parts + extra)
+    while extra and len(line) > LINE_LIMIT:
+        extra.pop()
+        line = " ".join(parts + extra)
+    return line
+
+
+def reward_failures(m: dict[str, float]) -> str:
+    """'' when every reward was scored; else ' (3/16 failed)', or a warning when
+    none was valid (--on-reward-error zero|skip would hide it in the mean)."""
+    failed = int(m.get("reward/skipped", 0) + m.get("reward/zeroed", 0))
+    if not failed:
+        return ""
+    total = int(m.get("reward/valid", 0) + m.get("reward/skipped", 0))
+    if failed >= total:
+        return f" (WARN: all {total} failed)"
+    return f" ({failed}/{total} failed)"
 
 
 class RunLogger:
@@ -97,7 +125,8 @@ class RunLogger:
                                    "logging to metrics.jsonl only")
 
     def info(self, text: str) -> None:
-        self.progress.console.print(text, highlight=False)
+        # soft_wrap: rich would hard-wrap at 80 columns when not on a terminal.
+        self.progress.console.print(text, highlight=False, markup=False, soft_wrap=True)
 
     def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
         record = {"step": step, **metrics}
@@ -109,7 +138,7 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
         if advance:
-            self.progress.console.print(format_step_line(step, self.total, metrics), highlight=False)
+            self.info(format_step_line(step, self.total, metrics))
             self.progress.update(self._task, completed=step)
 
     def __exit__(self, *exc: Any) -> None:

@@ -60,6 +60,7 @@ from typing import Any, Callable
 import numpy as np
 
 from areno.errors import UserError, _one_line, import_user_file, user_frame
+from areno.runlog import redirect_child_output
 
 ON_ERROR = ("fail", "zero", "skip")
 FAILURE_KINDS = ("errors", "timeouts", "nan", "worker_crashes")
@@ -223,6 +224,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, parent_pid: int) -> None:
     _die_with_parent(parent_pid)
+    redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/runlog.py)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     # The controller starts workers as daemons (ended with it); inside, let the
     # plugin start processes of its own (multiprocessing refuses in a daemon).

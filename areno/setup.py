@@ -19,12 +19,15 @@ from areno.backend.engine_host import EngineSpec
 from areno.config import TrainConfig
 from areno.data import PromptSampler, PromptSet, RowSet, load_rows, normalize_rows, tokenize_prompts
 from areno.errors import UserError
+from areno.leftovers import clean_leftovers
 from areno.multinode import controller_port, start_local_ranks
 from areno.multinode import stop as stop_ranks
 from areno.pack import Workspace
 from areno.reporting import RunLogger
+from areno.resume import restart_unsaved
 from areno.rewards import RewardScorer
 from areno.rollout.engine import SamplingConfig
+from areno.runlog import third_party_to_log
 from areno.tasks import resolve_plugin_path
 
 EVAL_SEED_BASE = 1 << 62  # eval sampling seeds never coincide with a training step's
@@ -123,8 +126,7 @@ def make_output_dir(cfg: TrainConfig, resume: Path | None = None) -> Path:
     else:
         out = Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     if resume is None and not cfg.eval_only and (out / "metrics.jsonl").is_file():
-        raise UserError(f"--output-dir {out} already holds a run (metrics.jsonl): continue it "
-                        "with --resume latest, or choose another --output-dir")
+        restart_unsaved(cfg, out)  # UserError unless it stopped before its first checkpoint
     try:
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "config.yaml", "w") as f:
@@ -193,21 +195,32 @@ def find_resume(cfg: TrainConfig) -> Path | None:
     root = checkpoint_root(cfg, Path(cfg.output_dir or "."))
     ckpt = latest_checkpoint(root)
     if ckpt is None:
-        raise UserError(f"--resume latest: no complete checkpoint under {root}")
+        raise UserError(f"--resume latest: no complete checkpoint under {root} (a run that "
+                        "stopped before its first checkpoint starts again without --resume)")
     return ckpt
 
 
 @contextlib.contextmanager
 def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
     """Build a Run; everything started is stopped when the block exits.
-    engine: a RolloutEngine to use instead of building one (benchmarks, tests)."""
+    engine: a RolloutEngine to use instead of building one (benchmarks, tests).
+    Third-party output goes to RUN_DIR/run.log from the moment the run dir exists
+    until the last process is stopped (areno/runlog.py)."""
+    with contextlib.ExitStack() as logs, _open_run(cfg, engine, logs) as run:
+        yield run
+
+
+@contextlib.contextmanager
+def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iterator[Run]:
     from areno.backend.controller import TorchBackend
     from areno.backend.rollout import RankEngines
 
+    clean_leftovers()  # shared memory of areno processes that were SIGKILLed
     device = resolve_device(cfg)
     resume = find_resume(cfg)
     state = read_state(resume) if resume else None
     out = make_output_dir(cfg, resume)
+    logs.enter_context(third_party_to_log(out, cfg.verbose))
     if resume:
         # Checkpoints after the resumed one belong to the abandoned continuation
         # (like its metrics.jsonl lines): `--resume latest` must not pick them later.

@@ -19,6 +19,7 @@ from areno.backend.errors import BackendError
 from areno.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config import TrainConfig
 from areno.data import select
+from areno.interrupt import interrupted, interrupts_raise
 from areno.pack import build_split_pack
 from areno.rewards import RewardResult, reward_records
 from areno.rollout.batch import (
@@ -55,7 +56,7 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
     if cfg.node_rank > 0:  # a worker node: its ranks serve node 0's controller
         raise SystemExit(run_worker_node(cfg.nnodes, cfg.node_rank, cfg.nproc_per_node or
                                          visible_gpus() or 1, cfg.master_addr, cfg.master_port))
-    with open_run(cfg, engine) as run:
+    with interrupts_raise(), open_run(cfg, engine) as run:
         if cfg.eval_only:
             run.maybe_eval(0, force=True)
             return
@@ -70,10 +71,10 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
                 run.maybe_eval(step)
         except (BackendError, WeightSyncError) as e:  # every process is stopped on the way out
             stopped(run, e)
-        except KeyboardInterrupt:  # the backend's watchdog interrupts us when a rank dies
-            if run.backend is None or run.backend.dead is None:
-                raise
-            stopped(run, run.backend.dead)
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM, or the backend's watchdog (a rank died)
+            if run.backend is not None and run.backend.dead is not None:
+                stopped(run, run.backend.dead)
+            interrupted(run)
         run.finish()
 
 

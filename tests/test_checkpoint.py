@@ -268,9 +268,22 @@ def test_a_fresh_run_refuses_an_output_dir_that_holds_a_run(tmp_path):
     from areno.setup import make_output_dir
 
     out = tmp_path / "run"
-    out.mkdir()
+    (out / "checkpoints" / "step_000001").mkdir(parents=True)
+    (out / "checkpoints" / "step_000001" / "trainer_state.json").write_text("{}")
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     cfg = TrainConfig.from_sources(None, {"output_dir": str(out)})
     with pytest.raises(UserError, match="already holds a run.*--resume latest"):
         make_output_dir(cfg)
     assert make_output_dir(cfg, resume=out / "checkpoints" / "step_000001") == out
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_starts_again(tmp_path, capsys):
+    from areno.config import TrainConfig
+    from areno.setup import make_output_dir
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / ".tmp-step_000002-123").mkdir(parents=True)  # killed mid-save
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert make_output_dir(TrainConfig.from_sources(None, {"output_dir": str(out)})) == out
+    assert not (out / "metrics.jsonl").exists() and list((out / "checkpoints").iterdir()) == []
+    assert "stopped before its first checkpoint: starting it again" in capsys.readouterr().out

@@ -131,19 +131,38 @@ def test_plot_has_one_point_per_step_in_a_png_of_the_documented_size(eval_run, t
     assert png == tmp_path / "m.png"
     h, w = mpimg.imread(png).shape[:2]
     assert (w, h) == (FIGSIZE[0] * DPI, FIGSIZE[1] * DPI)
-    titles = {ax.get_title(): ax for ax in fig.axes}
-    assert set(titles) == {"reward", "response length (tokens)", "KL / clip fraction",
-                           "seconds per phase"}
+    titles = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert set(titles) == {"reward", "response length (tokens)", "eval (held-out)", "KL",
+                           "clip fraction", "seconds per phase"}
     for title, ax in titles.items():
         lines = {ln.get_label(): ln for ln in ax.get_lines()}
         assert lines, title
         for label, ln in lines.items():
-            expected = [0, 2, 3] if label == "eval pass@1" else [1, 2, 3]
-            assert list(ln.get_xdata()) == expected, (title, label)
+            is_eval = label == "eval pass@1" or title == "eval (held-out)"
+            assert list(ln.get_xdata()) == ([0, 2, 3] if is_eval else [1, 2, 3]), (title, label)
     assert {"reward", "accuracy", "eval pass@1"} == set(ln.get_label() for ln in titles["reward"].get_lines())
-    assert {"kl", "clip fraction"} == set(ln.get_label() for ln in titles["KL / clip fraction"].get_lines())
+    assert {"pass@1", "reward@1", "mean@2", "pass@2"} == set(
+        ln.get_label() for ln in titles["eval (held-out)"].get_lines())
     assert {"rollout", "train", "weight_sync"} <= set(
         ln.get_label() for ln in titles["seconds per phase"].get_lines())
+
+
+def test_plot_scales_phases_by_the_steady_steps_and_keeps_kl_and_clip_apart(tmp_path):
+    from areno.plot import HEADROOM, plot_run
+
+    steps = [{"step": s, "reward/mean": 0.1, "response/len_mean": 2.0, "response/len_max": 3.0,
+              "train/kl": 1e-4 * s, "train/clip_frac": 0.2, "time/rollout": 1.0 + 0.1 * s,
+              "time/train": 0.5} for s in (1, 2, 3, 4)]
+    steps[0]["time/rollout"] = 60.0  # warm-up
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    _, fig = plot_run(tmp_path)
+    axes = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert "eval (held-out)" not in axes  # no eval records: no eval panel
+    assert axes["seconds per phase"].get_ylim() == pytest.approx((0, HEADROOM * 1.4))
+    assert "60.00 s (off scale)" in axes["seconds per phase"].texts[0].get_text()
+    assert [ln.get_label() for ln in axes["KL"].get_lines()] == ["kl"]
+    assert [ln.get_label() for ln in axes["clip fraction"].get_lines()] == ["clip fraction"]
+    assert axes["KL"].get_ylim()[1] < 0.01  # not flattened by clip fraction's 0.2
 
 
 def test_areno_plot_command(tmp_path, capsys):

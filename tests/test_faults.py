@@ -168,6 +168,7 @@ def test_hanging_reward_is_killed_at_the_timeout_and_handled_by_policy(policy, t
         assert "timed out" in line and "sample 0" in line, line
         return
     ok(res)
+    assert "(1/16 failed)" in res.stdout  # on the step line, not only in metrics.jsonl
     steps = train_steps(out)
     assert sorted(steps) == [1]
     for m in steps.values():

@@ -26,6 +26,7 @@ import traceback
 from multiprocessing.connection import Client, Connection
 
 from areno.backend.config import BackendConfig
+from areno.runlog import redirect_child_output
 
 
 # -- process hygiene ---------------------------------------------------------
@@ -71,6 +72,7 @@ def spawn_main(cfg: BackendConfig, conn: Connection, env: dict[str, str], parent
                use_pdeathsig: bool) -> None:
     """Target of the controller's spawn processes."""
     _die_with_parent(parent_pid, use_pdeathsig)
+    redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/runlog.py)
     _quiet()
     os.environ.update(env)
     serve(cfg, conn, same_host=True)

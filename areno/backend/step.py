@@ -223,6 +223,11 @@ class RankTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         self.nan_streak = int(state["nan_streak"])
+        # The next step's LR from this run's schedule: the optimizer state holds the
+        # saved run's, whose horizon a longer --max-steps has moved.
+        for group, base, f in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                  self.scheduler.lr_lambdas):
+            group["lr"] = base * f(self.scheduler.last_epoch)
 
 
 def lr_lambda(cfg: BackendConfig):

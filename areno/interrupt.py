@@ -1,0 +1,97 @@
+"""Ctrl-C and SIGTERM: stop within seconds, keep the last finished step.
+
+Both signals raise KeyboardInterrupt in the main thread (SIGTERM normally kills
+the process without a word). The training loop then saves the last finished
+step through the still-running backend, prints one line with the exact
+`--resume` command, and exits 130. An interrupt that lands inside a backend
+command (train, export, save) aborts the backend (its ranks may be mid-update),
+so the newest existing checkpoint is named instead.
+
+The backend's watchdog also SIGINTs the main thread when a rank dies; the
+caller tells that apart by `backend.dead` before calling `interrupted`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shlex
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+from areno.backend.errors import BackendError
+from areno.checkpoint import checkpoint_root, latest_checkpoint
+from areno.errors import UserError
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+_received: list[str] = []  # names of the signals seen, newest last
+
+
+def _raise(signum: int, frame: Any) -> None:
+    _received.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """SIGINT and SIGTERM raise KeyboardInterrupt while the block runs (only
+    the main thread may set handlers: elsewhere, a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def interrupted(run: Any) -> None:
+    """Save run.step (the last finished step) unless a checkpoint of it exists,
+    print where the run stopped and how to continue, exit 130."""
+    name = _received[-1] if _received else "SIGINT"
+    root = checkpoint_root(run.cfg, run.output_dir)
+    last = latest_checkpoint(root)
+    note = "; --no-save: nothing saved" if run.cfg.no_save else ""
+    if run.step > 0 and not run.cfg.no_save and (last is None or last.name != _step_dir(run.step)):
+        try:
+            run.save(run.step)
+        except KeyboardInterrupt:  # a second Ctrl-C: stop now, the save is atomic
+            note = f"; saving step {run.step} was interrupted"
+        except (BackendError, UserError):
+            # The interrupt came inside a backend command, which aborts the backend.
+            note = f"; step {run.step} could not be saved (the backend had stopped)"
+    ckpt = latest_checkpoint(root)
+    where = f"interrupted ({name}) after step {run.step} of {run.total_steps}{note}"
+    if ckpt is None:
+        how = ("no checkpoint yet; start again with the same command: "
+               f"{resume_command(None)}")
+    else:
+        how = f"checkpoint {ckpt}; continue with: {resume_command(ckpt)}"
+    print(f"areno: {where}; {how}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_INTERRUPTED)
+
+
+def _step_dir(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def resume_command(ckpt: Path | None, argv: list[str] | None = None) -> str:
+    """`areno train ...` as it was started, with `--resume CKPT` in place of any
+    --resume it had (none when ckpt is None)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--resume":
+            skip = True
+        elif not a.startswith("--resume="):
+            out.append(a)
+    if ckpt is not None:
+        out += ["--resume", str(Path(ckpt).absolute())]
+    return shlex.join(["areno", *out])

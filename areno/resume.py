@@ -1,0 +1,99 @@
+"""Which options a resumed run takes from its checkpoint, which it may change,
+and starting again a run that stopped before its first checkpoint.
+
+A resumed run must compute the same steps as the run that was saved, so an
+option that changes what a step computes (model, data, sampling, algorithm,
+optimizer, batch shape, seed) keeps its saved value: giving another one is a
+user error. What may change is where and how much is logged, saved and
+evaluated, the resources a step uses, how rewards are run, and the run's length
+(a longer --max-steps moves the LR schedule's horizon with it: step k then gets
+the LR a run started with the longer --max-steps gives it). Options not given
+on the command line (or in --config) take the checkpoint's values, so
+`areno train --output-dir DIR --resume latest` continues the run as it was.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from areno.checkpoint import checkpoint_root, latest_checkpoint, remove_stale
+from areno.config import TrainConfig, flag_name
+from areno.errors import UserError
+
+# Where the run lives: always this invocation's, never the checkpoint's.
+LOCATION: frozenset[str] = frozenset({"output_dir", "save_path", "resume"})
+# May differ from the checkpoint's value; applied and printed.
+MAY_CHANGE: frozenset[str] = frozenset({
+    # run length
+    "max_steps", "epochs",
+    # logging, checkpoints, evaluation
+    "report_to", "save_interval", "keep_last", "no_save", "eval_dataset_path", "eval_split",
+    "eval_interval", "eval_n", "eval_max_prompts", "verbose",
+    # resources (same math): engine, memory, parallelism of the update
+    "rollout_engine", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_gb",
+    "max_tokens_per_micro", "grad_checkpointing", "world_size", "max_nan_steps",
+    # how rewards run (a fixed plugin or a longer timeout, say)
+    "reward_fn_path", "reward_workers", "reward_timeout", "overlap_rewards", "on_reward_error",
+})
+
+
+def given_options(config_path: str | None, flags: dict[str, Any]) -> set[str]:
+    """Options the user set: flags given (not None) and keys of the --config file."""
+    from areno.config import _read_yaml
+
+    given = {k for k, v in flags.items() if v is not None}
+    if config_path is not None:
+        given |= set(_read_yaml(config_path))
+    return given
+
+
+def resume_config(cfg: TrainConfig, given: set[str]) -> TrainConfig:
+    """The config in effect when resuming: the checkpoint's, with the options the
+    user gave applied where they may change (printed on one line). cfg without
+    --resume. UserError naming every option given that may not change."""
+    if cfg.resume is None:
+        return cfg
+    from areno.checkpoint import read_state
+    from areno.setup import find_resume
+
+    saved = read_state(find_resume(cfg)).get("config")
+    if not isinstance(saved, dict):
+        return cfg  # an older checkpoint without its config: nothing to compare with
+    names = [f.name for f in TrainConfig.fields()]
+    merged = {n: (getattr(cfg, n) if n in LOCATION or n in given or n not in saved else saved[n])
+              for n in names}
+    changed = [n for n in names if n not in LOCATION and merged[n] != saved.get(n, merged[n])]
+    fixed = [n for n in changed if n not in MAY_CHANGE]
+    if fixed:
+        raise UserError(
+            "--resume: " + ", ".join(_change(n, saved[n], merged[n]) for n in fixed)
+            + f": {'this option' if len(fixed) == 1 else 'these options'} cannot change when "
+            "resuming (the run would no longer be the one that was saved); drop "
+            f"{'it' if len(fixed) == 1 else 'them'}, or start a new run in another --output-dir")
+    out = TrainConfig(**merged)
+    out.validate()
+    if changed:
+        print("areno: resuming with " + ", ".join(_change(n, saved[n], merged[n]) for n in changed),
+              flush=True)
+    return out
+
+
+def _change(name: str, old: Any, new: Any) -> str:
+    return f"{flag_name(name)} {old} -> {new}"
+
+
+def restart_unsaved(cfg: Any, out: Path) -> None:
+    """`out` holds a run (metrics.jsonl) and no --resume was given: start it again
+    from step 0 if it never wrote a checkpoint (there is nothing to resume), else
+    UserError pointing at --resume latest."""
+    root = checkpoint_root(cfg, out)
+    if latest_checkpoint(root) is not None:
+        raise UserError(f"--output-dir {out} already holds a run (metrics.jsonl): continue it "
+                        "with --resume latest, or choose another --output-dir")
+    # What it left: its metrics (would mix with ours) and half-written checkpoints.
+    (out / "metrics.jsonl").unlink()
+    if root.is_dir():
+        remove_stale(root)
+    print(f"areno: {out} holds a run that stopped before its first checkpoint: "
+          "starting it again from step 0", flush=True)
