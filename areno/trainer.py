@@ -62,8 +62,10 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
             return
         if run.step == 0:
             run.maybe_eval(0, force=True)
+        before = None
         try:
             for step in range(run.step + 1, run.total_steps + 1):
+                before = (step, run.sampler.state_dict(), run.backend.step)
                 metrics = train_step(run, step)
                 run.step = step
                 run.logger.log(step, metrics)
@@ -74,8 +76,22 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
         except KeyboardInterrupt:  # Ctrl-C, SIGTERM, or the backend's watchdog (a rank died)
             if run.backend is not None and run.backend.dead is not None:
                 stopped(run, run.backend.dead)
+            settle_interrupted_step(run, before)
             interrupted(run)
         run.finish()
+
+
+def settle_interrupted_step(run: Run, before: tuple[int, dict, int] | None) -> None:
+    """Make run.step and the data cursor agree with the weights after an interrupt
+    inside a step: if its update reached the weights the step counts as finished,
+    otherwise the prompts it drew go back to the sampler."""
+    if before is None or before[0] != run.step + 1:
+        return
+    step, sampler_state, backend_step = before
+    if run.backend.step != backend_step:
+        run.step = step
+    else:
+        run.sampler.load_state_dict(sampler_state)
 
 
 def stopped(run: Run, e: BackendError | WeightSyncError) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from areno.backend.errors import BackendError
 from areno.backend.launch import free_port
 from areno.backend.rollout import assign_groups
 
@@ -99,3 +100,50 @@ def test_controller_imports_no_vllm_and_holds_no_cuda_context(tmp_path):
     assert res.stdout.strip().splitlines()[-1] == "False False"
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2
+
+
+def test_an_interrupt_during_a_draining_command_leaves_the_backend_usable(tiny_chat_path):
+    """Ctrl-C in a rollout or weight sync waits (briefly) for the ranks to finish, so
+    the last finished step can still be saved; elsewhere it aborts the backend."""
+    import signal
+    import threading
+    import time
+
+    from areno.backend.config import BackendConfig
+    from areno.backend.controller import TorchBackend
+
+    def interrupt_soon() -> None:
+        threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+
+    with TorchBackend(BackendConfig(model_path=str(tiny_chat_path), world_size=1)) as be:
+        be._broadcast("debug", action="sleep", seconds=1.5)
+        interrupt_soon()
+        t0 = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            be._gather("debug", 30, drain_s=5.0)
+        assert time.monotonic() - t0 < 5
+        be.debug("noop")  # still usable: the sleep's reply was drained
+        be._broadcast("debug", action="sleep", seconds=1.5)
+        interrupt_soon()
+        with pytest.raises(KeyboardInterrupt):
+            be._gather("debug", 30)
+        with pytest.raises(BackendError):
+            be.debug("noop")
+
+
+def test_an_interrupted_step_counts_only_if_its_update_was_applied():
+    from types import SimpleNamespace
+
+    from areno.data import PromptSampler
+    from areno.trainer import settle_interrupted_step
+
+    sampler = PromptSampler(55, 16, seed=0)
+    state = sampler.state_dict()
+    first = sampler.next_batch()
+    run = SimpleNamespace(step=4, sampler=sampler, backend=SimpleNamespace(step=4))
+    settle_interrupted_step(run, (5, state, 4))  # interrupted before the update
+    assert run.step == 4
+    np.testing.assert_array_equal(sampler.next_batch(), first)  # the prompts go back
+    run.backend.step = 5
+    settle_interrupted_step(run, (5, state, 4))  # the update reached the weights
+    assert run.step == 5

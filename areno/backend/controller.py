@@ -194,7 +194,8 @@ class TorchBackend:
         self._check_open()
         t0 = time.perf_counter()
         self._broadcast("sync_weights", probe_ids=self._probe_ids)
-        replies = self._gather("sync_weights", self.config.command_timeout_s)
+        # An interrupt here leaves the trained weights intact: let the load finish.
+        replies = self._gather("sync_weights", self.config.command_timeout_s, drain_s=5.0)
         self.last_timings = {"sync_load_s": max(r["load_s"] for r in replies),
                              "sync_probe_s": max(r["probe_s"] for r in replies),
                              "probe_diff": max(r["probe_diff"] for r in replies),
@@ -269,35 +270,51 @@ class TorchBackend:
         for r in range(self.world_size):
             self._send(r, cmd, **kwargs)
 
-    def _gather(self, what: str, timeout_s: float) -> list:
-        """One reply per rank; any error, death or timeout aborts the backend."""
+    def _gather(self, what: str, timeout_s: float, drain_s: float = 0.0) -> list:
+        """One reply per rank; any error, death or timeout aborts the backend
+        (an interrupt too, unless drain_s > 0: see _events)."""
         results: list = [None] * self.world_size
-        for r, kind, payload in self._events(what, timeout_s):
+        for r, kind, payload in self._events(what, timeout_s, drain_s):
             if kind == "part":
                 self._abort()
                 raise BackendError(f"{what}: rank {r} sent a streamed part to a plain command", rank=r)
             results[r] = payload
         return results
 
-    def _events(self, what: str, timeout_s: float) -> Iterator[tuple[int, str, Any]]:
+    def _events(self, what: str, timeout_s: float, drain_s: float = 0.0,
+                ) -> Iterator[tuple[int, str, Any]]:
         """Yield (rank, "part" | "ok", payload) as replies arrive, until every rank
-        has sent its final "ok". Any error, death or timeout aborts the backend,
-        also when the consumer stops early (e.g. Ctrl-C while scoring a part)."""
+        has sent its final "ok". Any error, death or timeout aborts the backend.
+        So does a consumer that stops early (Ctrl-C while scoring a part, say),
+        unless drain_s > 0 (commands that leave the trained weights as they were):
+        then the rest of the replies are read for up to drain_s seconds and, if
+        all come, the backend stays usable (e.g. to save the last finished step)."""
         self._busy = True
-        finished = False
+        pending = set(range(self.world_size))
         try:
-            pending = set(range(self.world_size))
             deadline = time.monotonic() + timeout_s
             while pending:
                 for r, msg in self._wait_some(what, pending, deadline, timeout_s):
                     if msg[0] == "ok":
                         pending.discard(r)
                     yield r, msg[0], msg[1]
-            finished = True
         finally:
-            self._busy = False
-            if not finished:
+            if pending and not (drain_s > 0 and self._drain(what, pending, drain_s)):
                 self._abort()
+            self._busy = False
+
+    def _drain(self, what: str, pending: set[int], drain_s: float) -> bool:
+        """Read and drop replies until every pending rank has finished (True) or
+        drain_s passed, a rank failed, or a second interrupt came (False)."""
+        deadline = time.monotonic() + drain_s
+        try:
+            while pending:
+                for r, msg in self._wait_some(what, pending, deadline, drain_s):
+                    if msg[0] == "ok":
+                        pending.discard(r)
+        except (BackendError, KeyboardInterrupt):
+            return False
+        return True
 
     def _wait_some(self, what: str, pending: set[int], deadline: float, timeout_s: float) -> list:
         """Wait (<= 1 s) for messages of pending ranks -> [(rank, message)]; raises

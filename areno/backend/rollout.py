@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from areno.backend.controller import TorchBackend
 
 _PAGE = 4096
+DRAIN_S = 5.0
 
 
 def assign_groups(cost: np.ndarray, num_engines: int) -> np.ndarray:
@@ -89,7 +90,9 @@ class RankEngines:
             be._send(r, "generate", ids=sub_ids, offsets=sub_off, n=n, sampling=s, out=out,
                      leader=r % self.tp == 0)
         self.last_tokens = [0] * self.num_engines
-        for r, kind, meta in be._events("generate", be.config.command_timeout_s):
+        # An interrupt mid-rollout waits a few seconds for the engines to finish, so
+        # the run can still save its last finished step.
+        for r, kind, meta in be._events("generate", be.config.command_timeout_s, drain_s=DRAIN_S):
             if kind == "ok":
                 self.last_tokens[r // self.tp] = max(self.last_tokens[r // self.tp], meta["tokens"])
             else:
