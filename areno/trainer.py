@@ -134,6 +134,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     with timer("train"):
         run.engine.sleep()
         opt_steps = run.backend.train(split) if split.pack.num_seqs else []
+        train_timings = dict(run.backend.last_timings) if opt_steps else {}
         run.engine.wake_up()
     with timer("weight_sync"):
         if opt_steps:
@@ -142,6 +143,8 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     m = step_metrics(run, batch, scored, split.pack.num_tokens, split.plan.imbalance,
                      n_zero_var, opt_steps, timer.times, elapsed)
     m["data/prompt_hash"] = prompt_hash(prompt_idx)
+    if "peak_gpu_mem_gb" in train_timings:  # GPU only: the largest rank's allocator peak
+        m["perf/peak_gpu_mem_gb"] = train_timings["peak_gpu_mem_gb"]
     return m
 
 
