@@ -89,14 +89,19 @@ class TrainConfig:
     adv_mode: Literal["grpo", "drgrpo", "rloo"] = opt(
         "grpo", "Group advantage: grpo (r-mean)/std, drgrpo r-mean, rloo leave-one-out.",
         "Algorithm")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = opt(
-        "token-mean", "Loss aggregation. seq-mean-token-sum-norm is Dr. GRPO's (normalised by "
-        "--max-new-tokens).", "Algorithm")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = opt(
+        None, "Loss aggregation. Default follows --algo: token-mean for grpo, "
+        "seq-mean-token-mean for gspo (the GSPO paper's per-sequence objective, as verl). "
+        "seq-mean-token-sum-norm is Dr. GRPO's (normalised by --max-new-tokens).", "Algorithm")
     clip_eps_low: float | None = opt(
         None, "Lower clip epsilon. Default 0.2 (grpo) / 3e-4 (gspo).", "Algorithm", ge=0.0, lt=1.0)
     clip_eps_high: float | None = opt(
         None, "Upper clip epsilon (> low is DAPO's clip-higher). Default 0.2 (grpo) / 4e-4 (gspo).",
         "Algorithm", ge=0.0)
+    clip_ratio_c: float | None = opt(
+        None, "Dual-clip constant C > 1 (Ye et al. 2020; verl's clip_ratio_c): for tokens with "
+        "advantage A < 0 the policy loss is capped at -C*A, so a huge ratio on a bad token "
+        "cannot blow up the update. Unset = off.", "Algorithm", gt=1.0)
     kl_coef: float = opt(0.0, "KL-to-reference coefficient (0 = off, no reference model loaded).",
                          "Algorithm", ge=0.0)
     kl_type: Literal["k1", "k3"] = opt("k3", "KL estimator (Schulman): k1 or k3.", "Algorithm")
@@ -173,6 +178,12 @@ class TrainConfig:
                           "Logging and checkpoints")
 
     # ------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        # Resolve the --algo-dependent default here, so config.yaml and the loss see
+        # the value that is used (an unknown --algo is left to validate()).
+        if self.loss_agg is None:
+            self.loss_agg = LOSS_AGG_BY_ALGO.get(self.algo, "token-mean")
+
     @property
     def is_demo(self) -> bool:
         return self.ckpt is None and self.dataset_path is None
@@ -240,6 +251,11 @@ class TrainConfig:
             raise UserError(f"--n-samples must be >= 2 for --adv-mode {self.adv_mode} "
                             "(a group of one has no baseline)")
 
+
+# The default --loss-agg of each --algo: GSPO's objective is a mean over
+# sequences of per-sequence token means (arXiv:2507.18071, eq. 5; verl always
+# aggregates GSPO this way); GRPO keeps the token mean.
+LOSS_AGG_BY_ALGO: dict[str, str] = {"grpo": "token-mean", "gspo": "seq-mean-token-mean"}
 
 # Embedded demo: hyper-parameters measured to make reward rise within minutes on
 # 2 CPU cores (see DESIGN.md, "embedded default").

@@ -252,7 +252,8 @@ def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_siz
 
     low, high = cfg.loss_eps()
     loss = LossConfig(algo=cfg.algo, clip_eps_low=low, clip_eps_high=high, kl_coef=cfg.kl_coef,
-                      kl_type=cfg.kl_type, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap)
+                      kl_type=cfg.kl_type, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap,
+                      clip_ratio_c=cfg.clip_ratio_c)
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     return BackendConfig(
         model_path=model_path, world_size=world_size, device=device, dtype=dtype,
