@@ -29,6 +29,20 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(__version__)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", help="Print the areno version and exit.",
+                                 is_eager=True, callback=_print_version),
+) -> None:
+    """GRPO/GSPO post-training for language models on verifiable rewards."""
+
+
 @app.command()
 def version() -> None:
     """Print the areno version."""
@@ -96,7 +110,9 @@ def check() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: one-line errors with exit code 2 for user mistakes."""
     try:
-        app(args=argv, standalone_mode=False)
+        # Without standalone mode click returns (not raises) a command's typer.Exit
+        # code: `areno check` exits 1 on a FAIL line only if that code is passed on.
+        rc = app(args=argv, standalone_mode=False)
     except typer.Exit as e:
         return e.exit_code
     except typer.Abort:
@@ -114,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("areno: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return rc if isinstance(rc, int) else 0
 
 
 def _click_message(e: typer.TyperException) -> str:
