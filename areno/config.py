@@ -26,9 +26,12 @@ GROUPS = (
 
 
 def opt(default: Any, help: str, group: str, *, ge: float | None = None, gt: float | None = None,
-        le: float | None = None, lt: float | None = None) -> Any:
+        le: float | None = None, lt: float | None = None, shown: str | None = None) -> Any:
+    """A TrainConfig field. shown: how --help states a default that is not a plain
+    value (None meaning "derived from other options")."""
     assert group in GROUPS, group
-    return field(default=default, metadata=dict(help=help, group=group, ge=ge, gt=gt, le=le, lt=lt))
+    return field(default=default, metadata=dict(help=help, group=group, ge=ge, gt=gt, le=le, lt=lt,
+                                                 shown=shown))
 
 
 @dataclass
@@ -36,26 +39,30 @@ class TrainConfig:
     # -- Model ---------------------------------------------------------------
     ckpt: str | None = opt(
         None, "HF model directory or hub id to train. Unset: the embedded demo "
-        "(a tiny model built locally, trained on one-digit addition).", "Model")
+        "(a tiny model built locally, trained on one-digit addition).", "Model",
+        shown="unset (the demo)")
     dtype: Literal["auto", "bfloat16", "float32"] = opt(
         "auto", "Parameter dtype. auto: bfloat16 on GPU, float32 on CPU.", "Model")
     # -- Data ------------------------------------------------------------------
     dataset_path: str | None = opt(
-        None, "gsm8k:main, a hub id name[:config[:split]], a local .jsonl/.json/.parquet/.csv "
-        "file, or a save_to_disk directory. Unset: the embedded demo task.", "Data")
+        None, "gsm8k:main, a hub id name[:config[:split]], a local .jsonl, .json, .parquet "
+        "or .csv file, or a save_to_disk directory. Unset: the embedded demo task.", "Data",
+        shown="unset (the demo task)")
     dataset_split: str = opt("train", "Split to train on (a split in --dataset-path wins).", "Data")
     dataset_loader_fn: str | None = opt(
         None, "file.py[:fn] mapping a raw row to {prompt, answer, ...} (fn defaults to load_row).",
-        "Data")
+        "Data", shown="unset")
     reward_fn_path: str | None = opt(
         None, "Reward plugin: a .py file defining reward_fn(record) -> float or "
         "reward_fn_batch(records) -> list[float] (async allowed). Required with --dataset-path.",
-        "Data")
+        "Data", shown="unset")
     chat_template: bool = opt(True, "Render prompts with the tokenizer's chat template "
                               "(--no-chat-template: plain text).", "Data")
-    system_prompt: str | None = opt(None, "System message prepended to every chat prompt.", "Data")
+    system_prompt: str | None = opt(None, "System message prepended to every chat prompt.", "Data",
+                                    shown="none")
     max_prompt_len: int = opt(512, "Prompts longer than this many tokens are dropped (counted).",
                               "Data", ge=1)
+    batch_size: int = opt(16, "Prompts per step.", "Data", ge=1)
     skip_bad_rows: bool = opt(False, "Skip (and count) malformed dataset rows instead of failing.",
                               "Data")
     # -- Rollout ---------------------------------------------------------------
@@ -66,6 +73,7 @@ class TrainConfig:
                              "Rollout", gt=0.0)
     top_p: float = opt(1.0, "Nucleus sampling mass (1 = off).", "Rollout", gt=0.0, le=1.0)
     top_k: int = opt(-1, "Top-k sampling (-1 = off).", "Rollout", ge=-1)
+    n_samples: int = opt(8, "Completions per prompt (the GRPO group size).", "Rollout", ge=1)
     max_new_tokens: int = opt(1024, "Maximum tokens generated per completion.", "Rollout", ge=1)
     tensor_parallel_size: int = opt(1, "vLLM tensor-parallel size.", "Rollout", ge=1)
     gpu_memory_utilization: float = opt(
@@ -78,7 +86,7 @@ class TrainConfig:
                                 "Rollout", gt=0.0)
     overlap_rewards: bool = opt(
         True, "Decode and score each group as soon as it finishes generating, while the rest "
-        "still generate (--no-overlap-rewards: score after the whole rollout).", "Rollout")
+        "still generate. Off: score after the whole rollout.", "Rollout")
     on_reward_error: Literal["fail", "zero", "skip"] = opt(
         "fail", "A reward that raises, times out or is NaN: fail the run, score it 0, or skip "
         "the sample. Every case is counted in the metrics.", "Rollout")
@@ -92,23 +100,24 @@ class TrainConfig:
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = opt(
         None, "Loss aggregation. Default follows --algo: token-mean for grpo, "
         "seq-mean-token-mean for gspo (the GSPO paper's per-sequence objective, as verl). "
-        "seq-mean-token-sum-norm is Dr. GRPO's (normalised by --max-new-tokens).", "Algorithm")
+        "seq-mean-token-sum-norm is Dr. GRPO's (normalised by --max-new-tokens).", "Algorithm",
+        shown="token-mean (grpo), seq-mean-token-mean (gspo)")
     clip_eps_low: float | None = opt(
-        None, "Lower clip epsilon. Default 0.2 (grpo) / 3e-4 (gspo).", "Algorithm", ge=0.0, lt=1.0)
+        None, "Lower clip epsilon.", "Algorithm", ge=0.0, lt=1.0, shown="0.2 (grpo), 3e-4 (gspo)")
     clip_eps_high: float | None = opt(
-        None, "Upper clip epsilon (> low is DAPO's clip-higher). Default 0.2 (grpo) / 4e-4 (gspo).",
-        "Algorithm", ge=0.0)
+        None, "Upper clip epsilon (> low is DAPO's clip-higher).", "Algorithm", ge=0.0,
+        shown="0.2 (grpo), 4e-4 (gspo)")
     clip_ratio_c: float | None = opt(
         None, "Dual-clip constant C > 1 (Ye et al. 2020; verl's clip_ratio_c): for tokens with "
         "advantage A < 0 the policy loss is capped at -C*A, so a huge ratio on a bad token "
-        "cannot blow up the update. Unset = off.", "Algorithm", gt=1.0)
+        "cannot blow up the update.", "Algorithm", gt=1.0, shown="off")
     kl_coef: float = opt(0.0, "KL-to-reference coefficient (0 = off, no reference model loaded).",
                          "Algorithm", ge=0.0)
     kl_type: Literal["k1", "k3"] = opt("k3", "KL estimator (Schulman): k1 or k3.", "Algorithm")
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient (0 = off).", "Algorithm", ge=0.0)
     tis_cap: float | None = opt(
         None, "Truncated importance-sampling cap C on trainer/sampler log-prob ratios "
-        "(needs --recompute-logprobs; unset = off).", "Algorithm", gt=0.0)
+        "(needs --recompute-logprobs).", "Algorithm", gt=0.0, shown="off")
     filter_zero_variance_groups: bool = opt(
         False, "Drop groups whose rewards are all equal from the update.", "Algorithm")
     mask_overlong: bool = opt(False, "Drop completions cut by --max-new-tokens from the update.",
@@ -135,45 +144,43 @@ class TrainConfig:
     # -- Parallelism -------------------------------------------------------------
     device: Literal["auto", "cuda", "cpu"] = opt("auto", "Training device (auto: cuda if present).",
                                                  "Parallelism")
-    world_size: int | None = opt(None, "Training ranks (default: number of GPUs, 1 on CPU).",
-                                 "Parallelism", ge=1)
-    batch_size: int = opt(16, "Prompts per step.", "Parallelism", ge=1)
-    n_samples: int = opt(8, "Completions per prompt (the GRPO group size).", "Parallelism", ge=1)
+    world_size: int | None = opt(None, "Training ranks.", "Parallelism", ge=1,
+                                 shown="number of GPUs, 1 on CPU")
     strategy: Literal["auto", "fsdp2", "ddp"] = opt(
         "auto", "Data parallelism: auto (= fsdp2, which also runs on CPU under gloo), fsdp2 or ddp.", "Parallelism")
     # -- Logging and checkpoints -------------------------------------------------
-    max_steps: int | None = opt(None, "Stop after this many steps (unset: run --epochs).",
-                                "Logging and checkpoints", ge=1)
+    max_steps: int | None = opt(None, "Stop after this many steps.", "Logging and checkpoints",
+                                ge=1, shown="unset (run --epochs)")
     epochs: int = opt(1, "Passes over the dataset (a run stops at whichever limit comes first).",
                       "Logging and checkpoints", ge=1)
     seed: int = opt(0, "Seed of data order, sampling and initialisation.",
                     "Logging and checkpoints")
     output_dir: str | None = opt(
-        None, "Run directory (config.yaml, metrics.jsonl, checkpoints). Default runs/<timestamp>.",
-        "Logging and checkpoints")
+        None, "Run directory (config.yaml, metrics.jsonl, checkpoints).",
+        "Logging and checkpoints", shown="runs/<timestamp>")
     report_to: Literal["none", "tensorboard", "wandb"] = opt(
         "none", "Also log metrics to TensorBoard or W&B (if installed).", "Logging and checkpoints")
     save_interval: int = opt(0, "Save a checkpoint every N steps (0: only at the end).",
                              "Logging and checkpoints", ge=0)
-    save_path: str | None = opt(None, "Checkpoint directory (default <output-dir>/checkpoints).",
-                                "Logging and checkpoints")
+    save_path: str | None = opt(None, "Checkpoint directory.", "Logging and checkpoints",
+                                shown="<output-dir>/checkpoints")
     keep_last: int = opt(2, "Keep only the newest N checkpoints (0 = keep all).",
                          "Logging and checkpoints", ge=0)
     no_save: bool = opt(False, "Write no checkpoint at all.", "Logging and checkpoints")
     resume: str | None = opt(
         None, "Resume from a checkpoint: 'latest' (the newest complete one under the save path) "
         "or a checkpoint directory. Continues the same data order, optimizer and RNG state.",
-        "Logging and checkpoints")
+        "Logging and checkpoints", shown="unset (a fresh run)")
     eval_dataset_path: str | None = opt(
         None, "Held-out dataset (same forms as --dataset-path) scored with the reward plugin.",
-        "Logging and checkpoints")
+        "Logging and checkpoints", shown="unset (no evaluation)")
     eval_split: str = opt("test", "Split of --eval-dataset-path.", "Logging and checkpoints")
     eval_interval: int = opt(0, "Evaluate every N steps (0: only at step 0 and at the end).",
                              "Logging and checkpoints", ge=0)
     eval_n: int = opt(1, "Also report mean@k over k samples per prompt at --temperature "
                       "(1: greedy pass@1 only).", "Logging and checkpoints", ge=1)
     eval_max_prompts: int | None = opt(None, "Evaluate on at most this many prompts.",
-                                       "Logging and checkpoints", ge=1)
+                                       "Logging and checkpoints", ge=1, shown="all")
     eval_only: bool = opt(False, "Evaluate --ckpt on --eval-dataset-path and exit (no training).",
                           "Logging and checkpoints")
 
