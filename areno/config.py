@@ -63,7 +63,8 @@ class TrainConfig:
     max_prompt_len: int = opt(512, "Prompts longer than this many tokens are dropped (counted).",
                               "Data", ge=1)
     batch_size: int = opt(16, "Prompts per step.", "Data", ge=1)
-    skip_bad_rows: bool = opt(False, "Skip (and count) malformed dataset rows instead of failing.",
+    skip_bad_rows: bool = opt(False, "Skip (and count) malformed dataset rows and unparsable JSON "
+                              "lines instead of failing.",
                               "Data")
     # -- Rollout ---------------------------------------------------------------
     rollout_engine: Literal["vllm", "hf"] = opt(
