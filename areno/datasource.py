@@ -113,6 +113,10 @@ def _load_dataset(ds: DatasetSpec) -> Any:
     """Load through `datasets`; every failure becomes a UserError naming the source."""
     import datasets
 
+    from areno import hub
+
+    # A missing id fails here; an unreachable hub switches to the cache at once.
+    unreachable = hub.check_dataset_id(ds.name, ds.describe()) if ds.kind == "hub" else None
     bars_were_on = not datasets.are_progress_bars_disabled()
     datasets.disable_progress_bars()
     try:
@@ -132,6 +136,8 @@ def _load_dataset(ds: DatasetSpec) -> Any:
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - any loader failure is reported, not raised
+        if ds.kind == "hub" and (unreachable is not None or hub.is_offline()):
+            raise hub.dataset_fetch_error(ds.describe(), unreachable) from None
         if ds.kind == "hub":
             raise UserError(
                 f"could not load dataset {ds.describe()} from the Hugging Face hub: "

@@ -18,6 +18,7 @@ from areno.checkpoint import checkpoint_root, drop_after, latest_checkpoint, rea
 from areno.config import TrainConfig
 from areno.data import PromptSampler, PromptSet, RowSet, load_rows, normalize_rows, tokenize_prompts
 from areno.errors import UserError
+from areno.hub import check_model_id
 from areno.pack import Workspace
 from areno.reporting import RunLogger
 from areno.rewards import RewardScorer
@@ -158,6 +159,7 @@ def total_steps_for(cfg: TrainConfig, sampler: PromptSampler) -> int:
 def load_tokenizer(model_path: str) -> Any:
     from transformers import AutoTokenizer
 
+    check_model_id(model_path)  # a hub id with no network: one line now, not a minute of retries
     try:
         return AutoTokenizer.from_pretrained(model_path)
     except OSError as e:

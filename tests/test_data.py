@@ -9,6 +9,7 @@ import datasets.config
 import numpy as np
 import pytest
 
+from areno import hub
 from areno.data import (
     DatasetSpec,
     PromptSampler,
@@ -113,6 +114,7 @@ def test_hub_spec_calls_load_dataset_with_name_config_split(monkeypatch):
         return datasets.Dataset.from_list(ROWS)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(hub, "hub_status", lambda *a: hub.HubStatus("found"))
     rs = load_rows("gsm8k:main:test")
     assert calls == [(("openai/gsm8k", "main"), {"split": "test"})]
     assert [r["answer"] for r in rs.rows] == ["7", "1000", "42"]
@@ -127,7 +129,8 @@ def test_unreachable_hub_dataset_is_a_user_error_suggesting_a_local_path(monkeyp
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(UserError, match=r"could not load dataset 'openai/gsm8k', config 'main'.*local path") as e:
+    with pytest.raises(UserError, match=r"could not fetch dataset 'openai/gsm8k', config 'main'.*"
+                       r"HF_HUB_OFFLINE is set.*local \.jsonl") as e:
         load_rows("gsm8k:main")
     assert "\n" not in str(e.value)
 
