@@ -19,6 +19,7 @@ from areno.config import TrainConfig
 from areno.data import PromptSampler, PromptSet, RowSet, load_rows, normalize_rows, tokenize_prompts
 from areno.errors import UserError
 from areno.hub import check_model_id
+from areno.modelinfo import check_context
 from areno.pack import Workspace
 from areno.reporting import RunLogger
 from areno.rewards import RewardScorer
@@ -214,6 +215,7 @@ def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
     start = int(state["step"]) if state else 0
     world_size = cfg.world_size or _default_world_size(device)
     longest = max(int(p.lengths.max()) for p in (prompts, evalset and evalset[1]) if p)
+    check_context(model_path, longest, cfg.max_new_tokens)  # before any engine or rank starts
     with contextlib.ExitStack() as stack:
         scorer = stack.enter_context(RewardScorer(
             resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,
