@@ -107,7 +107,7 @@ def _metavar(base: Any) -> str:
 
 
 def train(**kwargs: Any) -> None:
-    """Train a policy with GRPO/GSPO. With no --ckpt and no --dataset-path it runs the embedded demo: a tiny model learns one-digit addition on CPU in a few minutes, with the demo's own defaults for the options marked "demo:" below (a flag or --config still overrides them)."""  # noqa: E501 - one line: rich keeps docstring line breaks
+    """`areno train`: validate the options, then run the loop (help: TRAIN_HELP)."""
     config_path = kwargs.pop("config", None)
     cfg = TrainConfig.from_sources(config_path, kwargs)
     from areno.trainer import run_training  # heavy imports only after validation
@@ -116,7 +116,13 @@ def train(**kwargs: Any) -> None:
 
 
 train.__signature__ = inspect.Signature(_train_parameters())  # type: ignore[attr-defined]
-app.command(context_settings={"max_content_width": 120})(train)
+# One paragraph (rich keeps a docstring's line breaks).
+TRAIN_HELP = (
+    "Train a policy with GRPO/GSPO. With no --ckpt and no --dataset-path it runs the embedded "
+    "demo: a tiny model learns one-digit addition on CPU in a few minutes, with its own values "
+    "for the options marked 'demo:' below (a flag or --config still overrides them)."
+)
+app.command(help=TRAIN_HELP, context_settings={"max_content_width": 120})(train)
 
 
 @app.command()
