@@ -176,24 +176,17 @@ def read_raw(ds: DatasetSpec, *, skip_bad_rows: bool = False) -> RawRows:
 
 
 def read_json_rows(path: Path, *, skip_bad_rows: bool = False) -> RawRows:
-    """A JSON array of objects, or one JSON object per line (blank lines ignored)."""
+    """A JSON array of objects, a .json object of equal-length columns, or one JSON
+    object per line (blank lines ignored)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"could not load dataset {path}: {_one_line(e)}") from None
     if not text.strip():
         raise UserError(f"dataset {path}: the file is empty (expected one JSON object per line)")
-    if text.lstrip().startswith("["):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"dataset {path}: line {e.lineno}: not valid JSON: {e.msg} "
-                            f"(column {e.colno})") from None
-        bad = [i for i, r in enumerate(data) if not isinstance(r, dict)]
-        if bad:
-            raise UserError(f"dataset {path}: element {bad[0]} of the JSON array is not an object "
-                            f"of fields (got {type(data[bad[0]]).__name__})")
-        return RawRows(_unify_keys(data))
+    whole = _whole_json(path, text)
+    if whole is not None:
+        return RawRows(_unify_keys(whole))
     raw = RawRows([], lines=[])
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -214,6 +207,31 @@ def read_json_rows(path: Path, *, skip_bad_rows: bool = False) -> RawRows:
                             "--skip-bad-rows to skip and count it)")
     raw.rows = _unify_keys(raw.rows)
     return raw
+
+
+def _whole_json(path: Path, text: str) -> list[dict] | None:
+    """The rows of a file that is one JSON value (an array of objects, or in a .json
+    file an object of equal-length column lists); None for JSON lines."""
+    head = text.lstrip()[:1]
+    if head not in ("[", "{") or (head == "{" and path.suffix.lower() != ".json"):
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if head == "{":
+            return None  # one object per line: read line by line
+        raise UserError(f"dataset {path}: line {e.lineno}: not valid JSON: {e.msg} "
+                        f"(column {e.colno})") from None
+    if isinstance(data, dict):
+        cols = list(data.values())
+        if not cols or not all(isinstance(c, list) and len(c) == len(cols[0]) for c in cols):
+            return [data]  # a one-line file: one row
+        data = [dict(zip(data, vals)) for vals in zip(*cols)]
+    bad = [i for i, r in enumerate(data) if not isinstance(r, dict)]
+    if bad:
+        raise UserError(f"dataset {path}: element {bad[0]} of the JSON array is not an object "
+                        f"of fields (got {type(data[bad[0]]).__name__})")
+    return data
 
 
 def _unify_keys(rows: list[dict]) -> list[dict]:

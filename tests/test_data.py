@@ -239,6 +239,16 @@ def test_broken_json_array_names_the_line(tmp_path):
         load_rows(str(f))
 
 
+def test_json_file_of_columns_and_one_object_per_line(tmp_path):
+    f = tmp_path / "d.json"
+    f.write_text(json.dumps({"prompt": ["a", "b"], "answer": ["1", "2"]}, indent=1))
+    assert [r["answer"] for r in load_rows(str(f)).rows] == ["1", "2"]
+    f.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert [r["prompt"] for r in load_rows(str(f)).rows] == ["a", "b"]
+    f.write_text('{"prompt": "a"}')
+    assert [r["prompt"] for r in load_rows(str(f)).rows] == ["a"]
+
+
 def test_json_lines_rows_get_every_key_and_row_errors_name_the_line(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text('{"prompt": "a", "id": 1}\n\n{"prompt": "b"}\n{"answer": "4"}\n')
