@@ -56,8 +56,9 @@ def _train_parameters() -> list[inspect.Parameter]:
     params = [
         inspect.Parameter(
             "config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
-            default=typer.Option(None, "--config", help="YAML file of options (flags override it).",
-                                 rich_help_panel="Config", show_default=False, metavar="FILE"),
+            default=typer.Option(None, "--config", rich_help_panel="Config", show_default=False,
+                                 help=escape("YAML file of options (flags override it). "
+                                             "[default: none]"), metavar="FILE"),
         )
     ]
     for f in TrainConfig.fields():

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from areno.errors import UserError
 
 GROUPS = (
-    "Model", "Data", "Rollout", "Algorithm", "Optimization", "Parallelism",
+    "Model", "Data", "Rollout", "Rewards", "Algorithm", "Optimization", "Parallelism",
     "Logging and checkpoints",
 )
 
@@ -52,10 +52,6 @@ class TrainConfig:
     dataset_loader_fn: str | None = opt(
         None, "file.py[:fn] mapping a raw row to {prompt, answer, ...} (fn defaults to load_row).",
         "Data", shown="unset")
-    reward_fn_path: str | None = opt(
-        None, "Reward plugin: a .py file defining reward_fn(record) -> float or "
-        "reward_fn_batch(records) -> list[float] (async allowed). Required with --dataset-path.",
-        "Data", shown="unset")
     chat_template: bool = opt(True, "Render prompts with the tokenizer's chat template "
                               "(--no-chat-template: plain text).", "Data")
     system_prompt: str | None = opt(None, "System message prepended to every chat prompt.", "Data",
@@ -81,16 +77,21 @@ class TrainConfig:
         0.5, "Fraction of GPU memory vLLM may take (colocated with training).", "Rollout",
         gt=0.0, le=1.0)
     kv_cache_gb: float = opt(0.5, "KV-cache size for vLLM on CPU, in GiB.", "Rollout", gt=0.0)
+    # -- Rewards -------------------------------------------------------------
+    reward_fn_path: str | None = opt(
+        None, "Reward plugin: a .py file defining reward_fn(record) -> float or "
+        "reward_fn_batch(list) -> list[float] (async allowed). Required with --dataset-path.",
+        "Rewards", shown="unset")
     reward_workers: int = opt(2, "Reward worker processes (0 = in-process, no timeout kill).",
-                              "Rollout", ge=0)
+                              "Rewards", ge=0)
     reward_timeout: float = opt(10.0, "Seconds a reward call may take before its worker is killed.",
-                                "Rollout", gt=0.0)
+                                "Rewards", gt=0.0)
     overlap_rewards: bool = opt(
         True, "Decode and score each group as soon as it finishes generating, while the rest "
-        "still generate. Off: score after the whole rollout.", "Rollout")
+        "still generate. Off: score after the whole rollout.", "Rewards")
     on_reward_error: Literal["fail", "zero", "skip"] = opt(
         "fail", "A reward that raises, times out or is NaN: fail the run, score it 0, or skip "
-        "the sample. Every case is counted in the metrics.", "Rollout")
+        "the sample. Every case is counted in the metrics.", "Rewards")
     # -- Algorithm -----------------------------------------------------------
     algo: Literal["grpo", "gspo"] = opt(
         "grpo", "grpo: per-token clipped ratio; gspo: clipped length-normalised sequence ratio "

@@ -50,9 +50,10 @@ def test_help_shows_every_flag_whole_with_its_default_at_100_columns():
 
     text = _help(100)
     assert "…" not in text
-    words = set(text.replace("│", " ").split())
-    for f in TrainConfig.fields():
-        assert flag_name(f.name) in words, f.name
+    for columns in (80, 100):
+        words = set(_help(columns).replace("│", " ").split())
+        for f in TrainConfig.fields():
+            assert flag_name(f.name) in words, (columns, f.name)
     # one [default: ...] per option, and the demo's own value where it differs
     assert text.count("[default:") >= len(TrainConfig.fields())
     assert "[default: 1e-06; demo: 0.0003]" in " ".join(text.replace("│", " ").split())
