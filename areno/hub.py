@@ -91,17 +91,18 @@ def check_model_id(ckpt: str, flag: str = "--ckpt") -> None:
         return
     status = hub_status(ckpt, "model")
     if status.state == "missing":
-        raise UserError(f"{flag} {ckpt}: no such model on the Hugging Face hub (or it is private: "
-                        f"log in with `hf auth login`); check the id, or {local}")
+        raise UserError(f"{flag} {ckpt}: not a local directory, and no such model on the Hugging "
+                        "Face hub (or it is private: log in with `hf auth login`); check the id, "
+                        f"or {local}")
     if status.state == "unreachable":
         if cached:
             go_offline()
             print(f"areno: the Hugging Face hub is unreachable; using the cached copy of {ckpt}",
                   file=sys.stderr)
             return
-        raise UserError(f"{flag} {ckpt}: could not be fetched from the Hugging Face hub (no "
-                        f"network? {status.detail}) and it is not in the local cache; {local}, "
-                        "or set HF_HUB_OFFLINE=1 with the model in the HF cache")
+        raise UserError(f"{flag} {ckpt}: not a local directory, and could not be fetched from "
+                        f"the Hugging Face hub (no network? {status.detail}) nor found in the local "
+                        f"cache; {local}, or set HF_HUB_OFFLINE=1 with the model in the HF cache")
 
 
 def check_dataset_id(repo_id: str, described: str) -> str | None:

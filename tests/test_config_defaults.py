@@ -54,3 +54,18 @@ def test_clip_ratio_c_must_exceed_one(value, capsys):
     assert main(["train", "--clip-ratio-c", value]) == 2
     err = capsys.readouterr().err
     assert "--clip-ratio-c must be > 1.0" in err and len(err.strip().splitlines()) == 1
+
+
+def test_config_choices_match_the_modules_that_dispatch_on_them():
+    """config.py stays free of torch, so it spells the Literals again; they must not drift."""
+    import typing
+
+    from areno.advantages import ADVANTAGE_MODES
+    from areno.config import LOSS_AGG_BY_ALGO, field_type
+    from areno.losses import ALGOS, KL_TYPES
+    from areno.pack import LOSS_AGG_MODES
+
+    for name, owner in (("algo", ALGOS), ("kl_type", KL_TYPES), ("adv_mode", ADVANTAGE_MODES),
+                        ("loss_agg", LOSS_AGG_MODES)):
+        assert typing.get_args(field_type(name)) == owner, name
+    assert set(LOSS_AGG_BY_ALGO) == set(ALGOS) and set(LOSS_AGG_BY_ALGO.values()) <= set(LOSS_AGG_MODES)

@@ -58,7 +58,8 @@ def test_unreachable_model_id_is_one_fast_line(tmp_path):
                       offline_env(tmp_path), tmp_path)
     err = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(err) == 1, out.stderr
-    assert "--ckpt nosuchorg/nosuchmodel: could not be fetched from the Hugging Face hub" in err[0]
+    assert ("--ckpt nosuchorg/nosuchmodel: not a local directory, and could not be fetched from "
+            "the Hugging Face hub") in err[0]
     assert "--local-dir DIR" in err[0] and "HF_HUB_OFFLINE=1" in err[0]
     assert took < 30, took
 
@@ -89,7 +90,7 @@ def test_cached_model_is_used_offline_when_the_hub_is_unreachable(tmp_path, tiny
 
 def test_missing_model_and_dataset_ids_say_so(monkeypatch, restore_offline):
     monkeypatch.setattr(hub, "hub_status", lambda *a: hub.HubStatus("missing", "404"))
-    with pytest.raises(UserError, match="--ckpt nosuchorg/x: no such model on the Hugging Face hub"):
+    with pytest.raises(UserError, match="--ckpt nosuchorg/x: not a local directory, and no such model on the Hugging Face hub"):
         hub.check_model_id("nosuchorg/x")
     from areno.data import load_rows
 
