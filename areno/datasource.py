@@ -186,6 +186,8 @@ def read_json_rows(path: Path, *, skip_bad_rows: bool = False) -> RawRows:
         raise UserError(f"dataset {path}: the file is empty (expected one JSON object per line)")
     whole = _whole_json(path, text)
     if whole is not None:
+        if not whole:
+            raise UserError(f"dataset {path}: no rows (the JSON array is empty)")
         return RawRows(_unify_keys(whole))
     raw = RawRows([], lines=[])
     for n, line in enumerate(text.splitlines(), 1):
@@ -210,10 +212,10 @@ def read_json_rows(path: Path, *, skip_bad_rows: bool = False) -> RawRows:
 
 
 def _whole_json(path: Path, text: str) -> list[dict] | None:
-    """The rows of a file that is one JSON value (an array of objects, or in a .json
-    file an object of equal-length column lists); None for JSON lines."""
+    """The rows of a .json file that is one JSON value (an array of objects, or an
+    object of equal-length column lists); None for JSON lines (any .jsonl file)."""
     head = text.lstrip()[:1]
-    if head not in ("[", "{") or (head == "{" and path.suffix.lower() != ".json"):
+    if head not in ("[", "{") or path.suffix.lower() != ".json":
         return None
     try:
         data = json.loads(text)

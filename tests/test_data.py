@@ -237,6 +237,13 @@ def test_broken_json_array_names_the_line(tmp_path):
     f.write_text('[{"prompt": "a"}, 7]')
     with pytest.raises(UserError, match=r"element 1 of the JSON array is not an object of fields \(got int\)"):
         load_rows(str(f))
+    f.write_text("[]")
+    with pytest.raises(UserError, match="no rows"):
+        load_rows(str(f))
+    f = tmp_path / "d.jsonl"
+    f.write_text('[{"prompt": "a"}]\n')
+    with pytest.raises(UserError, match="line 1: expected a JSON object of fields, got list"):
+        load_rows(str(f))
 
 
 def test_json_file_of_columns_and_one_object_per_line(tmp_path):
