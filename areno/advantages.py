@@ -4,23 +4,27 @@ Every mode works from per-group sums gathered with `np.bincount` (no Python
 loop over groups), so groups may differ in size.
 
   grpo:   A_i = (r_i - mean_g) / (std_g + eps)          (Shao et al. 2024, DeepSeekMath)
+          std_g = sqrt(sum_{j in g} (r_j - mean_g)^2 / (G - 1))
   drgrpo: A_i = r_i - mean_g                            (Liu et al. 2025, Dr. GRPO:
           dividing by std up-weights easy/hard prompts)
   rloo:   A_i = r_i - mean_{j in g, j != i} r_j         (Ahmadian et al. 2024)
           = G/(G-1) * (r_i - mean_g)
 
-std is the population std (ddof=0), as in the GRPO reference implementations.
+std is the unbiased sample std (ddof=1), as in verl (`compute_grpo_outcome_advantage`,
+torch.std) and TRL (`nanstd`); the population std (ddof=0) would make advantages
+sqrt(G/(G-1)) larger (7% at G=8, 41% at G=2).
 A group of one, or one whose rewards are all equal, gets advantage 0 exactly.
 """
 
 from __future__ import annotations
 
+import typing
 from typing import Literal
 
 import numpy as np
 
 AdvantageMode = Literal["grpo", "drgrpo", "rloo"]
-ADVANTAGE_MODES: tuple[str, ...] = ("grpo", "drgrpo", "rloo")
+ADVANTAGE_MODES: tuple[str, ...] = typing.get_args(AdvantageMode)
 
 
 def group_advantages(
@@ -58,8 +62,9 @@ def group_advantages(
     scale = np.maximum(np.abs(mean), 1.0)
     no_signal = (count <= 1.0) | (var <= (1e-12 * scale) ** 2)
 
-    if mode == "grpo":
-        per_group = 1.0 / (np.sqrt(var) + eps)
+    if mode == "grpo":  # unbiased std: sum of squares / (G - 1)
+        std = np.sqrt(var * count / np.maximum(count - 1.0, 1.0))
+        per_group = 1.0 / (std + eps)
     elif mode == "drgrpo":
         per_group = np.ones(G)
     else:  # rloo: r_i - mean of the others = G/(G-1) (r_i - mean_g)

@@ -24,6 +24,7 @@ from typing import Any
 
 from areno.backend.errors import BackendError
 from areno.errors import UserError
+from areno.fileperms import honour_umask
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -75,6 +76,7 @@ def save_checkpoint(run: Any, step: int) -> Path:
             "config": run.cfg.to_dict(),
         }
         _write_json(tmp / STATE_FILE, state)
+        honour_umask(tmp)  # transformers writes model.safetensors 0600
         _fsync_dir(tmp)
         _replace_dir(tmp, final)
         _fsync_dir(root)

@@ -20,15 +20,18 @@ from typing import Any, Literal
 from areno.errors import UserError
 
 GROUPS = (
-    "Model", "Data", "Rollout", "Algorithm", "Optimization", "Parallelism",
+    "Model", "Data", "Rollout", "Rewards", "Algorithm", "Optimization", "Parallelism",
     "Logging and checkpoints",
 )
 
 
 def opt(default: Any, help: str, group: str, *, ge: float | None = None, gt: float | None = None,
-        le: float | None = None, lt: float | None = None) -> Any:
+        le: float | None = None, lt: float | None = None, shown: str | None = None) -> Any:
+    """A TrainConfig field. shown: how --help states a default that is not a plain
+    value (None meaning "derived from other options")."""
     assert group in GROUPS, group
-    return field(default=default, metadata=dict(help=help, group=group, ge=ge, gt=gt, le=le, lt=lt))
+    return field(default=default, metadata=dict(help=help, group=group, ge=ge, gt=gt, le=le, lt=lt,
+                                                 shown=shown))
 
 
 @dataclass
@@ -36,27 +39,28 @@ class TrainConfig:
     # -- Model ---------------------------------------------------------------
     ckpt: str | None = opt(
         None, "HF model directory or hub id to train. Unset: the embedded demo "
-        "(a tiny model built locally, trained on one-digit addition).", "Model")
+        "(a tiny model built locally, trained on one-digit addition).", "Model",
+        shown="unset (the demo)")
     dtype: Literal["auto", "bfloat16", "float32"] = opt(
         "auto", "Parameter dtype. auto: bfloat16 on GPU, float32 on CPU.", "Model")
     # -- Data ------------------------------------------------------------------
     dataset_path: str | None = opt(
-        None, "gsm8k:main, a hub id name[:config[:split]], a local .jsonl/.json/.parquet/.csv "
-        "file, or a save_to_disk directory. Unset: the embedded demo task.", "Data")
+        None, "gsm8k:main, a hub id name[:config[:split]], a local .jsonl, .json, .parquet "
+        "or .csv file, or a save_to_disk directory. Unset: the embedded demo task.", "Data",
+        shown="unset (the demo task)")
     dataset_split: str = opt("train", "Split to train on (a split in --dataset-path wins).", "Data")
     dataset_loader_fn: str | None = opt(
         None, "file.py[:fn] mapping a raw row to {prompt, answer, ...} (fn defaults to load_row).",
-        "Data")
-    reward_fn_path: str | None = opt(
-        None, "Reward plugin: a .py file defining reward_fn(record) -> float or "
-        "reward_fn_batch(records) -> list[float] (async allowed). Required with --dataset-path.",
-        "Data")
+        "Data", shown="unset")
     chat_template: bool = opt(True, "Render prompts with the tokenizer's chat template "
                               "(--no-chat-template: plain text).", "Data")
-    system_prompt: str | None = opt(None, "System message prepended to every chat prompt.", "Data")
+    system_prompt: str | None = opt(None, "System message prepended to every chat prompt.", "Data",
+                                    shown="none")
     max_prompt_len: int = opt(512, "Prompts longer than this many tokens are dropped (counted).",
                               "Data", ge=1)
-    skip_bad_rows: bool = opt(False, "Skip (and count) malformed dataset rows instead of failing.",
+    batch_size: int = opt(16, "Prompts per step.", "Data", ge=1)
+    skip_bad_rows: bool = opt(False, "Skip (and count) malformed dataset rows and unparsable JSON "
+                              "lines instead of failing.",
                               "Data")
     # -- Rollout ---------------------------------------------------------------
     rollout_engine: Literal["vllm", "hf"] = opt(
@@ -66,22 +70,28 @@ class TrainConfig:
                              "Rollout", gt=0.0)
     top_p: float = opt(1.0, "Nucleus sampling mass (1 = off).", "Rollout", gt=0.0, le=1.0)
     top_k: int = opt(-1, "Top-k sampling (-1 = off).", "Rollout", ge=-1)
+    n_samples: int = opt(8, "Completions per prompt (the GRPO group size).", "Rollout", ge=1)
     max_new_tokens: int = opt(1024, "Maximum tokens generated per completion.", "Rollout", ge=1)
     tensor_parallel_size: int = opt(1, "vLLM tensor-parallel size.", "Rollout", ge=1)
     gpu_memory_utilization: float = opt(
         0.5, "Fraction of GPU memory vLLM may take (colocated with training).", "Rollout",
         gt=0.0, le=1.0)
     kv_cache_gb: float = opt(0.5, "KV-cache size for vLLM on CPU, in GiB.", "Rollout", gt=0.0)
+    # -- Rewards -------------------------------------------------------------
+    reward_fn_path: str | None = opt(
+        None, "Reward plugin: a .py file defining reward_fn(record) -> float or "
+        "reward_fn_batch(list) -> list[float] (async allowed). Required with --dataset-path.",
+        "Rewards", shown="unset")
     reward_workers: int = opt(2, "Reward worker processes (0 = in-process, no timeout kill).",
-                              "Rollout", ge=0)
+                              "Rewards", ge=0)
     reward_timeout: float = opt(10.0, "Seconds a reward call may take before its worker is killed.",
-                                "Rollout", gt=0.0)
+                                "Rewards", gt=0.0)
     overlap_rewards: bool = opt(
         True, "Decode and score each group as soon as it finishes generating, while the rest "
-        "still generate (--no-overlap-rewards: score after the whole rollout).", "Rollout")
+        "still generate. Off: score after the whole rollout.", "Rewards")
     on_reward_error: Literal["fail", "zero", "skip"] = opt(
         "fail", "A reward that raises, times out or is NaN: fail the run, score it 0, or skip "
-        "the sample. Every case is counted in the metrics.", "Rollout")
+        "the sample. Every case is counted in the metrics.", "Rewards")
     # -- Algorithm -----------------------------------------------------------
     algo: Literal["grpo", "gspo"] = opt(
         "grpo", "grpo: per-token clipped ratio; gspo: clipped length-normalised sequence ratio "
@@ -89,21 +99,27 @@ class TrainConfig:
     adv_mode: Literal["grpo", "drgrpo", "rloo"] = opt(
         "grpo", "Group advantage: grpo (r-mean)/std, drgrpo r-mean, rloo leave-one-out.",
         "Algorithm")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = opt(
-        "token-mean", "Loss aggregation. seq-mean-token-sum-norm is Dr. GRPO's (normalised by "
-        "--max-new-tokens).", "Algorithm")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = opt(
+        None, "Loss aggregation. Default follows --algo: token-mean for grpo, "
+        "seq-mean-token-mean for gspo (the GSPO paper's per-sequence objective, as verl). "
+        "seq-mean-token-sum-norm is Dr. GRPO's (normalised by --max-new-tokens).", "Algorithm",
+        shown="token-mean (grpo), seq-mean-token-mean (gspo)")
     clip_eps_low: float | None = opt(
-        None, "Lower clip epsilon. Default 0.2 (grpo) / 3e-4 (gspo).", "Algorithm", ge=0.0, lt=1.0)
+        None, "Lower clip epsilon.", "Algorithm", ge=0.0, lt=1.0, shown="0.2 (grpo), 3e-4 (gspo)")
     clip_eps_high: float | None = opt(
-        None, "Upper clip epsilon (> low is DAPO's clip-higher). Default 0.2 (grpo) / 4e-4 (gspo).",
-        "Algorithm", ge=0.0)
+        None, "Upper clip epsilon (> low is DAPO's clip-higher).", "Algorithm", ge=0.0,
+        shown="0.2 (grpo), 4e-4 (gspo)")
+    clip_ratio_c: float | None = opt(
+        None, "Dual-clip constant C > 1 (Ye et al. 2020; verl's clip_ratio_c): for tokens with "
+        "advantage A < 0 the policy loss is capped at -C*A, so a huge ratio on a bad token "
+        "cannot blow up the update.", "Algorithm", gt=1.0, shown="off")
     kl_coef: float = opt(0.0, "KL-to-reference coefficient (0 = off, no reference model loaded).",
                          "Algorithm", ge=0.0)
     kl_type: Literal["k1", "k3"] = opt("k3", "KL estimator (Schulman): k1 or k3.", "Algorithm")
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient (0 = off).", "Algorithm", ge=0.0)
     tis_cap: float | None = opt(
         None, "Truncated importance-sampling cap C on trainer/sampler log-prob ratios "
-        "(needs --recompute-logprobs; unset = off).", "Algorithm", gt=0.0)
+        "(needs --recompute-logprobs).", "Algorithm", gt=0.0, shown="off")
     filter_zero_variance_groups: bool = opt(
         False, "Drop groups whose rewards are all equal from the update.", "Algorithm")
     mask_overlong: bool = opt(False, "Drop completions cut by --max-new-tokens from the update.",
@@ -130,10 +146,8 @@ class TrainConfig:
     # -- Parallelism -------------------------------------------------------------
     device: Literal["auto", "cuda", "cpu"] = opt("auto", "Training device (auto: cuda if present).",
                                                  "Parallelism")
-    world_size: int | None = opt(None, "Training ranks (default: number of GPUs, 1 on CPU).",
-                                 "Parallelism", ge=1)
-    batch_size: int = opt(16, "Prompts per step.", "Parallelism", ge=1)
-    n_samples: int = opt(8, "Completions per prompt (the GRPO group size).", "Parallelism", ge=1)
+    world_size: int | None = opt(None, "Training ranks.", "Parallelism", ge=1,
+                                 shown="number of GPUs, 1 on CPU")
     nnodes: int = opt(1, "Nodes in the run (as torchrun's --nnodes): every node runs the same "
                       "command with its own --node-rank and ARENO_BACKEND_AUTHKEY.", "Parallelism", ge=1)
     node_rank: int = opt(0, "This node, 0 .. --nnodes - 1; node 0 runs the controller.",
@@ -147,15 +161,15 @@ class TrainConfig:
     strategy: Literal["auto", "fsdp2", "ddp"] = opt(
         "auto", "Data parallelism: auto (= fsdp2, which also runs on CPU under gloo), fsdp2 or ddp.", "Parallelism")
     # -- Logging and checkpoints -------------------------------------------------
-    max_steps: int | None = opt(None, "Stop after this many steps (unset: run --epochs).",
-                                "Logging and checkpoints", ge=1)
+    max_steps: int | None = opt(None, "Stop after this many steps.", "Logging and checkpoints",
+                                ge=1, shown="unset (run --epochs)")
     epochs: int = opt(1, "Passes over the dataset (a run stops at whichever limit comes first).",
                       "Logging and checkpoints", ge=1)
     seed: int = opt(0, "Seed of data order, sampling and initialisation.",
                     "Logging and checkpoints")
     output_dir: str | None = opt(
-        None, "Run directory (config.yaml, metrics.jsonl, checkpoints). Default runs/<timestamp>.",
-        "Logging and checkpoints")
+        None, "Run directory (config.yaml, metrics.jsonl, checkpoints).",
+        "Logging and checkpoints", shown="runs/<timestamp>")
     report_to: Literal["none", "tensorboard", "wandb"] = opt(
         "none", "Also log metrics to TensorBoard or W&B (if installed).", "Logging and checkpoints")
     verbose: bool = opt(
@@ -164,29 +178,35 @@ class TrainConfig:
         "Logging and checkpoints")
     save_interval: int = opt(0, "Save a checkpoint every N steps (0: only at the end).",
                              "Logging and checkpoints", ge=0)
-    save_path: str | None = opt(None, "Checkpoint directory (default <output-dir>/checkpoints).",
-                                "Logging and checkpoints")
+    save_path: str | None = opt(None, "Checkpoint directory.", "Logging and checkpoints",
+                                shown="<output-dir>/checkpoints")
     keep_last: int = opt(2, "Keep only the newest N checkpoints (0 = keep all).",
                          "Logging and checkpoints", ge=0)
     no_save: bool = opt(False, "Write no checkpoint at all.", "Logging and checkpoints")
     resume: str | None = opt(
         None, "Resume from a checkpoint: 'latest' (the newest complete one under the save path) "
         "or a checkpoint directory. Continues the same data order, optimizer and RNG state.",
-        "Logging and checkpoints")
+        "Logging and checkpoints", shown="unset (a fresh run)")
     eval_dataset_path: str | None = opt(
         None, "Held-out dataset (same forms as --dataset-path) scored with the reward plugin.",
-        "Logging and checkpoints")
+        "Logging and checkpoints", shown="unset (no evaluation)")
     eval_split: str = opt("test", "Split of --eval-dataset-path.", "Logging and checkpoints")
     eval_interval: int = opt(0, "Evaluate every N steps (0: only at step 0 and at the end).",
                              "Logging and checkpoints", ge=0)
     eval_n: int = opt(1, "Also report mean@k over k samples per prompt at --temperature "
                       "(1: greedy pass@1 only).", "Logging and checkpoints", ge=1)
     eval_max_prompts: int | None = opt(None, "Evaluate on at most this many prompts.",
-                                       "Logging and checkpoints", ge=1)
+                                       "Logging and checkpoints", ge=1, shown="all")
     eval_only: bool = opt(False, "Evaluate --ckpt on --eval-dataset-path and exit (no training).",
                           "Logging and checkpoints")
 
     # ------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        # Resolve the --algo-dependent default here, so config.yaml and the loss see
+        # the value that is used (an unknown --algo is left to validate()).
+        if self.loss_agg is None:
+            self.loss_agg = LOSS_AGG_BY_ALGO.get(self.algo, "token-mean")
+
     @property
     def is_demo(self) -> bool:
         return self.ckpt is None and self.dataset_path is None
@@ -264,6 +284,11 @@ class TrainConfig:
             raise UserError(f"--n-samples must be >= 2 for --adv-mode {self.adv_mode} "
                             "(a group of one has no baseline)")
 
+
+# The default --loss-agg of each --algo: GSPO's objective is a mean over
+# sequences of per-sequence token means (arXiv:2507.18071, eq. 5; verl always
+# aggregates GSPO this way); GRPO keeps the token mean.
+LOSS_AGG_BY_ALGO: dict[str, str] = {"grpo": "token-mean", "gspo": "seq-mean-token-mean"}
 
 # Embedded demo: hyper-parameters measured to make reward rise within minutes on
 # 2 CPU cores (see DESIGN.md, "embedded default").

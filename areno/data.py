@@ -9,18 +9,8 @@ Everything per row (loading, normalizing, rendering) is O(rows) Python done
 once at startup; the per-step path (`PromptSampler.next_batch`, `select`) is
 a few vectorized numpy calls, with no per-token Python.
 
-Dataset specs (`load_rows(spec)`), tried in this order:
-  * an existing local path:
-      - `.jsonl` / `.json` / `.parquet` / `.csv` file: the whole file is the
-        dataset (a single file has one split; `split` is ignored);
-      - a `datasets` `save_to_disk` directory (a Dataset, or a DatasetDict
-        from which `split` is taken);
-      - any other directory: `load_dataset(dir, config, split=...)`, e.g. a
-        local copy of a hub dataset repo: `path/to/gsm8k:main:test`.
-  * `gsm8k:main[:split]`: alias for the hub dataset `openai/gsm8k`, config `main`.
-  * `name[:config[:split]]`: a Hugging Face hub dataset id, loaded with
-    `datasets.load_dataset(name, config, split=split)`. A split in the spec
-    wins over the `split` argument.
+Dataset specs (`load_rows(spec)`: a local file or directory, `gsm8k:main`, a hub
+id) are parsed and read in datasource.py.
 
 Row normalization. Every row becomes a dict with at least
   `prompt`    str, or a list of chat messages {"role": str, "content": str}
@@ -46,126 +36,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from areno.datasource import DatasetSpec, parse_dataset_spec, read_raw  # noqa: F401 - re-exported
 from areno.errors import UserError, _one_line, import_user_file, user_frame
 from areno.rollout.batch import offsets_from_lengths
 
-DATASET_ALIASES = {"gsm8k": "openai/gsm8k"}
-FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 DEFAULT_LOADER_FN = "load_row"
 _MAX_REASONS = 5  # skip reasons kept for the log
-
-# --------------------------------------------------------------------------
-# dataset specs
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    """A parsed dataset spec.
-
-    kind: "file" (a local data file), "disk" (a save_to_disk directory),
-          "dir" (another local directory, read by load_dataset), "hub".
-    """
-
-    kind: str
-    name: str  # file/dir path or hub id
-    config: str | None
-    split: str
-
-    def describe(self) -> str:
-        if self.kind in ("file", "disk"):
-            return self.name
-        cfg = f", config '{self.config}'" if self.config else ""
-        return f"'{self.name}'{cfg}, split '{self.split}'"
-
-
-def _looks_like_path(s: str) -> bool:
-    # Hub ids are `name` or `owner/name`; anything else with a slash is a path.
-    return (
-        Path(s).suffix.lower() in FILE_BUILDERS
-        or s.startswith(("/", "./", "../", "~"))
-        or s.count("/") > 1
-    )
-
-
-def _local_spec(p: Path, config: str | None, split: str, spec: str) -> DatasetSpec:
-    if p.is_dir():
-        if (p / "dataset_dict.json").is_file() or (p / "state.json").is_file():
-            if config:
-                raise UserError(
-                    f"--dataset-path {spec}: {p} is a save_to_disk directory, it takes no config "
-                    f"(use '{p}' or '{p}::SPLIT')"
-                )
-            return DatasetSpec("disk", str(p), None, split)
-        return DatasetSpec("dir", str(p), config, split)
-    if config:
-        raise UserError(f"--dataset-path {spec}: a local file takes no ':config' part")
-    suffix = p.suffix.lower()
-    if suffix not in FILE_BUILDERS:
-        raise UserError(
-            f"--dataset-path {p}: unsupported file type '{suffix or '(none)'}'; "
-            "use .jsonl, .json, .parquet, .csv or a save_to_disk directory"
-        )
-    return DatasetSpec("file", str(p), None, split)
-
-
-def parse_dataset_spec(spec: str, split: str = "train") -> DatasetSpec:
-    """Parse a dataset spec (see the module docstring). Touches only the filesystem."""
-    s = str(spec).strip()
-    if not s:
-        raise UserError("--dataset-path is empty: pass a file, a directory or a hub id like gsm8k:main")
-    whole = Path(s).expanduser()
-    if whole.exists():
-        return _local_spec(whole, None, split, s)
-    head, *rest = s.split(":")
-    if len(rest) > 2 or not head:
-        raise UserError(f"--dataset-path '{s}': expected NAME[:CONFIG[:SPLIT]] or a local path")
-    config = (rest[0] or None) if rest else None
-    if len(rest) == 2 and rest[1]:
-        split = rest[1]
-    local = Path(head).expanduser()
-    if local.exists():
-        return _local_spec(local, config, split, s)
-    if head in DATASET_ALIASES:
-        return DatasetSpec("hub", DATASET_ALIASES[head], config, split)
-    if _looks_like_path(head):
-        raise UserError(f"--dataset-path: file not found: {head}")
-    return DatasetSpec("hub", head, config, split)
-
-
-def _load_dataset(ds: DatasetSpec) -> Any:
-    """Load through `datasets`; every failure becomes a UserError naming the source."""
-    import datasets
-
-    bars_were_on = not datasets.are_progress_bars_disabled()
-    datasets.disable_progress_bars()
-    try:
-        if ds.kind == "file":
-            builder = FILE_BUILDERS[Path(ds.name).suffix.lower()]
-            return datasets.load_dataset(builder, data_files=ds.name, split="train")
-        if ds.kind == "disk":
-            obj = datasets.load_from_disk(ds.name)
-            if isinstance(obj, datasets.DatasetDict):
-                if ds.split not in obj:
-                    raise UserError(
-                        f"dataset {ds.name}: no split '{ds.split}'; it has {sorted(obj)}"
-                    )
-                return obj[ds.split]
-            return obj
-        return datasets.load_dataset(ds.name, ds.config, split=ds.split)
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any loader failure is reported, not raised
-        if ds.kind == "hub":
-            raise UserError(
-                f"could not load dataset {ds.describe()} from the Hugging Face hub: "
-                f"{_one_line(e)}. Check the name, or download it and pass a local path "
-                "(.jsonl/.json/.parquet/.csv file, save_to_disk directory, or a copy of the repo)"
-            ) from None
-        raise UserError(f"could not load dataset {ds.describe()}: {_one_line(e)}") from None
-    finally:
-        if bars_were_on:
-            datasets.enable_progress_bars()
-
 
 # --------------------------------------------------------------------------
 # rows
@@ -277,11 +153,16 @@ def normalize_rows(
     loader_path: str = "",
     skip_bad_rows: bool = False,
     source: str = "",
+    lines: Sequence[int] | None = None,
+    bad_lines: Sequence[str] = (),
 ) -> RowSet:
     """Normalize raw row dicts (O(rows) Python, once). A malformed row raises a
-    UserError naming the row index and field, or is skipped and counted."""
+    UserError naming the row index (and its file line, given `lines`) and field,
+    or is skipped and counted. bad_lines: unparsable lines the reader skipped,
+    counted as skipped rows."""
     rows: list[dict] = []
-    rs = RowSet(rows=rows, source=source, num_raw=len(raw))
+    rs = RowSet(rows=rows, source=source, num_raw=len(raw) + len(bad_lines),
+                skipped=len(bad_lines), skip_reasons=list(bad_lines[:_MAX_REASONS]))
     for i, row in enumerate(raw):
         try:
             if loader_fn is None:
@@ -299,11 +180,13 @@ def normalize_rows(
                     continue
             rows.append(_check_row(out, i))
         except _RowError as e:
+            line = f"line {lines[i]}; " if lines is not None else ""
             if not skip_bad_rows:
-                raise UserError(f"dataset {source}: {e} (fix the row, or pass --skip-bad-rows)") from None
+                raise UserError(f"dataset {source}: {e} ({line}fix the row, or pass "
+                                "--skip-bad-rows)") from None
             rs.skipped += 1
             if len(rs.skip_reasons) < _MAX_REASONS:
-                rs.skip_reasons.append(str(e))
+                rs.skip_reasons.append(f"{e} ({line[:-2]})" if line else str(e))
     if not rows:
         raise UserError(
             f"dataset {source}: no usable rows ({rs.num_raw} read, {rs.skipped} malformed, "
@@ -323,14 +206,15 @@ def load_rows(
     """Load a dataset spec and normalize its rows (see the module docstring)."""
     ds = parse_dataset_spec(spec, split)
     fn = load_loader_fn(loader_fn) if loader_fn else None  # fail before loading data
-    dataset = _load_dataset(ds)
-    raw = dataset.to_list()
+    raw = read_raw(ds, skip_bad_rows=skip_bad_rows)
     return normalize_rows(
-        raw,
+        raw.rows,
         loader_fn=fn,
         loader_path=str(loader_fn).partition(":")[0] if loader_fn else "",
         skip_bad_rows=skip_bad_rows,
         source=ds.describe(),
+        lines=raw.lines,
+        bad_lines=raw.bad_lines,
     )
 
 

@@ -20,7 +20,13 @@ Policy-gradient term, with importance ratio rho = exp(logp - old_logp):
   (with seq-mean-token-mean aggregation this is exactly the paper's
   sequence-level objective; its gradient flows through the mean of log-probs).
 
-Clip-higher (DAPO, Yu et al. 2025) is eps_high > eps_low. Optional terms:
+Clip-higher (DAPO, Yu et al. 2025) is eps_high > eps_low.
+Dual-clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep
+RL"; verl's clip_ratio_c), off unless clip_ratio_c = C > 1 is set: for A_t < 0
+      l_t = min(l_t, -C A_t)
+so a token whose ratio ran far above 1 while its advantage is negative adds at
+most C |A_t| and no gradient. It bounds GSPO's sequence ratio term the same way.
+Optional terms:
   KL to a reference (Schulman's estimators): k1 = logp - ref,
       k3 = exp(ref - logp) - (ref - logp) - 1; added as kl_coef * kl_t.
   Entropy bonus: - entropy_coef * H_t.
@@ -33,6 +39,7 @@ Clip-higher (DAPO, Yu et al. 2025) is eps_high > eps_low. Optional terms:
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,8 +47,8 @@ import torch
 
 Algo = Literal["grpo", "gspo"]
 KLType = Literal["k1", "k3"]
-ALGOS: tuple[str, ...] = ("grpo", "gspo")
-KL_TYPES: tuple[str, ...] = ("k1", "k3")
+ALGOS: tuple[str, ...] = typing.get_args(Algo)
+KL_TYPES: tuple[str, ...] = typing.get_args(KLType)
 MAX_METRICS: tuple[str, ...] = ("ratio_max",)  # reduced by max, all others by sum
 
 
@@ -54,6 +61,7 @@ class LossConfig:
     kl_type: KLType = "k3"
     entropy_coef: float = 0.0
     tis_cap: float | None = None
+    clip_ratio_c: float | None = None  # dual-clip constant C > 1 (None = off)
 
     def __post_init__(self) -> None:
         if self.algo not in ALGOS:
@@ -64,6 +72,8 @@ class LossConfig:
             raise ValueError("clip eps: need 0 <= eps_low < 1 and eps_high >= 0")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError("tis_cap must be > 0")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,8 @@ def compute_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     unclipped = -adv * rho
     clipped = -adv * torch.clamp(rho, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
     pg = torch.maximum(unclipped, clipped)
+    if cfg.clip_ratio_c is not None:  # dual-clip: cap the loss of negative-advantage tokens
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.clip_ratio_c), pg)
 
     tis = None
     if cfg.tis_cap is not None and inp.rollout_logprobs is not None:

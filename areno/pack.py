@@ -24,6 +24,7 @@ the mask. Python only loops over sequences, in the split planner.
 from __future__ import annotations
 
 import heapq
+import typing
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -33,7 +34,7 @@ import torch
 from areno.rollout.batch import RolloutBatch
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES: tuple[str, ...] = typing.get_args(LossAgg)
 
 PACKED_TOKEN_FIELDS: tuple[str, ...] = (
     "input_ids", "targets", "position_ids", "loss_mask", "old_logprobs", "advantages", "seq_index",

@@ -19,7 +19,9 @@ from areno.backend.engine_host import EngineSpec
 from areno.config import TrainConfig
 from areno.data import PromptSampler, PromptSet, RowSet, load_rows, normalize_rows, tokenize_prompts
 from areno.errors import UserError
+from areno.hub import check_model_id
 from areno.leftovers import clean_leftovers
+from areno.modelinfo import check_context
 from areno.multinode import controller_port, start_local_ranks
 from areno.multinode import stop as stop_ranks
 from areno.pack import Workspace
@@ -175,6 +177,7 @@ def total_steps_for(cfg: TrainConfig, sampler: PromptSampler) -> int:
 def load_tokenizer(model_path: str) -> Any:
     from transformers import AutoTokenizer
 
+    check_model_id(model_path)  # a hub id with no network: one line now, not a minute of retries
     try:
         return AutoTokenizer.from_pretrained(model_path)
     except OSError as e:
@@ -242,6 +245,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
                                    _default_world_size(device))
     world_size = cfg.world_size or cfg.nnodes * nproc
     longest = max(int(p.lengths.max()) for p in (prompts, evalset and evalset[1]) if p)
+    check_context(model_path, longest, cfg.max_new_tokens)  # before any engine or rank starts
     with contextlib.ExitStack() as stack:
         scorer = stack.enter_context(RewardScorer(
             resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,
@@ -284,7 +288,8 @@ def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_siz
 
     low, high = cfg.loss_eps()
     loss = LossConfig(algo=cfg.algo, clip_eps_low=low, clip_eps_high=high, kl_coef=cfg.kl_coef,
-                      kl_type=cfg.kl_type, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap)
+                      kl_type=cfg.kl_type, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap,
+                      clip_ratio_c=cfg.clip_ratio_c)
     return BackendConfig(
         model_path=model_path, world_size=world_size, device=device, dtype=resolved_dtype(cfg, device),
         strategy=cfg.strategy, lr=cfg.lr, weight_decay=cfg.weight_decay,

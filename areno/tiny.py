@@ -29,6 +29,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from areno.fileperms import honour_umask
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN = "<|endoftext|>"
 EOS_TOKEN = "<|im_end|>"
@@ -128,6 +130,7 @@ def tiny_model_path(variant: str = "chat", cache_dir: str | Path | None = None) 
     tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{variant}-", dir=root))
     try:
         build_tiny_model(spec, tmp)
+        honour_umask(tmp)  # mkdtemp is 0700 and transformers writes safetensors 0600
         try:
             os.rename(tmp, final)
         except OSError:

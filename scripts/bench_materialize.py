@@ -227,7 +227,7 @@ def ref_advantages(rewards: list[float], group_of: list[int], eps: float = EPS) 
     for g, rs in by_group.items():
         if len(rs) > 1:
             mean[g] = float(np.mean(rs))
-            std[g] = float(np.std(rs))
+            std[g] = float(np.std(rs, ddof=1))  # unbiased, as verl and TRL
         else:
             mean[g], std[g] = rs[0], math.inf  # -> advantage 0
     out = [(r - mean[g]) / (std[g] + eps) for r, g in zip(rewards, group_of)]

@@ -17,7 +17,7 @@ def reference_advantages(rewards, group_index, mode, eps=1e-6):
             continue
         mean = sum(vals) / G
         if mode == "grpo":
-            std = (sum((v - mean) ** 2 for v in vals) / G) ** 0.5
+            std = (sum((v - mean) ** 2 for v in vals) / (G - 1)) ** 0.5  # ddof=1
             out[i] = (rewards[i] - mean) / (std + eps)
         elif mode == "drgrpo":
             out[i] = rewards[i] - mean
@@ -68,3 +68,21 @@ def test_bad_mode_and_shapes():
     with pytest.raises(ValueError, match="equal 1-D shapes"):
         group_advantages(np.zeros(3), np.zeros(2, np.int64))
     assert group_advantages(np.zeros(0), np.zeros(0, np.int64)).shape == (0,)
+
+
+@pytest.mark.parametrize("n", [2, 3, 8])
+def test_grpo_divides_by_the_unbiased_group_std(n):
+    """(r - mean) / (std(ddof=1) + eps), as verl (torch.std) and TRL (nanstd) do."""
+    import torch
+
+    rng = np.random.default_rng(n)
+    r = rng.random(2 * n)
+    g = np.repeat([0, 1], n)
+    got = group_advantages(r, g, mode="grpo", eps=1e-6)
+    want = np.concatenate([(x - x.mean()) / (x.std(ddof=1) + 1e-6) for x in r.reshape(2, n)])
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    t = torch.tensor(r).view(2, n)  # verl: torch.std is unbiased by default
+    verl = (t - t.mean(-1, keepdim=True)) / (t.std(-1, keepdim=True) + 1e-6)
+    np.testing.assert_allclose(got, verl.flatten().numpy(), rtol=1e-5)
+    if n == 2:  # one reward above, one below: +-1/sqrt(2), not +-1 as with ddof=0
+        np.testing.assert_allclose(np.abs(got), 2 ** -0.5, rtol=1e-3)

@@ -9,6 +9,7 @@ import datasets.config
 import numpy as np
 import pytest
 
+from areno import hub
 from areno.data import (
     DatasetSpec,
     PromptSampler,
@@ -113,6 +114,7 @@ def test_hub_spec_calls_load_dataset_with_name_config_split(monkeypatch):
         return datasets.Dataset.from_list(ROWS)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(hub, "hub_status", lambda *a: hub.HubStatus("found"))
     rs = load_rows("gsm8k:main:test")
     assert calls == [(("openai/gsm8k", "main"), {"split": "test"})]
     assert [r["answer"] for r in rs.rows] == ["7", "1000", "42"]
@@ -127,7 +129,8 @@ def test_unreachable_hub_dataset_is_a_user_error_suggesting_a_local_path(monkeyp
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(UserError, match=r"could not load dataset 'openai/gsm8k', config 'main'.*local path") as e:
+    with pytest.raises(UserError, match=r"could not fetch dataset 'openai/gsm8k', config 'main'.*"
+                       r"HF_HUB_OFFLINE is set.*local \.jsonl") as e:
         load_rows("gsm8k:main")
     assert "\n" not in str(e.value)
 
@@ -190,10 +193,78 @@ def test_local_copy_of_a_hub_repo_loads_with_config_and_split(tmp_path):
 
 
 def test_unreadable_file_is_a_user_error_naming_it(tmp_path):
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "a"}\n{broken\n')
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("not parquet")
     with pytest.raises(UserError, match=f"could not load dataset {bad}"):
         load_rows(str(bad))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv", ".parquet"])
+@pytest.mark.parametrize("text", ["", "\n  \n"])
+def test_empty_json_file_says_so(tmp_path, suffix, text):
+    f = tmp_path / f"empty{suffix}"
+    f.write_text(text if suffix.startswith(".json") else "")
+    with pytest.raises(UserError, match=f"dataset {f}: the file is empty"):
+        load_rows(str(f))
+
+
+def test_empty_csv_is_a_user_error_naming_it(tmp_path):
+    f = tmp_path / "empty.csv"
+    f.write_text("prompt,answer\n")
+    with pytest.raises(UserError, match=f"{f}"):
+        load_rows(str(f))
+
+
+def test_broken_json_line_names_file_and_line_and_can_be_skipped(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"prompt": "a"}\n\n{"prompt": "b", "answer": 3 4}\n[1, 2]\n{"prompt": "c"}\n')
+    with pytest.raises(UserError, match=rf"dataset {f}: line 3: not valid JSON: Expecting ',' "
+                       r"delimiter \(column 29\).*--skip-bad-rows") as e:
+        load_rows(str(f))
+    assert "\n" not in str(e.value)
+    rs = load_rows(str(f), skip_bad_rows=True)
+    assert [r["prompt"] for r in rs.rows] == ["a", "c"]
+    assert rs.skipped == 2 and rs.num_raw == 4
+    assert rs.skip_reasons == ["line 3: not valid JSON: Expecting ',' delimiter (column 29)",
+                               "line 4: expected a JSON object of fields, got list"]
+
+
+def test_broken_json_array_names_the_line(tmp_path):
+    f = tmp_path / "d.json"
+    f.write_text('[\n {"prompt": "a"},\n {"prompt": "b",}\n]\n')
+    with pytest.raises(UserError, match=f"dataset {f}: line 3: not valid JSON"):
+        load_rows(str(f))
+    f.write_text('[{"prompt": "a"}, 7]')
+    with pytest.raises(UserError, match=r"element 1 of the JSON array is not an object of fields \(got int\)"):
+        load_rows(str(f))
+    f.write_text("[]")
+    with pytest.raises(UserError, match="no rows"):
+        load_rows(str(f))
+    f = tmp_path / "d.jsonl"
+    f.write_text('[{"prompt": "a"}]\n')
+    with pytest.raises(UserError, match="line 1: expected a JSON object of fields, got list"):
+        load_rows(str(f))
+
+
+def test_json_file_of_columns_and_one_object_per_line(tmp_path):
+    f = tmp_path / "d.json"
+    f.write_text(json.dumps({"prompt": ["a", "b"], "answer": ["1", "2"]}, indent=1))
+    assert [r["answer"] for r in load_rows(str(f)).rows] == ["1", "2"]
+    f.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert [r["prompt"] for r in load_rows(str(f)).rows] == ["a", "b"]
+    f.write_text('{"prompt": "a"}')
+    assert [r["prompt"] for r in load_rows(str(f)).rows] == ["a"]
+
+
+def test_json_lines_rows_get_every_key_and_row_errors_name_the_line(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"prompt": "a", "id": 1}\n\n{"prompt": "b"}\n{"answer": "4"}\n')
+    with pytest.raises(UserError, match=r"row 2: field 'prompt' must be a string.*NoneType "
+                       r"\(line 4; fix the row"):
+        load_rows(str(f))
+    rs = load_rows(str(f), skip_bad_rows=True)
+    assert rs.rows[1]["id"] is None and rs.skipped == 1
+    assert rs.skip_reasons[0].endswith("(line 4)")
 
 
 # -- normalization ---------------------------------------------------------------
@@ -357,3 +428,16 @@ def test_sampler_rejects_impossible_batch_and_foreign_state():
         PromptSampler(10, 11, seed=0)
     with pytest.raises(UserError, match="resume: the dataset now has 10 usable prompts.*12"):
         PromptSampler(10, 2, seed=0).load_state_dict(PromptSampler(12, 2, seed=0).state_dict())
+
+
+def test_cli_reports_a_broken_line_in_one_line_with_exit_2(tmp_path, capsys, tiny_arith_path):
+    """Through `areno train`, before any process starts."""
+    from areno.cli import main
+
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": 4,}\n')
+    rc = main(["train", "--ckpt", str(tiny_arith_path), "--dataset-path", str(f), "--reward-fn-path",
+               "builtin:arith", "--no-chat-template", "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert f"dataset {f}: line 2: not valid JSON" in err[0]

@@ -38,6 +38,8 @@ def reference_loss(seqs, cfg: LossConfig, mode: str):
             rho = torch.exp(lr)
             a = s["adv"]
             pg = torch.maximum(-a * rho, -a * torch.clamp(rho, 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high))
+            if cfg.clip_ratio_c is not None and a < 0:
+                pg = torch.minimum(pg, torch.tensor(-a * cfg.clip_ratio_c))
             if cfg.tis_cap is not None:
                 pg = pg * min(math.exp(float(s["old"][t]) - s["rollout"][t]), cfg.tis_cap)
             term = pg
@@ -106,10 +108,13 @@ CONFIGS = [
     LossConfig(algo="grpo", kl_coef=0.1, kl_type="k1", entropy_coef=0.01),
     LossConfig(algo="grpo", kl_coef=0.05, kl_type="k3", tis_cap=1.05),
     LossConfig(algo="gspo", kl_coef=0.05, kl_type="k3", tis_cap=2.0, entropy_coef=0.02),
+    LossConfig(algo="grpo", clip_ratio_c=1.1, kl_coef=0.05),
+    LossConfig(algo="gspo", clip_eps_low=0.05, clip_eps_high=0.05, clip_ratio_c=1.02),
 ]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.algo}-kl{c.kl_coef}{c.kl_type}-tis{c.tis_cap}")
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.algo}-kl{c.kl_coef}{c.kl_type}-tis{c.tis_cap}"
+                         f"-c{c.clip_ratio_c}")
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_loss_and_grad_match_loop_reference(cfg, mode, seed):
@@ -258,6 +263,29 @@ def test_gspo_clips_the_sequence_ratio():
     assert torch.all(inp.logprobs.grad == 0)
 
 
+def test_dual_clip_caps_the_loss_of_negative_advantage_tokens_at_c_times_minus_a():
+    # ratios 0.5, 1.1, 2.5, 4.0 with A = -2 and C = 3: the standard clipped loss is
+    # -A*max(rho, 0.8) = 1.6, 2.2, 5.0, 8.0; dual-clip caps it at -C*A = 6.
+    rho = [0.5, 1.1, 2.5, 4.0]
+    old = [-1.0, -2.0, -3.0, -4.0]
+    logp = [o + math.log(r) for o, r in zip(old, rho)]
+    inp = _single_seq(logp, old, -2.0)
+    out = compute_loss(inp, LossConfig(algo="grpo", clip_ratio_c=3.0))
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx((1.6 + 2.2 + 5.0 + 6.0) / 4)
+    # d/dlogp of -A*rho is -A*rho; clipped (0.5) and capped (4.0) tokens get none
+    torch.testing.assert_close(inp.logprobs.grad, torch.tensor([0.0, 2 * 1.1 / 4, 2 * 2.5 / 4, 0.0]))
+    # without it the 4.0 token's loss is 8 and it still pushes down
+    inp = _single_seq(logp, old, -2.0)
+    out = compute_loss(inp, LossConfig(algo="grpo"))
+    out.loss.backward()
+    assert out.loss.item() == pytest.approx((1.6 + 2.2 + 5.0 + 8.0) / 4)
+    assert inp.logprobs.grad[3] == pytest.approx(2 * 4.0 / 4)
+    # positive advantages are untouched: A = +2, ratio 4 -> clipped at 1.2, loss -2.4
+    inp = _single_seq(logp[3:], old[3:], 2.0)
+    assert compute_loss(inp, LossConfig(clip_ratio_c=3.0)).loss.item() == pytest.approx(-2.4)
+
+
 def test_equal_logprobs_give_unit_ratio_and_policy_gradient():
     inp = _single_seq([-1.0, -2.0], [-1.0, -2.0], 2.0)
     out = compute_loss(inp, LossConfig())
@@ -285,6 +313,8 @@ def test_config_validation():
         LossConfig(clip_eps_low=1.5)
     with pytest.raises(ValueError, match="tis_cap"):
         LossConfig(tis_cap=0)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        LossConfig(clip_ratio_c=1.0)
 
 
 def test_build_train_pack_unsplit_pack_has_zero_weights():

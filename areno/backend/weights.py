@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from areno.fileperms import honour_umask
+
 _ALIGN = 64
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -166,3 +168,4 @@ def save_hf_dir(hf_config, named: Iterator[tuple[str, torch.Tensor]], out_dir: P
             shutil.copy2(src_dir / f, out_dir / f)
     _copy_use_cache(src_dir / "config.json", out_dir / "config.json")
     (out_dir / "areno_export.json").write_text(json.dumps({"source": str(src_dir)}) + "\n")
+    honour_umask(out_dir)  # transformers writes model.safetensors 0600

@@ -1,0 +1,71 @@
+"""Defaults that depend on other options, and how they are recorded: the
+--algo-dependent --loss-agg, dual-clip's --clip-ratio-c."""
+
+import pytest
+import yaml
+
+from areno.cli import main
+from areno.config import TrainConfig
+
+
+@pytest.fixture
+def files(tmp_path):
+    plugin = tmp_path / "reward.py"
+    plugin.write_text("def reward_fn(record):\n    return 1.0\n")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    return {"dataset_path": str(data), "reward_fn_path": str(plugin)}
+
+
+@pytest.mark.parametrize("algo,want", [("grpo", "token-mean"), ("gspo", "seq-mean-token-mean")])
+def test_loss_agg_default_follows_algo(files, algo, want):
+    assert TrainConfig.from_sources(None, {**files, "algo": algo}).loss_agg == want
+    assert TrainConfig(algo=algo).loss_agg == want
+
+
+def test_explicit_loss_agg_wins_from_a_flag_or_yaml(files, tmp_path):
+    cfg = TrainConfig.from_sources(None, {**files, "algo": "gspo", "loss_agg": "token-mean"})
+    assert cfg.loss_agg == "token-mean"
+    f = tmp_path / "run.yaml"
+    f.write_text(yaml.safe_dump({"algorithm": {"algo": "gspo", "loss_agg": "seq-mean-token-sum-norm"}}))
+    assert TrainConfig.from_sources(str(f), files).loss_agg == "seq-mean-token-sum-norm"
+
+
+def test_config_yaml_records_the_loss_agg_used(files, tmp_path):
+    from areno.setup import make_output_dir
+
+    cfg = TrainConfig.from_sources(None, {**files, "algo": "gspo", "output_dir": str(tmp_path / "r")})
+    out = make_output_dir(cfg)
+    assert yaml.safe_load((out / "config.yaml").read_text())["loss_agg"] == "seq-mean-token-mean"
+
+
+def test_clip_ratio_c_is_off_by_default_and_reaches_the_loss(files):
+    from areno.setup import backend_config
+
+    cfg = TrainConfig.from_sources(None, files)
+    assert cfg.clip_ratio_c is None
+    assert backend_config(cfg, "m", "m", 1, "cpu", 10).loss.clip_ratio_c is None
+    cfg = TrainConfig.from_sources(None, {**files, "clip_ratio_c": 3.0})
+    assert backend_config(cfg, "m", "m", 1, "cpu", 10).loss.clip_ratio_c == 3.0
+
+
+@pytest.mark.parametrize("value", ["1", "0.5"])
+def test_clip_ratio_c_must_exceed_one(value, capsys):
+    assert main(["train", "--clip-ratio-c", value]) == 2
+    err = capsys.readouterr().err
+    assert "--clip-ratio-c must be > 1.0" in err and len(err.strip().splitlines()) == 1
+
+
+def test_config_choices_match_the_modules_that_dispatch_on_them():
+    """config.py stays free of torch, so it spells the Literals again; they must not drift."""
+    import typing
+
+    from areno.advantages import ADVANTAGE_MODES
+    from areno.config import LOSS_AGG_BY_ALGO, field_type
+    from areno.losses import ALGOS, KL_TYPES
+    from areno.pack import LOSS_AGG_MODES
+
+    for name, owner in (("algo", ALGOS), ("kl_type", KL_TYPES), ("adv_mode", ADVANTAGE_MODES),
+                        ("loss_agg", LOSS_AGG_MODES)):
+        assert typing.get_args(field_type(name)) == owner, name
+    assert set(LOSS_AGG_BY_ALGO) == set(ALGOS) and set(LOSS_AGG_BY_ALGO.values()) <= set(LOSS_AGG_MODES)
