@@ -24,12 +24,11 @@ from typing import Any
 
 from areno.backend.errors import BackendError
 from areno.errors import UserError
-from areno.fileperms import honour_umask
+from areno.fileperms import OLD_PREFIX, honour_umask, replace_dir
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
 TMP_PREFIX = ".tmp-"  # a save in progress (or interrupted): never listed
-OLD_PREFIX = ".old-"  # a replaced checkpoint on its way out: never listed
 CONTROLLER_RNG = "controller_rng.pt"
 
 
@@ -78,7 +77,7 @@ def save_checkpoint(run: Any, step: int) -> Path:
         _write_json(tmp / STATE_FILE, state)
         honour_umask(tmp)  # transformers writes model.safetensors 0600
         _fsync_dir(tmp)
-        _replace_dir(tmp, final)
+        replace_dir(tmp, final)
         _fsync_dir(root)
     except (OSError, BackendError) as e:
         full = disk_full_note(root, tmp)
@@ -149,19 +148,6 @@ def remove_stale(root: Path) -> None:
                 stale.unlink(missing_ok=True)
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Rename tmp to final. A re-save of the same step (e.g. the end of a run
-    resumed at its last step) moves the old one aside first, so a crash never
-    leaves the step without a complete checkpoint for longer than two renames."""
-    if not final.exists():
-        os.rename(tmp, final)
-        return
-    old = final.with_name(f"{OLD_PREFIX}{final.name}-{os.getpid()}")
-    os.rename(final, old)
-    os.rename(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def prune(root: Path, keep_last: int) -> None:
     if keep_last <= 0:
         return
@@ -173,32 +159,25 @@ def save_controller_rng(path: Path) -> None:
     """The controller's global RNGs (python, numpy, torch). The loop itself draws
     from none of them (data order is seeded per epoch, sampling per step), but an
     in-process reward plugin (--reward-workers 0) may."""
-    import random
-
-    import numpy as np
     import torch
 
+    from areno.rng import rng_state
+
     with open(path, "wb") as f:
-        torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
-                    "torch": torch.get_rng_state()}, f)
+        torch.save(rng_state(), f)
         f.flush()
         os.fsync(f.fileno())
 
 
 def restore_controller_rng(ckpt: Path) -> None:
     """Put back what save_controller_rng wrote (a no-op for older checkpoints)."""
-    import random
-
-    import numpy as np
     import torch
 
+    from areno.rng import set_rng_state
+
     path = ckpt / CONTROLLER_RNG
-    if not path.is_file():
-        return
-    rng = torch.load(path, weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
+    if path.is_file():
+        set_rng_state(torch.load(path, weights_only=False))
 
 
 def drop_after(root: Path, step: int) -> None:

@@ -1,4 +1,7 @@
-"""Give written files the permissions the user's umask asks for.
+"""Writing directories safely: the permissions the user's umask asks for, and
+atomic replacement.
+
+Permissions.
 
 Some writers create files 0600 whatever the umask: transformers 5 writes
 `model.safetensors` through a private temp file, and `tempfile.mkdtemp` makes
@@ -10,6 +13,7 @@ set every file to 0666 & ~umask and every directory to 0777 & ~umask.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -43,3 +47,19 @@ def honour_umask(root: str | os.PathLike) -> None:
             mode = 0o666 & ~mask
         if stat.S_IMODE(st.st_mode) != mode:
             os.chmod(p, mode)
+
+
+OLD_PREFIX = ".old-"  # a replaced directory on its way out: never listed as a checkpoint
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Rename the complete directory tmp to final. An existing final (a re-save of
+    the same step) is moved aside first and removed after, so a crash never leaves
+    final missing for longer than two renames, and never half-written."""
+    if not final.exists():
+        os.rename(tmp, final)
+        return
+    old = final.with_name(f"{OLD_PREFIX}{final.name}-{os.getpid()}")
+    os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)

@@ -60,6 +60,7 @@ from typing import Any, Callable
 import numpy as np
 
 from areno.errors import UserError, _one_line, import_user_file, user_frame
+from areno.procs import die_with_parent, exit_text
 from areno.runlog import redirect_child_output
 
 ON_ERROR = ("fail", "zero", "skip")
@@ -209,21 +210,8 @@ def _score_batch(plugin: RewardPlugin, recs: list, loop: Any) -> tuple[list, str
 # the worker process
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Linux: SIGKILL this worker when the thread that started it exits, so a
-    worker stuck in a plugin never outlives a killed trainer."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - best effort, not Linux
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(0)
-
-
 def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, parent_pid: int) -> None:
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/runlog.py)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     # The controller starts workers as daemons (ended with it); inside, let the
@@ -603,7 +591,7 @@ class RewardScorer:
                 self._drain(w)
             if not w.proc.is_alive():
                 code = w.proc.exitcode
-                self._retire(slot, "worker_crashes", f"worker process died ({_exit_text(code)})")
+                self._retire(slot, "worker_crashes", f"worker process died ({exit_text(code)})")
             elif not w.ready and now > w.started + STARTUP_TIMEOUT_S:
                 self._retire(slot, "timeouts", f"worker did not start within {STARTUP_TIMEOUT_S:.0f} s")
             elif w.chunk is not None and self._expired(w, now):
@@ -679,15 +667,6 @@ class RewardScorer:
             return
         redo = self._chunks(chunk.job, chunk.pos[idx], [chunk.records[i] for i in idx], chunk.attempts + 1)
         self._pending.extendleft(reversed(redo))
-
-
-def _exit_text(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def reward_records(rows: Any, prompts: Any, prompt_idx: np.ndarray, batch: Any,

@@ -31,7 +31,9 @@ from areno.backend.errors import BackendError
 from areno.backend.handoff import PackWriter, RankHandoff, ShmSegment
 from areno.backend.launch import accept_ranks, free_port, spawn_ranks  # noqa: F401 (free_port re-exported)
 from areno.backend.weights import WeightLayout, probe_ids
+from areno.fileperms import replace_dir
 from areno.pack import SplitPack
+from areno.procs import exit_text
 
 
 class TorchBackend:
@@ -240,13 +242,7 @@ class TorchBackend:
         try:
             self._broadcast(cmd, path=str(tmp))
             self._gather(cmd, self.config.command_timeout_s)
-            if final.exists():
-                old = final.parent / f".{final.name}.old-{secrets.token_hex(4)}"
-                os.rename(final, old)
-                os.rename(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, final)
+            replace_dir(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return final
@@ -351,7 +347,7 @@ class TorchBackend:
                     return e
         p = self._procs[r]
         p.join(0.1)
-        msg = f"{what}: rank {r} (pid {p.pid}) died ({_exit_name(p.exitcode)})"
+        msg = f"{what}: rank {r} (pid {p.pid}) died ({exit_text(p.exitcode)})"
         if echoes:
             msg += f"; then {echoes[0].remote_message}"
         return BackendError(msg, rank=r)
@@ -371,17 +367,6 @@ def _remote(h: RankHandoff) -> RankHandoff:
     from dataclasses import replace
 
     return replace(h, segment=None, offset=0)
-
-
-def _exit_name(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
 
 
 def _cleanup(procs: list, conns: list, segments: list[ShmSegment], grace_s: float) -> None:

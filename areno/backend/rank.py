@@ -20,40 +20,16 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from multiprocessing.connection import Client, Connection
 
 from areno.backend.config import BackendConfig
+from areno.procs import die_with_parent
 from areno.runlog import redirect_child_output
 
 
 # -- process hygiene ---------------------------------------------------------
-def _die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
-    """Exit if the controller goes away: PR_SET_PDEATHSIG (immediate; only safe
-    when the controller spawned us from its main thread) and a watchdog thread
-    polling the parent pid (covers everything else, within 0.5 s)."""
-    if use_pdeathsig and sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-        except OSError:
-            pass
-    if os.getppid() != parent_pid:
-        os._exit(3)
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent_pid:
-                os._exit(3)
-
-    threading.Thread(target=watch, name="areno-parent-watch", daemon=True).start()
-
-
 def _quiet() -> None:
     # Ctrl-C reaches the whole process group; the controller owns shutdown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -71,7 +47,7 @@ def _quiet() -> None:
 def spawn_main(cfg: BackendConfig, conn: Connection, env: dict[str, str], parent_pid: int,
                use_pdeathsig: bool) -> None:
     """Target of the controller's spawn processes."""
-    _die_with_parent(parent_pid, use_pdeathsig)
+    die_with_parent(parent_pid, use_pdeathsig)
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/runlog.py)
     _quiet()
     os.environ.update(env)

@@ -4,7 +4,6 @@ and the commands the controller sends it (`cmd_*`)."""
 from __future__ import annotations
 
 import os
-import random
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from areno.backend.config import BackendConfig
+from areno.rng import rng_state, set_rng_state
 from areno.backend.engine_host import (
     PROBE_TOLERANCE,
     OutRegion,
@@ -188,7 +188,7 @@ class RankWorker:
         dcp.save({"optim": osd}, checkpoint_id=os.path.join(path, "optim"))
         if self.rank == 0:
             torch.save(self.trainer.state() | {"world_size": self.world}, os.path.join(path, "trainer.pt"))
-        torch.save(_rng_state(self.device), os.path.join(path, f"rng_rank{self.rank}.pt"))
+        torch.save(rng_state(self.device), os.path.join(path, f"rng_rank{self.rank}.pt"))
         dist.barrier()
 
     def cmd_load_state(self, path: str) -> None:
@@ -202,7 +202,7 @@ class RankWorker:
         self.trainer.load(torch.load(os.path.join(path, "trainer.pt"), weights_only=False))
         rng = os.path.join(path, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng):  # absent when resuming on more ranks than were saved
-            _set_rng_state(torch.load(rng, weights_only=False), self.device)
+            set_rng_state(torch.load(rng, weights_only=False), self.device)
         dist.barrier()
 
     def cmd_full_state(self) -> dict | None:
@@ -218,20 +218,3 @@ class RankWorker:
             raise RuntimeError(f"debug failure requested on rank {self.rank}")
         elif action == "barrier":
             dist.barrier()
-
-
-def _rng_state(device: torch.device) -> dict:
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
-    }
-
-
-def _set_rng_state(s: dict, device: torch.device) -> None:
-    torch.set_rng_state(s["torch"])
-    if s.get("cuda") is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(s["cuda"], device)
-    np.random.set_state(s["numpy"])
-    random.setstate(s["python"])

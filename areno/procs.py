@@ -1,0 +1,44 @@
+"""Process helpers shared by the rank processes and the reward workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+
+def die_with_parent(parent_pid: int, use_pdeathsig: bool = True) -> None:
+    """Exit if the process that started us goes away: PR_SET_PDEATHSIG (immediate;
+    it fires when the spawning *thread* exits, so only safe when that was the main
+    thread) and a watchdog thread polling the parent pid (within 0.5 s)."""
+    if use_pdeathsig and sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:
+        os._exit(3)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent_pid:
+                os._exit(3)
+
+    threading.Thread(target=watch, name="areno-parent-watch", daemon=True).start()
+
+
+def exit_text(code: int | None) -> str:
+    """A process's exit code as words: 'exit code 1', 'killed by SIGKILL'."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
