@@ -65,7 +65,7 @@ class TorchBackend:
             self._abort()
             raise
         self.dead: BackendError | None = None  # set by the watchdog
-        self._busy = False  # a command is in flight: _gather watches the ranks itself
+        self._busy = False  # the main thread is waiting on the ranks: it sees a death itself
         if self._procs:
             threading.Thread(target=self._watch, name="areno-rank-watchdog", daemon=True).start()
         h0 = self._hellos[0]
@@ -105,7 +105,7 @@ class TorchBackend:
             ready = wait(list(sentinels), timeout=1.0)
             if not ready or self._closed:
                 continue
-            if self._busy:  # _gather reports it, with the rank's own last words
+            if self._busy:  # _wait_some reports it, with the rank's own last words
                 time.sleep(0.2)
                 continue
             r = sentinels[ready[0]]
@@ -285,7 +285,6 @@ class TorchBackend:
         unless drain_s > 0 (commands that leave the trained weights as they were):
         then the rest of the replies are read for up to drain_s seconds and, if
         all come, the backend stays usable (e.g. to save the last finished step)."""
-        self._busy = True
         pending = set(range(self.world_size))
         try:
             deadline = time.monotonic() + timeout_s
@@ -297,18 +296,19 @@ class TorchBackend:
         finally:
             if pending and not (drain_s > 0 and self._drain(what, pending, drain_s)):
                 self._abort()
-            self._busy = False
 
     def _drain(self, what: str, pending: set[int], drain_s: float) -> bool:
         """Read and drop replies until every pending rank has finished (True) or
         drain_s passed, a rank failed, or a second interrupt came (False)."""
+        if self._closed:  # the watchdog already tore the backend down
+            return False
         deadline = time.monotonic() + drain_s
         try:
             while pending:
                 for r, msg in self._wait_some(what, pending, deadline, drain_s):
                     if msg[0] == "ok":
                         pending.discard(r)
-        except (BackendError, KeyboardInterrupt):
+        except (BackendError, KeyboardInterrupt, OSError, ValueError):
             return False
         return True
 
@@ -319,7 +319,13 @@ class TorchBackend:
         if left <= 0:
             raise BackendError(f"{what}: rank(s) {sorted(pending)} did not answer within {timeout_s:g}s")
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
-        ready = set(wait([self._conns[r] for r in pending] + list(sentinels), timeout=min(left, 1.0)))
+        # Only while actually waiting here: a caller may hold a streamed command open
+        # for long (scoring a part in-process), and then the watchdog must act.
+        self._busy = True
+        try:
+            ready = set(wait([self._conns[r] for r in pending] + list(sentinels), timeout=min(left, 1.0)))
+        finally:
+            self._busy = False
         got, errors = [], []
         for r in sorted(pending):
             if self._conns[r] in ready:
