@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import yaml
 
 from areno.checkpoint import checkpoint_root, drop_after, latest_checkpoint, read_state, restore_controller_rng
-from areno.backend.engine_host import EngineSpec
+from areno.rollout.factory import EngineSpec
 from areno.config import TrainConfig
 from areno.data import PromptSampler, PromptSet, RowSet, load_rows, normalize_rows, tokenize_prompts
 from areno.errors import UserError

@@ -17,7 +17,7 @@ import torch
 def main(model: str, kind: str, dtype: str, port: str) -> dict[str, str]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from areno.backend.config import BackendConfig
-    from areno.backend.engine_host import EngineSpec
+    from areno.rollout.factory import EngineSpec
     from areno.backend.weights import probe_ids
     from areno.backend.worker import RankWorker
 

@@ -66,7 +66,7 @@ def test_two_ranks_both_generate_and_overlap_equals_plain(tiny_arith_path, tmp_p
 
     from areno.backend.config import BackendConfig
     from areno.backend.controller import TorchBackend
-    from areno.backend.engine_host import EngineSpec
+    from areno.rollout.factory import EngineSpec
     from areno.backend.rollout import RankEngines
     from test_overlap import _check_engine
 

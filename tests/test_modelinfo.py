@@ -41,14 +41,14 @@ def test_check_context_boundaries(monkeypatch):
 def test_too_many_new_tokens_is_one_line_before_anything_starts(engine, tmp_path, monkeypatch,
                                                                   capsys, tiny_arith_path):
     import areno.backend.controller
-    import areno.rollout.engine
+    import areno.rollout.factory
     from areno.cli import main
 
     def must_not_start(*args, **kwargs):
         raise AssertionError("started before the context check")
 
     monkeypatch.setattr(areno.backend.controller, "TorchBackend", must_not_start)
-    monkeypatch.setattr(areno.rollout.engine, "make_engine", must_not_start)
+    monkeypatch.setattr(areno.rollout.factory, "make_engine", must_not_start)
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     rc = main(["train", "--ckpt", str(tiny_arith_path), "--dataset-path", str(data),

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP
-from areno.rollout.engine import RolloutEngine, SamplingConfig, make_engine
+from areno.rollout.engine import RolloutEngine, SamplingConfig
+from areno.rollout.factory import EngineSpec, make_engine
 from areno.rollout.hf import HFEngine
 from areno.rollout.probe import Probe, WeightSyncError, probe_logprobs, verify_probe
 
@@ -202,8 +203,8 @@ def test_make_engine_falls_back_to_hf_without_vllm(tiny_chat_path, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_vllm)
-    with pytest.warns(UserWarning, match="falling back to the transformers"):
-        eng = make_engine("vllm", str(tiny_chat_path), dtype="float32", kv_cache_memory_bytes=1 << 20)
-    assert isinstance(eng, HFEngine)
+    with pytest.warns(UserWarning, match="sampling with the transformers engine"):
+        eng, kind = make_engine(EngineSpec(kind="vllm", max_model_len=64), str(tiny_chat_path))
+    assert isinstance(eng, HFEngine) and kind == "hf"
     with pytest.raises(ValueError, match="valid: vllm, hf"):
-        make_engine("sglang", str(tiny_chat_path))
+        EngineSpec(kind="sglang")

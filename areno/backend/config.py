@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from areno.backend.engine_host import EngineSpec
+from areno.rollout.factory import EngineSpec
 from areno.losses import LossConfig
 
 Device = Literal["cpu", "cuda"]

@@ -1,8 +1,8 @@
 """The rollout engine that lives inside a rank process, beside the policy it samples.
 
 Placement (see docs/DESIGN.md, "Engines beside the ranks"): every training rank
-builds one engine on its own device (vLLM with `external_launcher`, as TRL's
-colocate mode; transformers where vLLM cannot run). `tensor_parallel_size` k
+builds one engine on its own device (`rollout.factory.make_engine`: vLLM with
+`external_launcher`, as TRL's colocate mode; transformers where vLLM cannot run). `tensor_parallel_size` k
 groups k consecutive ranks into one engine: all of them run the same prompts
 (vLLM's TP collectives need every member), only the group's first rank writes
 results. New weights go from the rank's own (sharded) model straight into its
@@ -17,19 +17,15 @@ another host sends the part's arrays inline instead (still whole buffers).
 
 from __future__ import annotations
 
-import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
 from areno.rollout.engine import SamplingConfig, check_weight_names
 from areno.rollout.probe import WeightSyncError
-
-EngineKind = Literal["vllm", "hf"]
 
 # Largest acceptable max |engine - trainer| probe log-prob difference, by the
 # dtype both sides compute in. fp32 agrees to ~1e-6. In bf16 the two sides run
@@ -38,26 +34,6 @@ EngineKind = Literal["vllm", "hf"]
 # A 1% error in one layer is below bf16's resolution (0.4%) on log-probs, so
 # engines that can (transformers) also compare an exact weight fingerprint.
 PROBE_TOLERANCE = {"float32": 1e-3, "bfloat16": 1e-2}
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """What each rank's engine is built with.
-
-    kind: "vllm" (falls back to "hf" on a rank where vLLM does not import).
-    dtype: "float32" | "bfloat16": the engine's weights and compute.
-    max_model_len: prompt + response tokens. tensor_parallel_size: ranks per engine.
-    gpu_memory_utilization: vLLM's GPU share (GPU only). kv_cache_bytes: vLLM's KV
-    cache on CPU.
-    """
-
-    kind: EngineKind = "vllm"
-    dtype: str = "float32"
-    max_model_len: int = 2048
-    seed: int = 0
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.5
-    kv_cache_bytes: int = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -72,39 +48,6 @@ class OutRegion:
     @property
     def nbytes(self) -> int:
         return self.capacity * 8
-
-
-def build_engine(spec: EngineSpec, model_path: str, device: torch.device) -> tuple[Any, str]:
-    """-> (engine, kind actually built). Runs in the rank after init_process_group."""
-    if spec.kind == "vllm":
-        try:
-            return _build_vllm(spec, model_path, device), "vllm"
-        except ImportError as e:
-            warnings.warn(f"vLLM is not importable here ({e}); this rank samples with the "
-                          "transformers engine (slow)", stacklevel=2)
-    from areno.rollout.hf import HFEngine
-
-    return HFEngine(model_path, dtype=spec.dtype, seed=spec.seed, max_model_len=spec.max_model_len,
-                    device=device), "hf"
-
-
-def _build_vllm(spec: EngineSpec, model_path: str, device: torch.device) -> Any:
-    # external_launcher runs the engine in this process, inside the torch world the
-    # ranks already formed (TP groups of consecutive ranks); it needs V1's
-    # in-process engine core.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from areno.rollout.vllm import VLLMEngine
-
-    on_gpu = device.type == "cuda"
-    kw: dict[str, Any] = dict(
-        tensor_parallel_size=spec.tensor_parallel_size, dtype=spec.dtype, seed=spec.seed,
-        max_model_len=spec.max_model_len, distributed_executor_backend="external_launcher",
-    )
-    if on_gpu:
-        kw.update(gpu_memory_utilization=spec.gpu_memory_utilization, enable_sleep_mode=True)
-    else:
-        kw.update(kv_cache_memory_bytes=spec.kv_cache_bytes)
-    return VLLMEngine(model_path, **kw)
 
 
 def generate_into(engine: Any, ids: np.ndarray, offsets: np.ndarray, n: int, sampling: SamplingConfig,

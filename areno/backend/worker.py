@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from areno.backend.config import BackendConfig
 from areno.rng import rng_state, set_rng_state
+from areno.rollout.factory import make_engine
 from areno.backend.engine_host import (
     PROBE_TOLERANCE,
     OutRegion,
-    build_engine,
     check_engine_names,
     WeightStream,
     generate_into,
@@ -77,7 +77,7 @@ class RankWorker:
         self.emit = None  # set by serve(): sends one ("part", ...) message mid-command
         self.engine, self.engine_kind = None, None
         if cfg.engine is not None:
-            self.engine, self.engine_kind = build_engine(cfg.engine, cfg.model_path, self.device)
+            self.engine, self.engine_kind = make_engine(cfg.engine, cfg.model_path, self.device, in_rank=True)
             check_engine_names(self.engine, self.export_names)
 
     def hello(self) -> dict:

@@ -7,10 +7,9 @@ transformers.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -23,7 +22,6 @@ if TYPE_CHECKING:
 __all__ = [
     "SamplingConfig",
     "RolloutEngine",
-    "make_engine",
     "validate_prompts",
     "check_weight_names",
     "Probe",
@@ -194,42 +192,6 @@ def check_weight_names(names: Iterable[str], expected: set[str], optional: set[s
 def _few(names: set[str], k: int = 5) -> str:
     s = sorted(names)
     return ", ".join(s[:k]) + (f", ... (+{len(s) - k})" if len(s) > k else "")
-
-
-_ENGINES = ("vllm", "hf")
-
-
-def make_engine(kind: Literal["vllm", "hf"], model: str, **kwargs: Any) -> RolloutEngine:
-    """Build a rollout engine. kind "vllm" falls back to "hf" with a warning
-    when vLLM is not importable; vLLM-only options are then dropped.
-
-    kwargs go to the engine: VLLMEngine(model, tensor_parallel_size, dtype,
-    seed, max_model_len, gpu_memory_utilization, kv_cache_memory_bytes,
-    enable_sleep_mode) or HFEngine(model, dtype, seed, max_model_len, device).
-    """
-    if kind not in _ENGINES:
-        raise ValueError(f"unknown rollout engine {kind!r}; valid: {', '.join(_ENGINES)}")
-    if kind == "vllm":
-        try:
-            import vllm  # noqa: F401
-        except ImportError as e:
-            warnings.warn(
-                f"vLLM is not importable ({e}); falling back to the transformers rollout engine "
-                "(slow). Install it with `pip install areno[vllm]` (GPU) or `areno[cpu]`.",
-                stacklevel=2,
-            )
-            kind = "hf"
-            kwargs = {k: v for k, v in kwargs.items() if k in _HF_KWARGS}
-    if kind == "vllm":
-        from areno.rollout.vllm import VLLMEngine
-
-        return VLLMEngine(model, **kwargs)
-    from areno.rollout.hf import HFEngine
-
-    return HFEngine(model, **kwargs)
-
-
-_HF_KWARGS = frozenset({"dtype", "seed", "max_model_len", "device"})
 
 
 def prompt_seeds(seed: int, num_prompts: int) -> np.ndarray:

@@ -1,0 +1,72 @@
+"""The one place rollout engines are built: `EngineSpec` (what every rank's
+engine is made of) and `make_engine`. Imports vLLM or transformers only when
+it builds one, so the controller can import this module."""
+
+from __future__ import annotations
+
+import os
+import typing
+import warnings
+from dataclasses import dataclass
+from typing import Any, Literal
+
+EngineKind = Literal["vllm", "hf"]
+ENGINE_KINDS: tuple[str, ...] = typing.get_args(EngineKind)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What each rank's engine is built with.
+
+    kind: "vllm" (falls back to "hf" where vLLM does not import).
+    dtype: "float32" | "bfloat16": the engine's weights and compute.
+    max_model_len: prompt + response tokens. tensor_parallel_size: ranks per engine.
+    gpu_memory_utilization: vLLM's GPU share (GPU only). kv_cache_bytes: vLLM's KV
+    cache on CPU.
+    """
+
+    kind: EngineKind = "vllm"
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.5
+    kv_cache_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        if self.kind not in ENGINE_KINDS:
+            raise ValueError(f"unknown rollout engine {self.kind!r}; valid: {', '.join(ENGINE_KINDS)}")
+
+
+def make_engine(spec: EngineSpec, model_path: str, device: Any = "cpu", *, in_rank: bool = False,
+                ) -> tuple[Any, str]:
+    """-> (engine, the kind actually built). in_rank: inside a training rank whose
+    torch world is already formed (vLLM joins it with external_launcher)."""
+    if spec.kind == "vllm":
+        try:
+            return _vllm(spec, model_path, str(device).startswith("cuda"), in_rank), "vllm"
+        except ImportError as e:
+            warnings.warn(f"vLLM is not importable ({e}); sampling with the transformers engine "
+                          "(slow). Install it with `pip install areno[vllm]` (GPU) or `areno[cpu]`.",
+                          stacklevel=2)
+    from areno.rollout.hf import HFEngine
+
+    return HFEngine(model_path, dtype=spec.dtype, seed=spec.seed, max_model_len=spec.max_model_len,
+                    device=device), "hf"
+
+
+def _vllm(spec: EngineSpec, model_path: str, on_gpu: bool, in_rank: bool) -> Any:
+    kw: dict[str, Any] = dict(tensor_parallel_size=spec.tensor_parallel_size, dtype=spec.dtype,
+                              seed=spec.seed, max_model_len=spec.max_model_len)
+    if in_rank:
+        # The engine runs in this process, inside the torch world the ranks formed
+        # (TP groups of consecutive ranks); that needs V1's in-process engine core.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        kw["distributed_executor_backend"] = "external_launcher"
+    if on_gpu:
+        kw.update(gpu_memory_utilization=spec.gpu_memory_utilization, enable_sleep_mode=True)
+    else:
+        kw.update(kv_cache_memory_bytes=spec.kv_cache_bytes)
+    from areno.rollout.vllm import VLLMEngine
+
+    return VLLMEngine(model_path, **kw)
