@@ -152,8 +152,8 @@ class TrainConfig:
                       "command with its own --node-rank and ARENO_BACKEND_AUTHKEY.", "Parallelism", ge=1)
     node_rank: int = opt(0, "This node, 0 .. --nnodes - 1; node 0 runs the controller.",
                          "Parallelism", ge=0)
-    nproc_per_node: int | None = opt(None, "Ranks (each with its rollout engine) on this node "
-                                     "(default: its GPUs, 1 on CPU).", "Parallelism", ge=1)
+    nproc_per_node: int | None = opt(None, "Ranks (each with its rollout engine) on this node.",
+                                     "Parallelism", ge=1, shown="its GPUs, 1 on CPU")
     master_addr: str = opt("127.0.0.1", "Node 0's address, reachable from every node.",
                            "Parallelism")
     master_port: int = opt(29500, "Rendezvous port on node 0; its controller listens on the next "

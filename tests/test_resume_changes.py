@@ -38,7 +38,7 @@ def test_resume_keeps_the_saved_options_and_applies_only_those_that_may_change(t
         "areno: resuming with --max-steps 2 -> 5, --keep-last 2 -> 0")
 
     bad = {**given, "lr": 1e-4, "batch_size": 8}
-    with pytest.raises(UserError, match=r"^--resume: --lr 1e-05 -> 0.0001, --batch-size 4 -> 8: "
+    with pytest.raises(UserError, match=r"^--resume: --batch-size 4 -> 8, --lr 1e-05 -> 0.0001: "
                                         r"these options cannot change when resuming"):
         resume_config(TrainConfig.from_sources(None, bad), set(bad))
 
