@@ -92,39 +92,37 @@ def test_overlap_equals_plain_hf(tiny_arith_path, tmp_path):
     _check_engine(engine, AutoTokenizer.from_pretrained(tiny_arith_path), tmp_path)
 
 
-@pytest.mark.slow
-def test_overlap_equals_plain_vllm(tiny_arith_path, tmp_path):
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_arith_path):
+    """One in-process vLLM engine for this module's vLLM tests (each samples with a seed)."""
     pytest.importorskip("vllm")
+    from areno.rollout.vllm import VLLMEngine
+
+    engine = VLLMEngine(tiny_arith_path, dtype="float32", seed=0, max_model_len=64)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.slow
+def test_overlap_equals_plain_vllm(vllm_engine, tiny_arith_path, tmp_path):
     from transformers import AutoTokenizer
 
-    from areno.rollout.vllm import VLLMEngine
-
-    engine = VLLMEngine(tiny_arith_path, dtype="float32", seed=0, max_model_len=64)
-    try:
-        _check_engine(engine, AutoTokenizer.from_pretrained(tiny_arith_path), tmp_path)
-    finally:
-        engine.shutdown()
+    _check_engine(vllm_engine, AutoTokenizer.from_pretrained(tiny_arith_path), tmp_path)
 
 
-def test_vllm_stream_parts_cover_every_prompt_once(tiny_arith_path):
+def test_vllm_stream_parts_cover_every_prompt_once(vllm_engine):
     """generate_stream's parts, put back in order, equal generate()."""
-    pytest.importorskip("vllm")
-    from areno.rollout.vllm import VLLMEngine
-
-    engine = VLLMEngine(tiny_arith_path, dtype="float32", seed=0, max_model_len=64)
-    try:
-        rng = np.random.default_rng(0)
-        lengths = rng.integers(2, 6, 10)
-        ids = rng.integers(0, 14, lengths.sum()).astype(np.int32)
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        s = SamplingConfig(max_tokens=4, seed=5)
-        whole = engine.generate(ids, offsets, 3, s)
-        parts = list(engine.generate_stream(ids, offsets, 3, s, min_groups=3))
-        pos = np.concatenate([p for p, _ in parts])
-        assert sorted(pos.tolist()) == list(range(10))
-        got, _ = take_prompts(concat([b for _, b in parts]), np.argsort(pos))
-        np.testing.assert_array_equal(got.response_ids, whole.response_ids)
-        np.testing.assert_array_equal(got.prompt_ids, whole.prompt_ids)
-        np.testing.assert_allclose(got.response_logprobs, whole.response_logprobs, atol=1e-5)
-    finally:
-        engine.shutdown()
+    engine = vllm_engine
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 6, 10)
+    ids = rng.integers(0, 14, lengths.sum()).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    s = SamplingConfig(max_tokens=4, seed=5)
+    whole = engine.generate(ids, offsets, 3, s)
+    parts = list(engine.generate_stream(ids, offsets, 3, s, min_groups=3))
+    pos = np.concatenate([p for p, _ in parts])
+    assert sorted(pos.tolist()) == list(range(10))
+    got, _ = take_prompts(concat([b for _, b in parts]), np.argsort(pos))
+    np.testing.assert_array_equal(got.response_ids, whole.response_ids)
+    np.testing.assert_array_equal(got.prompt_ids, whole.prompt_ids)
+    np.testing.assert_allclose(got.response_logprobs, whole.response_logprobs, atol=1e-5)
