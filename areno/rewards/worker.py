@@ -13,7 +13,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from areno.errors import UserError, _one_line
 from areno.procs import die_with_parent
 from areno.rewards.plugin import _ERROR, _score_batch, _score_one, load_reward_plugin
 from areno.runlog import redirect_child_output
+
+if TYPE_CHECKING:
+    from areno.rewards.jobs import _Chunk
 
 
 def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, parent_pid: int) -> None:
@@ -94,7 +97,7 @@ class _Worker:
         self.started = time.monotonic()
         self.ready = False
         self.fatal = ""
-        self.chunk: Any = None  # the pool's _Chunk it is scoring
+        self.chunk: _Chunk | None = None  # the chunk it is scoring
 
     def stop(self, kill: bool) -> None:
         """Kill (or wait for) the process; the pipe stays open to be drained."""
