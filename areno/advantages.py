@@ -58,9 +58,8 @@ def group_advantages(
     centered = r - mean[g]
     var = np.bincount(g, weights=centered * centered, minlength=G) * inv_count
     # A constant group centres to rounding noise (~1e-16 |mean|), not exact
-    # zeros; treat spread at that level as none so it gives 0, not noise/eps.
-    scale = np.maximum(np.abs(mean), 1.0)
-    no_signal = (count <= 1.0) | (var <= (1e-12 * scale) ** 2)
+    # zeros: it is found by max == min instead, so it gives 0, not noise/eps.
+    no_signal = (count <= 1.0) | zero_variance_groups(r, g, G)
 
     if mode == "grpo":  # unbiased std: sum of squares / (G - 1)
         std = np.sqrt(var * count / np.maximum(count - 1.0, 1.0))
@@ -71,3 +70,48 @@ def group_advantages(
         per_group = count / np.maximum(count - 1.0, 1.0)
     per_group[no_signal] = 0.0
     return (centered * per_group[g]).astype(np.float32)
+
+
+def zero_variance_groups(rewards: np.ndarray, group_index: np.ndarray, num_groups: int) -> np.ndarray:
+    """[P] bool: groups whose rewards are all equal (max == min), groups of one
+    and empty groups included. Such groups carry no group-relative signal."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    gmax = np.full(num_groups, -np.inf)
+    gmin = np.full(num_groups, np.inf)
+    np.maximum.at(gmax, group_index, rewards)
+    np.minimum.at(gmin, group_index, rewards)
+    return gmax <= gmin
+
+
+def advantages_and_keep(
+    rewards: np.ndarray,
+    valid: np.ndarray,
+    group_index: np.ndarray,
+    num_groups: int,
+    truncated: np.ndarray,
+    *,
+    mode: AdvantageMode = "grpo",
+    filter_zero_variance: bool = False,
+    mask_overlong: bool = False,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """A step's advantages and which responses to train on.
+
+    rewards [N] float32 (NaN where not valid), valid [N] bool, group_index [N]
+    int64, truncated [N] bool (cut by the length limit) ->
+    ([N] float32 advantages, 0 where not valid; [N] bool keep; the number of
+    zero-variance groups with a valid member). Skipped (not valid) samples take
+    no part in their group's baseline and are never kept; filter_zero_variance
+    drops groups whose valid rewards are all equal (DAPO's dynamic sampling
+    filter), mask_overlong drops truncated responses (DAPO's overlong mask).
+    """
+    r, g = rewards[valid], group_index[valid]
+    adv = np.zeros(group_index.size, dtype=np.float32)
+    adv[valid] = group_advantages(r, g, mode=mode, num_groups=num_groups)
+    zero_var = zero_variance_groups(r, g, num_groups)
+    has_members = np.bincount(g, minlength=num_groups) > 0
+    keep = valid.copy()
+    if filter_zero_variance:
+        keep &= ~zero_var[group_index]
+    if mask_overlong:
+        keep &= ~truncated
+    return adv, keep, int((zero_var & has_members).sum())

@@ -122,25 +122,6 @@ class TrainPack:
     def to_padded(self, pad_id: int = 0) -> "PaddedPack":
         return to_padded(self, pad_id)
 
-    def split(
-        self,
-        world_size: int,
-        max_tokens: int,
-        *,
-        num_minibatches: int = 1,
-        loss_agg: LossAgg = "token-mean",
-        norm_len: int | None = None,
-    ) -> "SplitPack":
-        """Reorder into per-rank, token-budgeted micro-batches (see `plan_split`)."""
-        plan = plan_split(
-            self.seq_lengths, world_size, max_tokens, num_minibatches=num_minibatches
-        )
-        reordered = gather_seqs(self, plan.seq_order)
-        weights = aggregation_weights(
-            _loss_tokens_per_seq(self)[plan.seq_order], plan, loss_agg, norm_len
-        )
-        return SplitPack(reordered.with_seq_weights(torch.from_numpy(weights)), plan)
-
 
 @dataclass(frozen=True)
 class PaddedPack:
@@ -210,63 +191,17 @@ def build_train_pack(
         order = np.asarray(order, dtype=np.int64)
         if order.size and r_len[order].min() == 0:
             raise ValueError("order: names an empty response")
-    ws = workspace
-    g = batch.group_index[order]
-    p_len = batch.prompt_lengths[g]
+    p_len = batch.prompt_lengths[batch.group_index[order]]
     if p_len.size and p_len.min() == 0:
         raise ValueError("prompt_offsets: a packed response has an empty prompt")
     r = r_len[order]
     seq_len = p_len + r - 1
-    S = order.size
-    cu = np.zeros(S + 1, dtype=np.int64)
+    cu = np.zeros(order.size + 1, dtype=np.int64)
     np.cumsum(seq_len, out=cu[1:])
-    L = int(cu[-1])
-    starts = cu[:-1]
 
-    # One source array; prompt part of seq s reads src[a_s + j], response part
-    # src[b_s + j - p_s]. Runs interleave (prompt run, response run) per seq.
-    n_prompt_tok = batch.prompt_ids.size
-    src = _empty(ws, "src", n_prompt_tok + batch.response_ids.size, np.int32)
-    np.concatenate([batch.prompt_ids, batch.response_ids], out=src)
-    a = batch.prompt_offsets[g]
-    b = n_prompt_tok + batch.response_offsets[order]
-    run_starts = np.stack([a, b], axis=1).reshape(-1)
-    run_lens = np.stack([p_len, r - 1], axis=1).reshape(-1)
-    idx = _runs_index(run_starts, run_lens, L, out=_empty(ws, "idx", L, np.int64))
-
-    input_ids = np.take(src, idx, out=_empty(ws, "input_ids", L, np.int32))
-    # target of position j is full[j+1]: src[idx+1] everywhere except the last
-    # prompt position, whose target is the first response token.
-    targets = np.take(src[1:], idx, out=_empty(ws, "targets", L, np.int32))
-    ctx_lens = p_len - 1  # positions whose target is a prompt token
-    targets[starts + ctx_lens] = src[b]
-
-    position_ids = _empty(ws, "position_ids", L, np.int32)
-    position_ids.fill(1)
-    if S:
-        position_ids[starts[1:]] = 1 - seq_len[:-1]
-        position_ids[0] = 0
-    np.cumsum(position_ids, out=position_ids)
-
-    # The mask and per-token advantages are runs of constants over alternating
-    # (context, response) runs: one np.repeat each (much faster than a cumsum
-    # of deltas or a masked scatter, measured).
-    ab_lens = np.stack([ctx_lens, r], axis=1).reshape(-1)
-    loss_mask = np.repeat(np.tile(np.array([False, True]), S), ab_lens)
-    adv_runs = np.zeros(2 * S, dtype=np.float32)
-    adv_runs[1::2] = adv[order]
-    tok_adv = np.repeat(adv_runs, ab_lens)
-    old_lp = _empty(ws, "old_logprobs", L, np.float32)
-    old_lp.fill(0.0)
-    if S == batch.num_responses and np.array_equal(order, np.arange(S)):
-        resp_lp = batch.response_logprobs  # every response packed, in order
-    else:
-        resp_lp = np.take(
-            batch.response_logprobs, _runs_index(batch.response_offsets[order], r, int(r.sum()))
-        )
-    old_lp[loss_mask] = resp_lp
-    seq_index = np.repeat(np.arange(S, dtype=np.int32), seq_len)
-
+    src, idx, resp_start = _source_index(batch, order, p_len, r, int(cu[-1]), workspace)
+    input_ids, targets, position_ids = _inputs_and_targets(src, idx, resp_start, cu, p_len, workspace)
+    loss_mask, tok_adv, old_lp = _mask_and_values(batch, order, adv[order], p_len, r, workspace)
     t = torch.from_numpy
     return TrainPack(
         input_ids=t(input_ids),
@@ -275,40 +210,75 @@ def build_train_pack(
         loss_mask=t(loss_mask),
         old_logprobs=t(old_lp),
         advantages=t(tok_adv),
-        seq_index=t(seq_index),
+        seq_index=t(np.repeat(np.arange(order.size, dtype=np.int32), seq_len)),
         cu_seqlens=t(cu.astype(np.int32)),
-        seq_weights=torch.zeros(S, dtype=torch.float32),
+        seq_weights=torch.zeros(order.size, dtype=torch.float32),
         sample_index=t(order.copy()),
     )
 
 
-def gather_seqs(pack: TrainPack, seq_order: np.ndarray) -> TrainPack:
-    """A new pack holding pack's sequences in `seq_order` (one gather per field)."""
-    lengths = pack.seq_lengths
-    cu = pack.cu_seqlens.numpy().astype(np.int64)
-    new_len = lengths[seq_order]
-    new_cu = np.zeros(seq_order.size + 1, dtype=np.int64)
-    np.cumsum(new_len, out=new_cu[1:])
-    idx = torch.from_numpy(_runs_index(cu[:-1][seq_order], new_len, int(new_cu[-1])))
-    fields = {f: getattr(pack, f)[idx] for f in PACKED_TOKEN_FIELDS if f != "seq_index"}
-    order_t = torch.from_numpy(seq_order)
-    return TrainPack(
-        **fields,
-        seq_index=torch.from_numpy(np.repeat(np.arange(seq_order.size, dtype=np.int32), new_len)),
-        cu_seqlens=torch.from_numpy(new_cu.astype(np.int32)),
-        seq_weights=pack.seq_weights[order_t],
-        sample_index=pack.sample_index[order_t],
-    )
+def _source_index(batch: RolloutBatch, order: np.ndarray, p_len: np.ndarray, r: np.ndarray,
+                  L: int, ws: Workspace | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """-> (src, idx, resp_start): src [prompt tokens + response tokens] int32 is
+    every prompt then every response; input position j reads src[idx[j]] ([L]
+    int64); resp_start [S] is where sequence s's response begins in src.
+
+    Prompt part of seq s reads src[a_s + j], response part src[b_s + j - p_s]:
+    runs interleave (prompt run, response run) per sequence, and the response
+    run stops one short (its last token is a target only)."""
+    n_prompt_tok = batch.prompt_ids.size
+    src = _empty(ws, "src", n_prompt_tok + batch.response_ids.size, np.int32)
+    np.concatenate([batch.prompt_ids, batch.response_ids], out=src)
+    a = batch.prompt_offsets[batch.group_index[order]]
+    b = n_prompt_tok + batch.response_offsets[order]
+    run_starts = np.stack([a, b], axis=1).reshape(-1)
+    run_lens = np.stack([p_len, r - 1], axis=1).reshape(-1)
+    return src, _runs_index(run_starts, run_lens, L, out=_empty(ws, "idx", L, np.int64)), b
 
 
-def _loss_tokens_per_seq(pack: TrainPack) -> np.ndarray:
-    """[S] int64 loss tokens per sequence (= response length)."""
-    if pack.num_seqs == 0:
-        return np.zeros(0, dtype=np.int64)
-    m = pack.loss_mask.numpy()
-    cu = pack.cu_seqlens.numpy().astype(np.int64)
-    csum = np.concatenate([[0], np.cumsum(m, dtype=np.int64)])
-    return csum[cu[1:]] - csum[cu[:-1]]
+def _inputs_and_targets(src: np.ndarray, idx: np.ndarray, resp_start: np.ndarray, cu: np.ndarray,
+                        p_len: np.ndarray, ws: Workspace | None,
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """-> [L] int32 input_ids, targets and position_ids (cu: [S+1] int64)."""
+    L, starts, seq_len = idx.size, cu[:-1], np.diff(cu)
+    input_ids = np.take(src, idx, out=_empty(ws, "input_ids", L, np.int32))
+    # target of position j is full[j+1]: src[idx+1] everywhere except the last
+    # prompt position, whose target is the first response token.
+    targets = np.take(src[1:], idx, out=_empty(ws, "targets", L, np.int32))
+    targets[starts + p_len - 1] = src[resp_start]
+
+    position_ids = _empty(ws, "position_ids", L, np.int32)
+    position_ids.fill(1)
+    if starts.size:
+        position_ids[starts[1:]] = 1 - seq_len[:-1]
+        position_ids[0] = 0
+    np.cumsum(position_ids, out=position_ids)
+    return input_ids, targets, position_ids
+
+
+def _mask_and_values(batch: RolloutBatch, order: np.ndarray, seq_adv: np.ndarray, p_len: np.ndarray,
+                     r: np.ndarray, ws: Workspace | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """-> [L] bool loss_mask, [L] float32 advantages and old log-probs (0 off the mask).
+
+    The mask and per-token advantages are runs of constants over alternating
+    (context, response) runs: one np.repeat each (much faster than a cumsum
+    of deltas or a masked scatter, measured)."""
+    S = order.size
+    ab_lens = np.stack([p_len - 1, r], axis=1).reshape(-1)  # context: targets that are prompt tokens
+    loss_mask = np.repeat(np.tile(np.array([False, True]), S), ab_lens)
+    adv_runs = np.zeros(2 * S, dtype=np.float32)
+    adv_runs[1::2] = seq_adv
+    tok_adv = np.repeat(adv_runs, ab_lens)
+    old_lp = _empty(ws, "old_logprobs", loss_mask.size, np.float32)
+    old_lp.fill(0.0)
+    if S == batch.num_responses and np.array_equal(order, np.arange(S)):
+        resp_lp = batch.response_logprobs  # every response packed, in order
+    else:
+        resp_lp = np.take(
+            batch.response_logprobs, _runs_index(batch.response_offsets[order], r, int(r.sum()))
+        )
+    old_lp[loss_mask] = resp_lp
+    return loss_mask, tok_adv, old_lp
 
 
 def to_padded(pack: TrainPack, pad_id: int = 0) -> PaddedPack:

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from areno.advantages import group_advantages
+from areno.advantages import advantages_and_keep
 from areno.backend.errors import BackendError
 from areno.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config import TrainConfig
@@ -26,7 +26,7 @@ from areno.rollout.batch import (
     FINISH_LENGTH,
     RolloutBatch,
     decode_completions,
-    zero_variance_groups,
+    overlong_mask,
 )
 from areno.rollout.engine import SamplingConfig
 from areno.rollout.probe import WeightSyncError
@@ -125,7 +125,10 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     else:
         batch, scored = rollout_then_score(run, prompt_idx, sampling, timer)
     with timer("materialize"):
-        adv, keep, n_zero_var = advantages_and_keep(cfg, batch, scored)
+        adv, keep, n_zero_var = advantages_and_keep(
+            scored.rewards, scored.valid, batch.group_index, batch.num_prompts, overlong_mask(batch),
+            mode=cfg.adv_mode, filter_zero_variance=cfg.filter_zero_variance_groups,
+            mask_overlong=cfg.mask_overlong)
         split = build_split_pack(
             batch, adv, world_size=run.world_size, max_tokens=cfg.max_tokens_per_micro,
             num_minibatches=cfg.mini_batches, loss_agg=cfg.loss_agg,
@@ -197,25 +200,6 @@ def rollout_overlapped(run: Run, prompt_idx: np.ndarray, sampling: SamplingConfi
     batch, perm = RolloutBatch.merge_parts(parts, positions)  # one copy of the token arrays
     merged = RewardResult.concat(results)
     return batch, replace(merged, rewards=merged.rewards[perm], valid=merged.valid[perm])
-
-
-def advantages_and_keep(cfg: TrainConfig, batch: RolloutBatch, scored: RewardResult,
-                        ) -> tuple[np.ndarray, np.ndarray, int]:
-    """[N] float32 advantages (0 where not trained), [N] bool keep, and the number
-    of zero-variance groups. Skipped samples take no part in their group's baseline."""
-    valid = scored.valid
-    g = batch.group_index
-    adv = np.zeros(batch.num_responses, dtype=np.float32)
-    adv[valid] = group_advantages(scored.rewards[valid], g[valid], mode=cfg.adv_mode,
-                                  num_groups=batch.num_prompts)
-    zero_var = zero_variance_groups(scored.rewards[valid], g[valid], batch.num_prompts)
-    has_members = np.bincount(g[valid], minlength=batch.num_prompts) > 0
-    keep = valid.copy()
-    if cfg.filter_zero_variance_groups:
-        keep &= ~zero_var[g]
-    if cfg.mask_overlong:
-        keep &= batch.finish_reason != FINISH_LENGTH
-    return adv, keep, int((zero_var & has_members).sum())
 
 
 def _mean_over_opt_steps(opt_steps: list[dict[str, float]]) -> dict[str, float]:

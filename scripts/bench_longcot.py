@@ -77,7 +77,7 @@ only when ARENO_BENCH_LONGCOT_PROBE_DIR is set) that import wraps
 RankWorker.cmd_train, RankTrainer.train/_optimizer_step and step.forward_logprobs
 to record the figures above in a JSONL file per rank. On the controller the bench
 wraps, in this process only, what train_step calls (areno.trainer's module
-globals, RolloutBatch.concat/take_prompts/merge_parts, the scorer's and the backend's
+globals, RolloutBatch.merge_parts, the scorer's and the backend's
 methods) to time them. Nothing in areno/ changes.
 
 Modes (one step of each per round, rounds repeated --steps times, after a
@@ -517,8 +517,6 @@ def instrument(run, rec: Recorder, backend_log: list) -> None:
     T.advantages_and_keep = rec.wrap("advantages", T.advantages_and_keep, capture="adv")
     T.build_split_pack = rec.wrap("pack", T.build_split_pack, capture="split")
     RB = T.RolloutBatch
-    RB.concat = staticmethod(rec.wrap("merge", RB.concat))
-    RB.take_prompts = rec.wrap("merge", RB.take_prompts)
     RB.merge_parts = staticmethod(rec.wrap("merge", RB.merge_parts))
     T.RewardResult.concat = staticmethod(rec.wrap("merge", T.RewardResult.concat))
     for name in ("submit", "collect", "score"):

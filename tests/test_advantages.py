@@ -86,3 +86,21 @@ def test_grpo_divides_by_the_unbiased_group_std(n):
     np.testing.assert_allclose(got, verl.flatten().numpy(), rtol=1e-5)
     if n == 2:  # one reward above, one below: +-1/sqrt(2), not +-1 as with ddof=0
         np.testing.assert_allclose(np.abs(got), 2 ** -0.5, rtol=1e-3)
+
+
+def test_advantages_and_keep_skips_invalid_filters_zero_variance_and_masks_overlong():
+    from areno.advantages import advantages_and_keep
+
+    # groups: 0 = {1, 1} constant, 1 = {0, 1, NaN skipped}, 2 = {NaN skipped} only
+    r = np.array([1.0, 1.0, 0.0, 1.0, np.nan, np.nan], dtype=np.float32)
+    valid = np.isfinite(r)
+    g = np.array([0, 0, 1, 1, 1, 2])
+    truncated = np.array([False, False, True, False, False, False])
+    adv, keep, n_zv = advantages_and_keep(r, valid, g, 3, truncated)
+    np.testing.assert_allclose(adv, np.r_[0.0, 0.0, group_advantages(r[2:4], [0, 0]), 0.0, 0.0])
+    assert keep.tolist() == valid.tolist() and n_zv == 1  # the empty group 2 is not counted
+    _, keep, _ = advantages_and_keep(r, valid, g, 3, truncated, filter_zero_variance=True)
+    assert keep.tolist() == [False, False, True, True, False, False]
+    _, keep, _ = advantages_and_keep(r, valid, g, 3, truncated, filter_zero_variance=True,
+                                     mask_overlong=True)
+    assert keep.tolist() == [False, False, False, True, False, False]

@@ -3,14 +3,20 @@ import dataclasses
 import numpy as np
 import pytest
 
+from areno.advantages import zero_variance_groups
 from areno.rollout.batch import (
     RolloutBatch,
     decode_completions,
-    keep_nonzero_variance,
     overlong_mask,
-    zero_variance_groups,
 )
-from helpers import random_batch, random_rewards
+from helpers import (
+    concat,
+    keep_nonzero_variance,
+    random_batch,
+    random_rewards,
+    select_responses,
+    take_prompts,
+)
 
 
 def _fields(b: RolloutBatch) -> dict:
@@ -66,8 +72,8 @@ def test_zero_variance_and_select():
     zv = zero_variance_groups(r, b.group_index, b.num_prompts)
     assert zv[0] and zv[2]  # constant group, singleton group
     assert not zv[3]
-    keep = keep_nonzero_variance(r, b)
-    sub = b.select_responses(keep)
+    keep = keep_nonzero_variance(b, r)
+    sub = select_responses(b, keep)
     kept = np.flatnonzero(keep)
     assert sub.num_responses == kept.size
     # per-response content matches the original, prompts renumbered densely
@@ -90,7 +96,7 @@ def test_overlong_mask():
 
 def test_concat_renumbers():
     a, b = random_batch(seed=5, group_sizes=[2, 1]), random_batch(seed=6, group_sizes=[1, 3])
-    c = RolloutBatch.concat([a, b])
+    c = concat([a, b])
     assert c.num_prompts == 4 and c.num_responses == 7
     np.testing.assert_array_equal(c.response_tokens(3), b.response_tokens(0))
     np.testing.assert_array_equal(c.prompt_tokens(c.group_index[3]), b.prompt_tokens(0))
@@ -139,7 +145,7 @@ def test_decode_completions_is_one_batched_call(chat_tokenizer):
 def test_take_prompts_reorders_groups_and_returns_the_response_permutation():
     b = random_batch(seed=31, group_sizes=[2, 1, 3, 2])
     order = np.array([2, 0, 3, 1])
-    nb, perm = b.take_prompts(order)
+    nb, perm = take_prompts(b, order)
     assert nb.num_prompts == 4 and nb.num_responses == b.num_responses
     for new_i, old_i in enumerate(perm):
         np.testing.assert_array_equal(nb.response_tokens(new_i), b.response_tokens(old_i))
@@ -147,7 +153,7 @@ def test_take_prompts_reorders_groups_and_returns_the_response_permutation():
         np.testing.assert_array_equal(nb.prompt_tokens(nb.group_index[new_i]),
                                       b.prompt_tokens(b.group_index[old_i]))
     assert np.all(np.diff(nb.group_index) >= 0)
-    back, _ = nb.take_prompts(np.argsort(order))
+    back, _ = take_prompts(nb, np.argsort(order))
     np.testing.assert_array_equal(back.response_ids, b.response_ids)
     np.testing.assert_array_equal(back.response_logprobs, b.response_logprobs)
 
@@ -176,7 +182,7 @@ def test_merge_parts_equals_concat_then_take_prompts(seed):
     P = sum(b.num_prompts for b in parts)
     order = rng.permutation(P) if seed % 4 else np.arange(P)
     positions = np.split(order, np.cumsum([b.num_prompts for b in parts])[:-1])
-    want, want_perm = RolloutBatch.concat(parts).take_prompts(np.argsort(np.concatenate(positions)))
+    want, want_perm = take_prompts(concat(parts), np.argsort(np.concatenate(positions)))
     got, got_perm = RolloutBatch.merge_parts(parts, positions)
     for name, value in _fields(want).items():
         np.testing.assert_array_equal(getattr(got, name), value, err_msg=name)

@@ -97,7 +97,7 @@ class _Prompts:
 
 
 def test_synthetic_engine_stream_equals_generate(bl) -> None:
-    from areno.rollout.batch import RolloutBatch
+    from helpers import concat, take_prompts
 
     prompts = _Prompts([3, 5, 2, 7, 4, 6, 3])
     eng = bl.SyntheticEngine(n=3, resp_len=20, max_new_tokens=30, vocab=(3, 100), gen_time_s=0.0, seed=1)
@@ -116,7 +116,7 @@ def test_synthetic_engine_stream_equals_generate(bl) -> None:
               for p, _ in parts]
     assert finish == sorted(finish)  # parts come in finishing order
     pos = np.concatenate([p for p, _ in parts])
-    got, _ = RolloutBatch.concat([b for _, b in parts]).take_prompts(np.argsort(pos))
+    got, _ = take_prompts(concat([b for _, b in parts]), np.argsort(pos))
     for f in ("prompt_ids", "prompt_offsets", "response_ids", "response_offsets", "response_logprobs",
               "group_index", "finish_reason"):
         np.testing.assert_array_equal(getattr(got, f), getattr(whole, f), err_msg=f)

@@ -11,16 +11,17 @@ import pytest
 import torch
 
 from areno.data import PromptSampler, normalize_rows, tokenize_prompts
+from areno.advantages import advantages_and_keep
 from areno.pack import build_split_pack
 from areno.rewards import RewardScorer
-from areno.rollout.batch import RolloutBatch
+from areno.rollout.batch import overlong_mask
 from areno.rollout.engine import SamplingConfig
 from areno.trainer import (
     PhaseTimer,
-    advantages_and_keep,
     rollout_overlapped,
     rollout_then_score,
 )
+from helpers import concat, take_prompts
 
 
 @dataclass
@@ -71,7 +72,11 @@ def _check_engine(engine, tokenizer, tmp_path):
     np.testing.assert_allclose(rest, np.round(rest), atol=1e-3)
     packs = []
     for batch, scored in (plain, overlapped):
-        adv, keep, _ = advantages_and_keep(run.cfg, batch, scored)
+        c = run.cfg
+        adv, keep, _ = advantages_and_keep(
+            scored.rewards, scored.valid, batch.group_index, batch.num_prompts, overlong_mask(batch),
+            mode=c.adv_mode, filter_zero_variance=c.filter_zero_variance_groups,
+            mask_overlong=c.mask_overlong)
         packs.append(build_split_pack(batch, adv, world_size=2, max_tokens=64, keep=keep).pack)
     for f in ("input_ids", "targets", "loss_mask", "old_logprobs", "advantages", "seq_weights"):
         assert torch.equal(getattr(packs[0], f), getattr(packs[1], f)), f
@@ -87,38 +92,37 @@ def test_overlap_equals_plain_hf(tiny_arith_path, tmp_path):
     _check_engine(engine, AutoTokenizer.from_pretrained(tiny_arith_path), tmp_path)
 
 
-@pytest.mark.slow
-def test_overlap_equals_plain_vllm(tiny_arith_path, tmp_path):
-    from transformers import AutoTokenizer
-
-    from areno.rollout.vllm import VLLMEngine
-
-    engine = VLLMEngine(tiny_arith_path, dtype="float32", seed=0, max_model_len=64)
-    try:
-        _check_engine(engine, AutoTokenizer.from_pretrained(tiny_arith_path), tmp_path)
-    finally:
-        engine.shutdown()
-
-
-def test_vllm_stream_parts_cover_every_prompt_once(tiny_arith_path):
-    """generate_stream's parts, put back in order, equal generate()."""
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_arith_path):
+    """One in-process vLLM engine for this module's vLLM tests (each samples with a seed)."""
     pytest.importorskip("vllm")
     from areno.rollout.vllm import VLLMEngine
 
     engine = VLLMEngine(tiny_arith_path, dtype="float32", seed=0, max_model_len=64)
-    try:
-        rng = np.random.default_rng(0)
-        lengths = rng.integers(2, 6, 10)
-        ids = rng.integers(0, 14, lengths.sum()).astype(np.int32)
-        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        s = SamplingConfig(max_tokens=4, seed=5)
-        whole = engine.generate(ids, offsets, 3, s)
-        parts = list(engine.generate_stream(ids, offsets, 3, s, min_groups=3))
-        pos = np.concatenate([p for p, _ in parts])
-        assert sorted(pos.tolist()) == list(range(10))
-        got, _ = RolloutBatch.concat([b for _, b in parts]).take_prompts(np.argsort(pos))
-        np.testing.assert_array_equal(got.response_ids, whole.response_ids)
-        np.testing.assert_array_equal(got.prompt_ids, whole.prompt_ids)
-        np.testing.assert_allclose(got.response_logprobs, whole.response_logprobs, atol=1e-5)
-    finally:
-        engine.shutdown()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.slow
+def test_overlap_equals_plain_vllm(vllm_engine, tiny_arith_path, tmp_path):
+    from transformers import AutoTokenizer
+
+    _check_engine(vllm_engine, AutoTokenizer.from_pretrained(tiny_arith_path), tmp_path)
+
+
+def test_vllm_stream_parts_cover_every_prompt_once(vllm_engine):
+    """generate_stream's parts, put back in order, equal generate()."""
+    engine = vllm_engine
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(2, 6, 10)
+    ids = rng.integers(0, 14, lengths.sum()).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    s = SamplingConfig(max_tokens=4, seed=5)
+    whole = engine.generate(ids, offsets, 3, s)
+    parts = list(engine.generate_stream(ids, offsets, 3, s, min_groups=3))
+    pos = np.concatenate([p for p, _ in parts])
+    assert sorted(pos.tolist()) == list(range(10))
+    got, _ = take_prompts(concat([b for _, b in parts]), np.argsort(pos))
+    np.testing.assert_array_equal(got.response_ids, whole.response_ids)
+    np.testing.assert_array_equal(got.prompt_ids, whole.prompt_ids)
+    np.testing.assert_allclose(got.response_logprobs, whole.response_logprobs, atol=1e-5)

@@ -96,7 +96,7 @@ def test_arith_vocabulary_is_the_demo_alphabet(tiny_arith_path):
 
 
 def test_config_has_what_vllm_reads(tiny_chat_path, tiny_chat_model):
-    """vLLM itself loads the model in test_rollout_vllm; here only the config fields."""
+    """vLLM itself loads the model in test_engine_contract; here only the config fields."""
     cfg = json.loads((tiny_chat_path / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForCausalLM"]
     assert cfg["max_position_embeddings"] == 2048

@@ -118,73 +118,17 @@ class RolloutBatch:
 
     # -- construction ------------------------------------------------------
     @staticmethod
-    def concat(batches: list["RolloutBatch"]) -> "RolloutBatch":
-        """Concatenate batches; prompts of later batches are renumbered. O(batches) Python."""
-        if not batches:
-            raise ValueError("concat: no batches")
-        if len(batches) == 1:
-            return batches[0]
-        p_shift = np.cumsum([0] + [b.num_prompts for b in batches[:-1]])
-        pt_shift = np.cumsum([0] + [b.prompt_ids.size for b in batches[:-1]])
-        rt_shift = np.cumsum([0] + [b.response_ids.size for b in batches[:-1]])
-        return RolloutBatch(
-            prompt_ids=np.concatenate([b.prompt_ids for b in batches]),
-            prompt_offsets=np.concatenate(
-                [np.zeros(1, np.int64)]
-                + [b.prompt_offsets[1:] + s for b, s in zip(batches, pt_shift)]
-            ).astype(np.int64),
-            response_ids=np.concatenate([b.response_ids for b in batches]),
-            response_offsets=np.concatenate(
-                [np.zeros(1, np.int64)]
-                + [b.response_offsets[1:] + s for b, s in zip(batches, rt_shift)]
-            ).astype(np.int64),
-            response_logprobs=np.concatenate([b.response_logprobs for b in batches]),
-            group_index=np.concatenate(
-                [b.group_index + s for b, s in zip(batches, p_shift)]
-            ).astype(np.int64),
-            finish_reason=np.concatenate([b.finish_reason for b in batches]),
-        )
-
-    def take_prompts(self, order: np.ndarray) -> tuple["RolloutBatch", np.ndarray]:
-        """Reorder the groups so new prompt p is old prompt order[p] (order: a
-        permutation [P]); responses follow their prompt, keeping their order
-        within a group. Returns (batch, resp_perm) with resp_perm [N] the old
-        index of each new response. One gather per array."""
-        order = np.asarray(order, dtype=np.int64)
-        if np.array_equal(order, np.arange(self.num_prompts)):
-            return self, np.arange(self.num_responses, dtype=np.int64)
-        rank = np.empty_like(order)
-        rank[order] = np.arange(order.size)
-        new_group = rank[self.group_index]
-        resp_perm = np.argsort(new_group, kind="stable")
-        p_len, r_len = self.prompt_lengths, self.response_lengths
-        p_new, r_new = p_len[order], r_len[resp_perm]
-        p_off, r_off = _offsets(p_new), _offsets(r_new)
-        p_src = np.repeat(self.prompt_offsets[:-1][order] - p_off[:-1], p_new) + np.arange(p_off[-1])
-        r_src = np.repeat(self.response_offsets[:-1][resp_perm] - r_off[:-1], r_new) + np.arange(r_off[-1])
-        batch = RolloutBatch(
-            prompt_ids=self.prompt_ids[p_src],
-            prompt_offsets=p_off,
-            response_ids=self.response_ids[r_src],
-            response_offsets=r_off,
-            response_logprobs=self.response_logprobs[r_src],
-            group_index=new_group[resp_perm],
-            finish_reason=self.finish_reason[resp_perm],
-        )
-        return batch, resp_perm
-
-    @staticmethod
     def merge_parts(parts: list["RolloutBatch"], positions: list[np.ndarray],
                     ) -> tuple["RolloutBatch", np.ndarray]:
         """Streamed parts back into one batch in prompt order: part i's prompt j
         becomes prompt positions[i][j] (the positions of all parts together: a
-        permutation of 0..P-1). Equals
-        `concat(parts).take_prompts(np.argsort(np.concatenate(positions)))`,
-        (batch, resp_perm) with resp_perm [N] the index of each new response in
-        concat(parts), but copies the token arrays once: the destination is cut
-        into runs of responses contiguous in one part (a group, usually), found
-        with vectorized passes, and each array is one np.concatenate of the
-        runs' views. O(parts + runs) Python, runs <= responses."""
+        permutation of 0..P-1). Returns (batch, resp_perm) with resp_perm [N]
+        the index of each new response in the parts concatenated. Equals
+        concatenating the parts, then reordering the groups (tests/helpers.py,
+        `concat` and `take_prompts`), but copies the token arrays once: the
+        destination is cut into runs of responses contiguous in one part (a
+        group, usually), found with vectorized passes, and each array is one
+        np.concatenate of the runs' views. O(parts + runs) Python, runs <= responses."""
         if not parts or len(parts) != len(positions):
             raise ValueError(f"merge_parts: {len(parts)} parts, {len(positions)} position arrays")
         positions = [np.asarray(q, dtype=np.int64) for q in positions]
@@ -197,7 +141,7 @@ class RolloutBatch:
             raise ValueError("merge_parts: the positions are not a permutation of 0..P-1")
         # responses: new group of each (in concat order), stable sort by it
         new_group = np.concatenate([q[b.group_index] for b, q in zip(parts, positions)])
-        if np.array_equal(pos_all, np.arange(P)):  # already in order: kept as is (as take_prompts does)
+        if np.array_equal(pos_all, np.arange(P)):  # already in order: kept as is
             resp_perm = np.arange(new_group.size, dtype=np.int64)
         else:
             resp_perm = np.argsort(new_group, kind="stable")
@@ -233,31 +177,6 @@ class RolloutBatch:
         )
         return batch, resp_perm
 
-    # -- selection ---------------------------------------------------------
-    def select_responses(self, keep: np.ndarray) -> "RolloutBatch":
-        """Keep the responses where `keep` ([N] bool) is true; prompts left with no
-        response are dropped and group_index renumbered. One vectorized pass."""
-        keep = np.asarray(keep, dtype=bool)
-        if keep.shape != (self.num_responses,):
-            raise ValueError(f"keep: expected shape ({self.num_responses},), got {keep.shape}")
-        lengths = self.response_lengths
-        tok_keep = np.repeat(keep, lengths)
-        new_lengths = lengths[keep]
-        used = np.zeros(self.num_prompts, dtype=bool)
-        used[self.group_index[keep]] = True
-        remap = np.cumsum(used, dtype=np.int64) - 1
-        p_len = self.prompt_lengths
-        p_tok_keep = np.repeat(used, p_len)
-        return RolloutBatch(
-            prompt_ids=self.prompt_ids[p_tok_keep],
-            prompt_offsets=_offsets(p_len[used]),
-            response_ids=self.response_ids[tok_keep],
-            response_offsets=_offsets(new_lengths),
-            response_logprobs=self.response_logprobs[tok_keep],
-            group_index=remap[self.group_index[keep]],
-            finish_reason=self.finish_reason[keep],
-        )
-
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
     out = np.zeros(lengths.size + 1, dtype=np.int64)
@@ -278,30 +197,6 @@ def csr_take(values: np.ndarray, offsets: np.ndarray, idx: np.ndarray) -> tuple[
     out_off = offsets_from_lengths(lengths)
     gather = np.repeat(offsets[idx] - out_off[:-1], lengths) + np.arange(out_off[-1])
     return values[gather], out_off
-
-
-def group_sizes(group_index: np.ndarray, num_groups: int) -> np.ndarray:
-    """[P] int64 number of responses per prompt."""
-    return np.bincount(group_index, minlength=num_groups).astype(np.int64)
-
-
-def zero_variance_groups(
-    rewards: np.ndarray, group_index: np.ndarray, num_groups: int, atol: float = 0.0
-) -> np.ndarray:
-    """[P] bool: groups whose rewards are all equal (max - min <= atol), including
-    groups of one. Such groups carry no GRPO signal."""
-    rewards = np.asarray(rewards, dtype=np.float64)
-    gmax = np.full(num_groups, -np.inf)
-    gmin = np.full(num_groups, np.inf)
-    np.maximum.at(gmax, group_index, rewards)
-    np.minimum.at(gmin, group_index, rewards)
-    return (gmax - gmin) <= atol
-
-
-def keep_nonzero_variance(rewards: np.ndarray, batch: RolloutBatch, atol: float = 0.0) -> np.ndarray:
-    """[N] bool mask of responses whose group has reward variance."""
-    zv = zero_variance_groups(rewards, batch.group_index, batch.num_prompts, atol)
-    return ~zv[batch.group_index]
 
 
 def overlong_mask(batch: RolloutBatch) -> np.ndarray:
@@ -329,8 +224,3 @@ def _batch_decode(tokenizer: Any, ids: np.ndarray, offsets: np.ndarray, skip_spe
 def decode_completions(tokenizer: Any, batch: RolloutBatch, skip_special_tokens: bool = True) -> list[str]:
     """Decode every response in ONE batched tokenizer call -> N strings."""
     return _batch_decode(tokenizer, batch.response_ids, batch.response_offsets, skip_special_tokens)
-
-
-def decode_prompts(tokenizer: Any, batch: RolloutBatch, skip_special_tokens: bool = False) -> list[str]:
-    """Decode the P unique prompts in one batched call -> P strings."""
-    return _batch_decode(tokenizer, batch.prompt_ids, batch.prompt_offsets, skip_special_tokens)

@@ -1,0 +1,134 @@
+"""The scorer's books: jobs (one per submit), their chunks, and the on_error policy.
+
+Every method runs under the scorer's lock; nothing here touches a process.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from areno.rewards.plugin import _ERROR, _MAX_MESSAGES, _OK, RewardCounts, RewardError
+
+
+class _Job:
+    """One submit(): results land here by position."""
+
+    def __init__(self, ticket: int, records: list) -> None:
+        n = len(records)
+        self.ticket = ticket
+        self.sample_index = np.fromiter((getattr(r, "index", i) for i, r in enumerate(records)), np.int64, n)
+        self.rewards = np.full(n, np.nan, dtype=np.float32)
+        self.valid = np.ones(n, dtype=bool)
+        self.remaining = n
+        self.counts = {f.name: 0 for f in fields(RewardCounts)}
+        self.messages: list[str] = []
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        if n == 0:
+            self.done.set()
+
+
+@dataclass
+class _Chunk:
+    job: _Job
+    pos: np.ndarray  # [n] int64 positions in the job
+    records: list
+    seq: int
+    attempts: int = 0
+    errors: dict | None = None  # chunk index (-1: all) -> message
+
+
+class JobBook:
+    """Outstanding jobs by ticket and the chunks waiting for a worker."""
+
+    def __init__(self, path: str, on_error: str, workers: int, batch: bool, max_chunk: int) -> None:
+        self.path = path
+        self.on_error = on_error
+        self.workers = workers
+        self.batch = batch  # the plugin scores a chunk in one call
+        self.max_chunk = max_chunk
+        self.jobs: dict[int, _Job] = {}
+        self.pending: collections.deque[_Chunk] = collections.deque()
+        self.next_ticket = 0
+        self.seq = 0  # last chunk number handed out
+
+    def add(self, records: list) -> tuple[int, list[_Chunk]]:
+        """A new job for `records`: (its ticket, its chunks)."""
+        ticket = self.next_ticket
+        self.next_ticket += 1
+        job = self.jobs[ticket] = _Job(ticket, records)
+        return ticket, self.chunks(job, np.arange(len(records), dtype=np.int64), records)
+
+    def chunks(self, job: _Job, pos: np.ndarray, records: list, attempts: int = 0) -> list[_Chunk]:
+        """Split records into chunks of up to max_chunk, ~4 per worker (1 for batch plugins)."""
+        n = len(records)
+        per = max(1, self.workers) * (1 if self.batch else 4)
+        size = min(self.max_chunk, max(1, -(-n // per)))
+        out = []
+        for lo in range(0, n, size):
+            self.seq += 1
+            out.append(_Chunk(job, pos[lo : lo + size], records[lo : lo + size], self.seq, attempts))
+        return out
+
+    def fail(self, job: _Job, pos: np.ndarray, kind: str, text: str) -> None:
+        """Apply the on_error policy to failed samples `pos` of `job`."""
+        if job.done.is_set() or pos.size == 0:
+            return
+        k = int(pos.size)
+        more = f" (and {k - 1} more)" if k > 1 else ""
+        msg = f"sample {int(job.sample_index[pos[0]])}{more}: {text}"
+        job.counts[kind] += k
+        if self.on_error == "fail":
+            job.error = RewardError(
+                f"reward plugin {self.path}: {msg} (on_error 'fail'; 'zero' or 'skip' keep going)"
+            )
+            self._finish(job)
+            return
+        if self.on_error == "zero":
+            job.rewards[pos] = 0.0
+            job.counts["zeroed"] += k
+        else:
+            job.valid[pos] = False
+            job.counts["skipped"] += k
+        if len(job.messages) < _MAX_MESSAGES:
+            job.messages.append(msg)
+        self._settle(job, k)
+
+    def _settle(self, job: _Job, k: int) -> None:
+        job.remaining -= k
+        if job.remaining == 0:
+            self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        job.done.set()
+        if any(c.job is job for c in self.pending):
+            self.pending = collections.deque(c for c in self.pending if c.job is not job)
+
+    def abort_all(self, error: BaseException) -> None:
+        for job in self.jobs.values():
+            if not job.done.is_set():
+                job.error = error
+                job.done.set()
+        self.pending.clear()
+
+    def record(self, chunk: _Chunk, stat: np.ndarray, vals: np.ndarray) -> None:
+        """Take the finished samples (status != pending) of a chunk."""
+        job = chunk.job
+        if job.done.is_set():
+            return
+        ok = stat == _OK
+        finite = ok & np.isfinite(vals)
+        good = chunk.pos[finite]
+        job.rewards[good] = vals[finite]
+        self._settle(job, int(good.size))
+        bad = np.flatnonzero(ok & ~finite)
+        if bad.size:
+            self.fail(job, chunk.pos[bad], "nan", f"returned {vals[bad[0]]}")
+        errors = chunk.errors or {}
+        for i in np.flatnonzero(stat == _ERROR):
+            text = errors.get(int(i)) or errors.get(-1) or "raised an exception"
+            self.fail(job, chunk.pos[i : i + 1], "errors", text)

@@ -1,0 +1,189 @@
+"""Reward plugins: the contract, loading, calling one, and the result types.
+
+A reward plugin is one Python file (`--reward-fn-path`) that defines either
+
+    def reward_fn(record: RewardRecord) -> float           # one sample
+    def reward_fn_batch(records: list[RewardRecord]) -> list[float]
+
+and either may be `async def`. If both are defined, `reward_fn_batch` is used.
+`reward_records` builds the records of a step; `areno.rewards.pool.RewardScorer`
+runs the plugin on them, in worker processes or inline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import numpy as np
+
+from areno.errors import UserError, _one_line, import_user_file, user_frame
+
+ON_ERROR = ("fail", "zero", "skip")
+FAILURE_KINDS = ("errors", "timeouts", "nan", "worker_crashes")
+_MAX_MESSAGES = 5  # failure messages kept in a RewardResult
+_PENDING, _OK, _ERROR = 0, 1, 2  # per-sample status (in shared memory under workers)
+
+
+@dataclass(frozen=True)
+class RewardRecord:
+    """What a reward function sees for one sample."""
+
+    prompt: str  # the rendered prompt text
+    completion: str  # the decoded response
+    answer: str | None  # the row's reference answer, if any
+    solutions: list | None  # the row's reference solutions, if any
+    row: dict  # the normalized source row (see areno.data)
+    num_tokens: int  # response length in tokens
+    finish_reason: str  # "stop" | "length" | "abort"
+    index: int  # sample index in the step
+
+
+class RewardError(UserError):
+    """A reward plugin failed on a sample under on_error='fail' (or could not run)."""
+
+
+@dataclass(frozen=True)
+class RewardPlugin:
+    path: str
+    fn: Callable  # reward_fn or reward_fn_batch
+    batch: bool  # fn takes a list of records
+    is_async: bool
+
+
+def load_reward_plugin(path: str) -> RewardPlugin:
+    """Import and check a plugin file; every problem is a UserError naming it."""
+    module = import_user_file(path, what="reward plugin")
+    for name, batch in (("reward_fn_batch", True), ("reward_fn", False)):
+        fn = getattr(module, name, None)
+        if fn is None:
+            continue
+        if not callable(fn):
+            raise UserError(f"reward plugin {path}: '{name}' is a {type(fn).__name__}, not a function")
+        return RewardPlugin(str(path), fn, batch, inspect.iscoroutinefunction(fn))
+    raise UserError(
+        f"reward plugin {path}: defines neither reward_fn(record) -> float "
+        "nor reward_fn_batch(records) -> list[float]"
+    )
+
+
+@dataclass(frozen=True)
+class RewardCounts:
+    """Failures by kind (errors/timeouts/nan/worker_crashes) and what on_error did."""
+
+    errors: int = 0  # raised, or returned a non-number
+    timeouts: int = 0
+    nan: int = 0  # returned NaN or +-inf
+    worker_crashes: int = 0
+    skipped: int = 0
+    zeroed: int = 0
+
+    def __add__(self, other: "RewardCounts") -> "RewardCounts":
+        return RewardCounts(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    @property
+    def failures(self) -> int:
+        return self.errors + self.timeouts + self.nan + self.worker_crashes
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """rewards: [N] float32 (NaN where not valid); valid: [N] bool."""
+
+    rewards: np.ndarray
+    valid: np.ndarray
+    counts: RewardCounts
+    messages: tuple[str, ...] = ()  # the first few failure messages, for the log
+
+    @staticmethod
+    def concat(results: list["RewardResult"]) -> "RewardResult":
+        counts = RewardCounts()
+        for r in results:
+            counts = counts + r.counts
+        return RewardResult(
+            rewards=np.concatenate([r.rewards for r in results] or [np.zeros(0, np.float32)]),
+            valid=np.concatenate([r.valid for r in results] or [np.zeros(0, bool)]),
+            counts=counts,
+            messages=tuple(m for r in results for m in r.messages)[:_MAX_MESSAGES],
+        )
+
+
+# -- calling the plugin (shared by the workers and workers=0) ----------------
+
+
+def _as_reward(out: Any) -> tuple[int, float, str]:
+    if isinstance(out, (numbers.Real, np.bool_)):
+        return _OK, float(out), ""
+    return _ERROR, math.nan, f"returned {type(out).__name__} {_short(out)}, not a number"
+
+
+def _short(x: Any) -> str:
+    try:
+        text = repr(x)
+    except Exception:  # noqa: BLE001
+        return "(unprintable)"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _run(plugin: RewardPlugin, arg: Any, loop: asyncio.AbstractEventLoop | None) -> Any:
+    out = plugin.fn(arg)
+    if inspect.isawaitable(out):
+        out = (loop or asyncio.new_event_loop()).run_until_complete(out)
+    return out
+
+
+def _raised(e: BaseException, plugin: RewardPlugin) -> str:
+    if isinstance(e, KeyboardInterrupt):
+        raise e
+    return f"raised {_one_line(e)}{user_frame(e, plugin.path)}"
+
+
+def _score_one(plugin: RewardPlugin, rec: Any, loop: Any) -> tuple[int, float, str]:
+    try:
+        return _as_reward(_run(plugin, rec, loop))
+    except BaseException as e:  # noqa: BLE001 - SystemExit is the plugin's error too
+        return _ERROR, math.nan, _raised(e, plugin)
+
+
+def _score_batch(plugin: RewardPlugin, recs: list, loop: Any) -> tuple[list, str]:
+    """-> ([(status, value, msg)] per record, chunk-level error message or '')."""
+    try:
+        out = _run(plugin, list(recs), loop)
+    except BaseException as e:  # noqa: BLE001
+        return [], _raised(e, plugin)
+    if isinstance(out, np.ndarray):
+        out = out.tolist()
+    if not isinstance(out, (list, tuple)) or len(out) != len(recs):
+        got = f"{type(out).__name__} of length {len(out)}" if hasattr(out, "__len__") else type(out).__name__
+        return [], f"reward_fn_batch returned {got} for {len(recs)} records"
+    return [_as_reward(x) for x in out], ""
+
+
+# -- the records of a step ----------------------------------------------------
+
+
+def reward_records(rows: Any, prompts: Any, prompt_idx: np.ndarray, batch: Any,
+                   completions: list[str], index: np.ndarray | None = None) -> list[RewardRecord]:
+    """One RewardRecord per sample of `batch` (a RolloutBatch whose prompt p is
+    prompts[prompt_idx[p]]): O(N) Python, the only per-sample objects of a step.
+    index: [N] sample index in the step of each response (default 0..N-1)."""
+    from areno.rollout.batch import FINISH_REASONS
+
+    row_of_prompt = prompts.row_index[prompt_idx].tolist()
+    texts = prompts.texts
+    lengths = batch.response_lengths.tolist()
+    reasons = batch.finish_reason.tolist()
+    sample = range(len(completions)) if index is None else index.tolist()
+    out = []
+    for i, (g, text) in enumerate(zip(batch.group_index.tolist(), completions)):
+        row = rows[row_of_prompt[g]]
+        out.append(RewardRecord(
+            prompt=texts[prompt_idx[g]], completion=text, answer=row.get("answer"),
+            solutions=row.get("solutions"), row=row, num_tokens=lengths[i],
+            finish_reason=FINISH_REASONS[reasons[i]], index=sample[i],
+        ))
+    return out

@@ -1,0 +1,338 @@
+"""RewardScorer: parallel, fault-isolated scoring of RewardRecords with a plugin.
+
+`RewardScorer` runs the plugin (see areno/rewards/plugin.py) in `workers`
+processes (started with 'spawn'; each imports the plugin once) so that a plugin
+that hangs, crashes its process (os._exit, a segfault) or leaks cannot take the
+trainer down:
+
+  * Work goes out in chunks (one message per chunk, not per sample). A worker
+    writes "sample i of this chunk started at t" and each result into shared
+    memory, so the controller knows which sample a worker is on and since
+    when, with no message per sample. A sample running longer than `timeout`
+    seconds gets its worker SIGKILLed and respawned; the samples after it in
+    the chunk go to the next free worker. A batch plugin gets its chunk in one
+    call with a timeout of `timeout * len(chunk)`.
+  * A worker that dies charges the sample it was on (worker_crashes) and is
+    respawned.
+  * A reward that raises (SystemExit included), times out, crashes its worker,
+    returns NaN/inf (counted as `nan`) or a non-number is handled by
+    `on_error`: "fail" -> `RewardError` naming the sample's `index` and the
+    error; "zero" -> reward 0.0, counted in `zeroed`; "skip" -> `valid` False
+    and reward NaN (so a skipped sample cannot be used by accident), counted
+    in `skipped`.
+
+`workers=0` scores in the calling thread: easy to debug (pdb, prints), but no
+timeout can be enforced and a crashing plugin takes the process with it.
+Under workers, the plugin runs in each worker's main thread, so libraries
+that time out with signals (math-verify's SIGALRM) work there.
+
+Workers never outlive the scorer: close() (also on `with` exit and at
+interpreter exit) ends them, they are daemon processes, and on Linux each
+asks the kernel to SIGKILL it when the trainer dies (PR_SET_PDEATHSIG), even
+by SIGKILL. As with any 'spawn' pool, workers import the main script: a
+script that builds a RewardScorer needs an `if __name__ == "__main__":` guard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import math
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+
+from areno.errors import UserError, _one_line
+from areno.procs import exit_text
+from areno.rewards.jobs import JobBook, _Chunk
+from areno.rewards.plugin import (
+    _ERROR,
+    _PENDING,
+    ON_ERROR,
+    RewardCounts,
+    RewardError,
+    RewardResult,
+    _score_batch,
+    _score_one,
+    load_reward_plugin,
+)
+from areno.rewards.worker import _Worker
+
+STARTUP_TIMEOUT_S = 120.0  # a worker must import the plugin within this
+MAX_CHUNK = 64  # samples per chunk, per-sample plugins (batch plugins: 4x)
+
+_LIVE: "weakref.WeakSet[RewardScorer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for scorer in list(_LIVE):
+        scorer.close()
+
+
+class RewardScorer:
+    """Scores RewardRecords with a plugin in `workers` processes (see module doc).
+
+    score(records) -> RewardResult, or the overlapped form:
+    t = submit(records) ... collect(t) (or collect() for everything submitted).
+    """
+
+    def __init__(
+        self,
+        plugin_path: str,
+        *,
+        workers: int = 2,
+        timeout: float = 10.0,
+        on_error: str = "fail",
+        chunk_size: int | None = None,
+    ) -> None:
+        if on_error not in ON_ERROR:
+            raise UserError(f"RewardScorer: on_error must be one of {', '.join(ON_ERROR)}; got '{on_error}'")
+        if workers < 0 or timeout <= 0:
+            raise UserError(f"RewardScorer: workers must be >= 0 and timeout > 0; got {workers} and {timeout}")
+        self.plugin = load_reward_plugin(plugin_path)  # validated here, before any worker starts
+        self.path = str(plugin_path)
+        self.workers = int(workers)
+        self.timeout = float(timeout)
+        self.on_error = on_error
+        self.max_chunk = int(chunk_size or (4 * MAX_CHUNK if self.plugin.batch else MAX_CHUNK))
+        self._lock = threading.Lock()
+        self._book = JobBook(self.path, on_error, self.workers, self.plugin.batch, self.max_chunk)
+        self._fatal: BaseException | None = None
+        self._closed = False
+        self._startup_failures = 0  # workers in a row that died before importing the plugin
+        self._loop = asyncio.new_event_loop() if self.plugin.is_async and not workers else None
+        if self.workers:
+            self._ctx = mp.get_context("spawn")
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_w, False)
+            self._pool: list[_Worker] = []
+            self._thread = threading.Thread(target=self._pump, name="areno-reward-pump", daemon=True)
+            self._thread.start()
+        _LIVE.add(self)
+
+    # -- public API ------------------------------------------------------
+    def score(self, records: list) -> RewardResult:
+        return self.collect(self.submit(records))
+
+    def submit(self, records: list) -> int:
+        """Queue records for scoring; returns a ticket for collect()."""
+        if self._closed:
+            raise RuntimeError("RewardScorer.submit after close()")
+        if self._fatal is not None:
+            raise self._fatal
+        records = list(records)
+        with self._lock:
+            ticket, chunks = self._book.add(records)
+            for chunk in chunks:
+                if self.workers:
+                    self._book.pending.append(chunk)
+                else:
+                    self._score_inline(chunk)
+        if self.workers:
+            self._wake()
+        return ticket
+
+    def collect(self, ticket: int | None = None, timeout: float | None = None) -> RewardResult:
+        """Wait for `ticket` (None: every outstanding ticket, in submit order)."""
+        if ticket is None:
+            return RewardResult.concat([self.collect(t, timeout) for t in list(self._book.jobs)])
+        job = self._book.jobs[ticket]
+        if not job.done.wait(timeout):
+            raise TimeoutError(f"rewards for ticket {ticket} not ready after {timeout} s")
+        with self._lock:
+            del self._book.jobs[ticket]
+        if job.error is not None:
+            raise job.error
+        return RewardResult(job.rewards, job.valid, RewardCounts(**job.counts), tuple(job.messages))
+
+    def ready(self, ticket: int) -> bool:
+        return self._book.jobs[ticket].done.is_set()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.discard(self)
+        if self.workers:
+            self._wake()
+            self._thread.join(timeout=10.0)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        with self._lock:
+            self._book.abort_all(self._fatal or RewardError(f"reward scorer for {self.path} was closed"))
+
+    def __enter__(self) -> "RewardScorer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:  # the pipe is full of wake-ups already
+            pass
+
+    def _score_inline(self, chunk: _Chunk) -> None:
+        """workers=0: score now, in this thread."""
+        n = len(chunk.records)
+        if self.plugin.batch:
+            results, err = _score_batch(self.plugin, chunk.records, self._loop)
+            if err:
+                results = [(_ERROR, math.nan, err)] * n
+        else:
+            results = [_score_one(self.plugin, r, self._loop) for r in chunk.records]
+        chunk.errors = {i: m for i, (s, _, m) in enumerate(results) if s == _ERROR}
+        stat = np.fromiter((s for s, _, _ in results), np.int8, n)
+        vals = np.fromiter((v for _, v, _ in results), np.float64, n)
+        self._book.record(chunk, stat, vals)
+
+    # -- the pump thread -------------------------------------------------
+    def _pump(self) -> None:
+        try:
+            for _ in range(self.workers):
+                self._pool.append(self._spawn())
+            while not self._closed:
+                with self._lock:
+                    self._dispatch()
+                    wait_s = self._next_deadline() - time.monotonic()
+                objs = [self._wake_r] + [w.conn for w in self._pool] + [w.proc.sentinel for w in self._pool]
+                ready = set(mp.connection.wait(objs, timeout=min(max(wait_s, 0.0), 1.0)))
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 4096)
+                with self._lock:
+                    self._service(ready)
+        except BaseException as e:  # noqa: BLE001 - reported to every collect()
+            with self._lock:
+                self._fatal = e if isinstance(e, RewardError) else RuntimeError(f"reward scorer failed: {_one_line(e)}")
+                self._fatal.__cause__ = e
+                self._book.abort_all(self._fatal)
+        finally:
+            for w in self._pool:
+                if w.chunk is None and w.proc.is_alive():
+                    try:
+                        w.conn.send(None)
+                    except OSError:
+                        pass
+            for w in self._pool:
+                w.stop(kill=w.chunk is not None)
+                w.conn.close()
+
+    def _spawn(self) -> _Worker:
+        return _Worker(self._ctx, self.path, self.max_chunk)
+
+    def _dispatch(self) -> None:
+        for w in self._pool:
+            if not self._book.pending:
+                return
+            if w.ready and w.chunk is None:
+                chunk = self._book.pending.popleft()
+                n = len(chunk.records)
+                np.frombuffer(w.status, np.int8)[:n] = _PENDING
+                chunk.errors = {}
+                w.chunk = chunk
+                w.conn.send((chunk.seq, chunk.records))
+
+    def _limit(self, chunk: _Chunk) -> float:
+        return self.timeout * (len(chunk.records) if self.plugin.batch else 1)
+
+    def _next_deadline(self) -> float:
+        now = time.monotonic()
+        out = now + 1.0
+        for w in self._pool:
+            if not w.ready:
+                out = min(out, w.started + STARTUP_TIMEOUT_S)
+            elif w.chunk is not None and w.progress[0] == w.chunk.seq:
+                out = min(out, w.progress[2] + self._limit(w.chunk))
+        return out
+
+    def _service(self, ready: set) -> None:
+        now = time.monotonic()
+        for slot, w in enumerate(self._pool):
+            if w.conn in ready or w.proc.sentinel in ready:
+                self._drain(w)
+            if not w.proc.is_alive():
+                code = w.proc.exitcode
+                self._retire(slot, "worker_crashes", f"worker process died ({exit_text(code)})")
+            elif not w.ready and now > w.started + STARTUP_TIMEOUT_S:
+                self._retire(slot, "timeouts", f"worker did not start within {STARTUP_TIMEOUT_S:.0f} s")
+            elif w.chunk is not None and self._expired(w, now):
+                self._retire(slot, "timeouts", f"timed out after {self._limit(w.chunk):g} s (worker killed)")
+
+    def _expired(self, w: _Worker, now: float) -> bool:
+        seq, pos, t0 = w.progress[0], w.progress[1], w.progress[2]
+        if seq != w.chunk.seq or now <= t0 + self._limit(w.chunk):
+            return False
+        return (w.progress[0], w.progress[1]) == (seq, pos)  # not moved on meanwhile
+
+    def _drain(self, w: _Worker) -> None:
+        try:
+            while w.conn.poll(0):
+                self._on_message(w, w.conn.recv())
+        except (EOFError, OSError):
+            pass
+
+    def _on_message(self, w: _Worker, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "ready":
+            w.ready = True
+            self._startup_failures = 0
+        elif kind == "fatal":
+            w.fatal = msg[1]
+        elif kind == "err" and w.chunk is not None and msg[1] == w.chunk.seq:
+            w.chunk.errors[msg[2]] = msg[3]
+            if self.on_error == "fail":  # fail fast, do not wait for the chunk
+                pos = w.chunk.pos if msg[2] < 0 else w.chunk.pos[msg[2] : msg[2] + 1]
+                self._book.fail(w.chunk.job, pos, "errors", msg[3])
+        elif kind == "done" and w.chunk is not None and msg[1] == w.chunk.seq:
+            n = len(w.chunk.records)
+            stat = np.frombuffer(w.status, np.int8)[:n].copy()
+            vals = np.frombuffer(w.values, np.float64)[:n].copy()
+            chunk, w.chunk = w.chunk, None
+            self._book.record(chunk, stat, vals)
+
+    def _retire(self, slot: int, kind: str, text: str) -> None:
+        """Kill worker `slot`, charge the sample it was on, requeue the rest, respawn."""
+        w = self._pool[slot]
+        w.stop(kill=True)
+        self._drain(w)  # messages sent before it died
+        w.conn.close()
+        if w.fatal:
+            raise RewardError(f"reward plugin {self.path} failed to load in a worker process: {w.fatal}")
+        if not w.ready:
+            self._startup_failures += 1
+            if self._startup_failures >= 3:
+                raise RewardError(f"reward plugin {self.path}: worker processes keep dying at startup: {text}")
+        chunk, w.chunk = w.chunk, None
+        if chunk is not None:
+            self._salvage(w, chunk, kind, text)
+        self._pool[slot] = self._spawn()
+
+    def _salvage(self, w: _Worker, chunk: _Chunk, kind: str, text: str) -> None:
+        n = len(chunk.records)
+        stat = np.frombuffer(w.status, np.int8)[:n].copy()
+        vals = np.frombuffer(w.values, np.float64)[:n].copy()
+        self._book.record(chunk, stat, vals)
+        left = stat == _PENDING
+        if w.progress[0] == chunk.seq:  # it had started the chunk: charge the culprit
+            culprit = left.copy() if self.plugin.batch else np.zeros(n, bool)
+            pos = int(w.progress[1])
+            if not self.plugin.batch and left[pos]:
+                culprit[pos] = True
+            self._book.fail(chunk.job, chunk.pos[culprit], kind, text)
+            left &= ~culprit
+        if not left.any() or chunk.job.done.is_set():
+            return
+        idx = np.flatnonzero(left)
+        if chunk.attempts >= 2:
+            self._book.fail(chunk.job, chunk.pos[idx], "worker_crashes", "its worker died 3 times before scoring it")
+            return
+        redo = self._book.chunks(chunk.job, chunk.pos[idx], [chunk.records[i] for i in idx], chunk.attempts + 1)
+        self._book.pending.extendleft(reversed(redo))

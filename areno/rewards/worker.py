@@ -1,0 +1,106 @@
+"""A reward worker: the process that runs the plugin, and the controller's handle on it.
+
+The worker writes "sample i of this chunk started at t" and each result into
+shared memory (`progress`, `values`, `status`), so the controller knows which
+sample a worker is on and since when with no message per sample; messages go
+only per chunk ("done"), per failure ("err") and at start ("ready"/"fatal").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from areno.errors import UserError, _one_line
+from areno.procs import die_with_parent
+from areno.rewards.plugin import _ERROR, _score_batch, _score_one, load_reward_plugin
+from areno.runlog import redirect_child_output
+
+if TYPE_CHECKING:
+    from areno.rewards.jobs import _Chunk
+
+
+def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, parent_pid: int) -> None:
+    die_with_parent(parent_pid)
+    redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/runlog.py)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
+    # The controller starts workers as daemons (ended with it); inside, let the
+    # plugin start processes of its own (multiprocessing refuses in a daemon).
+    mp.current_process()._config["daemon"] = False
+    try:
+        plugin = load_reward_plugin(path)
+    except BaseException as e:  # noqa: BLE001
+        conn.send(("fatal", str(e) if isinstance(e, UserError) else _one_line(e)))
+        return
+    conn.send(("ready",))
+    loop = asyncio.new_event_loop() if plugin.is_async else None
+    vals = np.frombuffer(values, dtype=np.float64)
+    stat = np.frombuffer(status, dtype=np.int8)
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        seq, recs = msg
+        # Write order matters: start time, then position, then chunk seq; the
+        # controller reads seq, position, time (so never a stale time).
+        progress[2] = time.monotonic()
+        progress[1] = 0
+        progress[0] = seq
+        if plugin.batch:
+            results, err = _score_batch(plugin, recs, loop)
+            if err:
+                conn.send(("err", seq, -1, err))  # before the status, so status => message sent
+                stat[: len(recs)] = _ERROR
+            else:
+                for i, (s, v, m) in enumerate(results):
+                    if s == _ERROR:
+                        conn.send(("err", seq, i, m))
+                    vals[i] = v
+                    stat[i] = s
+        else:
+            for i, rec in enumerate(recs):
+                if i:
+                    progress[2] = time.monotonic()
+                    progress[1] = i
+                s, v, m = _score_one(plugin, rec, loop)
+                if s == _ERROR:
+                    conn.send(("err", seq, i, m))
+                vals[i] = v
+                stat[i] = s
+        conn.send(("done", seq))
+
+
+class _Worker:
+    def __init__(self, ctx: Any, path: str, max_chunk: int) -> None:
+        self.progress = ctx.RawArray("d", 3)  # chunk seq, position, start time
+        self.progress[0] = -1
+        self.values = ctx.RawArray("d", max_chunk)
+        self.status = ctx.RawArray("b", max_chunk)
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(
+            target=_worker_main,
+            args=(path, child, self.progress, self.values, self.status, os.getpid()),
+            daemon=True,
+            name="areno-reward-worker",
+        )
+        self.proc.start()
+        child.close()
+        self.started = time.monotonic()
+        self.ready = False
+        self.fatal = ""
+        self.chunk: _Chunk | None = None  # the chunk it is scoring
+
+    def stop(self, kill: bool) -> None:
+        """Kill (or wait for) the process; the pipe stays open to be drained."""
+        if kill and self.proc.is_alive():
+            self.proc.kill()  # SIGKILL: a hung plugin gets no say
+        self.proc.join(timeout=2.0)

@@ -1,0 +1,286 @@
+"""The RolloutEngine contract, run against every engine with the tiny fp32 model:
+batch layout, finish reasons, stop tokens, log-probs against a transformers
+forward, seeds, weight updates and the probe, sleep/wake, input checks.
+
+One engine per kind serves the whole module (the `engine` fixture is module
+scoped and parametrised, so pytest runs every hf test, then every vllm test);
+tests that push weights restore the original ones before they return. The vllm
+param is skipped where vLLM is not installed. Engine-specific tests sit at the
+end, each parametrised over its one engine (the same shared instance).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP
+from areno.rollout.engine import RolloutEngine, SamplingConfig
+from areno.rollout.probe import Probe, WeightSyncError, probe_logprobs, verify_probe
+
+MAX_MODEL_LEN = 128
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [19, 20, 21], [22, 23]]
+PROBE_IDS = np.arange(3, 40, dtype=np.int32)
+ENGINES = ["hf", "vllm"]
+
+
+def new_engine(kind: str, path, **kw):
+    if kind == "hf":
+        from areno.rollout.hf import HFEngine
+
+        return HFEngine(path, dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN, **kw)
+    pytest.importorskip("vllm")
+    from areno.rollout.vllm import VLLMEngine
+
+    return VLLMEngine(path, dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN,
+                      kv_cache_memory_bytes=16 << 20, **kw)
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request, tiny_chat_path):
+    eng = new_engine(request.param, tiny_chat_path)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def original_state(tiny_chat_model):
+    return {k: v.clone() for k, v in tiny_chat_model.state_dict().items()}
+
+
+@pytest.fixture
+def restore_weights(engine, original_state):
+    yield
+    engine.update_weights(original_state.items(), probe=None)
+
+
+@pytest.fixture(scope="module")
+def eos_ids(tiny_chat_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_path)
+    return tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+
+
+def without(weights, name: str):
+    """A weight push (a dict or a list of pairs, as the engine's _push takes it) minus `name`."""
+    kept = [(k, v) for k, v in (weights.items() if isinstance(weights, dict) else weights) if k != name]
+    return dict(kept) if isinstance(weights, dict) else kept
+
+
+# -- generation --------------------------------------------------------------------
+
+
+def test_is_a_rollout_engine(engine):
+    assert isinstance(engine, RolloutEngine)
+
+
+def test_batch_layout_groups_prompts_of_mixed_lengths(engine, make_prompts, eos_ids):
+    ids, off = make_prompts(PROMPTS)  # lengths 5, 2, 7, 3, 2: four length groups
+    b = engine.generate(ids, off, 3, SamplingConfig(max_tokens=10, seed=1))
+    assert b.num_prompts == 5 and b.num_responses == 15
+    np.testing.assert_array_equal(b.prompt_ids, ids)
+    np.testing.assert_array_equal(b.prompt_offsets, off)
+    np.testing.assert_array_equal(b.group_index, np.repeat(np.arange(5), 3))
+    lengths = b.response_lengths
+    assert lengths.min() >= 1 and lengths.max() <= 10
+    stopped = b.finish_reason == FINISH_STOP
+    last = b.response_ids[b.response_offsets[1:] - 1]
+    assert np.all(np.isin(last[stopped], eos_ids))
+    assert np.all(lengths[~stopped] == 10) and np.all(b.finish_reason[~stopped] == FINISH_LENGTH)
+    # no eos before the last token of any response
+    body = np.ones(b.num_response_tokens, bool)
+    body[b.response_offsets[1:] - 1] = False
+    assert not np.any(np.isin(b.response_ids[body], eos_ids))
+    assert np.all(b.response_logprobs <= 0) and np.all(np.isfinite(b.response_logprobs))
+
+
+def test_max_tokens_finishes_with_length(engine, make_prompts):
+    ids, off = make_prompts(PROMPTS[:2])
+    b = engine.generate(ids, off, 3, SamplingConfig(max_tokens=5, ignore_eos=True))
+    np.testing.assert_array_equal(b.response_lengths, np.full(6, 5))
+    assert np.all(b.finish_reason == FINISH_LENGTH)
+
+
+def test_eos_finishes_with_stop_and_later_tokens_dropped(engine, make_prompts, original_state, always_eos_state,
+                                                         eos_ids, restore_weights):
+    engine.update_weights(always_eos_state(original_state, eos_ids[0]).items())
+    ids, off = make_prompts(PROMPTS)
+    b = engine.generate(ids, off, 2, SamplingConfig(max_tokens=8))
+    np.testing.assert_array_equal(b.response_lengths, np.ones(10))
+    np.testing.assert_array_equal(b.response_ids, np.full(10, eos_ids[0]))
+    assert np.all(b.finish_reason == FINISH_STOP)
+    b = engine.generate(ids, off, 2, SamplingConfig(max_tokens=4, ignore_eos=True))
+    np.testing.assert_array_equal(b.response_lengths, np.full(b.num_responses, 4))
+    assert np.all(b.finish_reason == FINISH_LENGTH)
+
+
+def test_stop_token_ids_end_responses(engine, make_prompts):
+    ids, off = make_prompts(PROMPTS[:2])
+    everything = tuple(range(engine.vocab_size))
+    b = engine.generate(ids, off, 2, SamplingConfig(max_tokens=8, stop_token_ids=everything))
+    np.testing.assert_array_equal(b.response_lengths, np.ones(4))
+    assert np.all(b.finish_reason == FINISH_STOP)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, -1), (0.7, -1), (1.3, 20)])
+def test_logprobs_match_transformers_forward(engine, tiny_chat_model, ref_logprobs, make_prompts,
+                                             temperature, top_k):
+    ids, off = make_prompts(PROMPTS)
+    b = engine.generate(ids, off, 2, SamplingConfig(temperature=temperature, top_k=top_k, max_tokens=16, seed=3))
+    ref = ref_logprobs(tiny_chat_model, b, temperature, max(top_k, 0))
+    np.testing.assert_allclose(b.response_logprobs, ref, atol=1e-4, rtol=0)
+
+
+def test_prompt_logprobs_match_forward(engine, tiny_chat_model):
+    got = engine.prompt_logprobs(PROBE_IDS)
+    assert got.dtype == np.float32 and got.shape == (PROBE_IDS.size - 1,)
+    np.testing.assert_allclose(got, probe_logprobs(tiny_chat_model, PROBE_IDS), atol=1e-4, rtol=0)
+
+
+def test_seed_reproducible_and_prompts_get_own_streams(engine, make_prompts):
+    ids, off = make_prompts(PROMPTS)
+    s = SamplingConfig(max_tokens=8, seed=7)
+    a, b = engine.generate(ids, off, 2, s), engine.generate(ids, off, 2, s)
+    np.testing.assert_array_equal(a.response_ids, b.response_ids)
+    np.testing.assert_array_equal(a.response_logprobs, b.response_logprobs)
+    ids, off = make_prompts([[7, 8, 9]] * 3)
+    s = SamplingConfig(max_tokens=10, seed=11, ignore_eos=True)
+    a, b = engine.generate(ids, off, 2, s), engine.generate(ids, off, 2, s)
+    np.testing.assert_array_equal(a.response_ids, b.response_ids)
+    first = a.response_ids.reshape(6, 10)[::2]  # sample 0 of each (identical) prompt
+    assert not np.array_equal(first[0], first[1]) and not np.array_equal(first[1], first[2])
+
+
+@pytest.mark.parametrize(
+    "prompts,n,match",
+    [
+        ([[5, 6], [], [7]], 2, "prompt 1 is empty"),
+        ([[5], list(range(3, 3 + MAX_MODEL_LEN))], 2, f"prompt 1 has {MAX_MODEL_LEN} tokens.*max_model_len"),
+        ([[5, 6]], 0, "n .* must be an integer >= 1"),
+        ([[5, 100000]], 1, "prompt 0 has token id 100000"),
+    ],
+)
+def test_bad_input_raises_value_error(engine, make_prompts, prompts, n, match):
+    ids, off = make_prompts(prompts)
+    with pytest.raises(ValueError, match=match):
+        engine.generate(ids, off, n, SamplingConfig(max_tokens=4))
+
+
+# -- weights, probe, sleep ---------------------------------------------------------
+
+
+def test_update_weights_changes_logprobs_to_new_weights(engine, tiny_chat_model, original_state, perturbed_state,
+                                                        ref_logprobs, make_prompts, restore_weights):
+    new_model = copy.deepcopy(tiny_chat_model)
+    new_model.load_state_dict(perturbed_state(original_state, seed=1))
+    before = engine.prompt_logprobs(PROBE_IDS)
+    engine.update_weights(new_model.state_dict().items(), probe=Probe.from_model(new_model, PROBE_IDS, 1e-4))
+    assert np.abs(engine.prompt_logprobs(PROBE_IDS) - before).max() > 1e-2
+    ids, off = make_prompts(PROMPTS)
+    b = engine.generate(ids, off, 2, SamplingConfig(temperature=0.9, max_tokens=12))
+    np.testing.assert_allclose(b.response_logprobs, ref_logprobs(new_model, b, 0.9), atol=1e-4, rtol=0)
+
+
+def test_missing_tensor_raises_and_loads_nothing(engine, original_state, perturbed_state):
+    new = perturbed_state(original_state, seed=2)
+    del new["lm_head.weight"]
+    before = engine.prompt_logprobs(PROBE_IDS)
+    with pytest.raises(WeightSyncError, match="missing 1 .*lm_head.weight"):
+        engine.update_weights(new.items())
+    np.testing.assert_array_equal(engine.prompt_logprobs(PROBE_IDS), before)
+
+
+def test_unknown_and_repeated_tensor_names_raise(engine, original_state):
+    with pytest.raises(ValueError, match="model.bogus.weight"):
+        engine.update_weights(list(original_state.items()) + [("model.bogus.weight", torch.zeros(2))])
+    with pytest.raises(ValueError, match="twice"):
+        engine.update_weights(list(original_state.items()) + [("lm_head.weight", torch.zeros(1))])
+
+
+def test_probe_catches_update_that_silently_drops_a_tensor(engine, tiny_chat_model, original_state,
+                                                          perturbed_state, restore_weights, monkeypatch):
+    # restore_weights comes before monkeypatch: torn down after it, so the
+    # weights are restored through the real _push
+    new_model = copy.deepcopy(tiny_chat_model)
+    new_model.load_state_dict(perturbed_state(original_state, seed=3))
+    probe = Probe.from_model(new_model, PROBE_IDS, 1e-4)
+    push = engine._push
+    monkeypatch.setattr(engine, "_push", lambda w: push(without(w, "lm_head.weight")))
+    with pytest.raises(WeightSyncError, match=r"probe failed.*max \d"):
+        engine.update_weights(new_model.state_dict().items(), probe=probe)
+    monkeypatch.setattr(engine, "_push", lambda w: None)  # the whole update ignored
+    with pytest.raises(WeightSyncError, match="probe failed"):
+        engine.update_weights(new_model.state_dict().items(), probe=probe)
+
+
+def test_verify_probe_returns_max_diff(engine, tiny_chat_model):
+    tol = 1e-5 if type(engine).__name__ == "HFEngine" else 1e-4  # the HF forward is the reference's own
+    probe = Probe(PROBE_IDS, probe_logprobs(tiny_chat_model, PROBE_IDS), tolerance=tol)
+    assert verify_probe(engine, probe) <= tol
+    shifted = Probe(PROBE_IDS, probe.expected_logprobs + np.float32(0.5), tolerance=0.1)
+    with pytest.raises(WeightSyncError, match=r"max 0\.5"):
+        verify_probe(engine, shifted)
+
+
+def test_sleep_wake_round_trip(engine):
+    before = engine.prompt_logprobs(PROBE_IDS)
+    engine.sleep()
+    if engine.supports_sleep:
+        with pytest.raises(RuntimeError, match="asleep"):
+            engine.prompt_logprobs(PROBE_IDS)
+    engine.wake_up()
+    np.testing.assert_allclose(engine.prompt_logprobs(PROBE_IDS), before, atol=1e-6)
+
+
+# -- engine-specific (the shared engine of one kind) ---------------------------------
+
+
+@pytest.mark.parametrize("engine", ["hf"], indirect=True)
+def test_hf_eos_ids_come_from_the_generation_config(engine, eos_ids):
+    assert set(engine.eos_token_ids) == set(eos_ids)  # <|im_end|>, <|endoftext|>
+
+
+@pytest.mark.parametrize("engine", ["hf"], indirect=True)
+def test_hf_sleep_is_exact_and_supported_on_cuda_only(engine):
+    before = engine.prompt_logprobs(PROBE_IDS)
+    engine.sleep()
+    engine.wake_up()
+    np.testing.assert_array_equal(engine.prompt_logprobs(PROBE_IDS), before)
+    assert engine.supports_sleep == (engine.device.type == "cuda")
+
+
+@pytest.mark.parametrize("engine", ["vllm"], indirect=True)
+def test_vllm_asks_for_flat_logprobs_and_reads_them(engine, make_prompts, monkeypatch):
+    """Requests ask for vLLM's flat log-prob format, and what comes back is
+    read as flat: one float per sampled token (no dict per position), equal to
+    the batch's log-probs; prompt log-probs likewise."""
+    from vllm.logprobs import FlatLogprobs
+
+    from areno.rollout import vllm as av
+
+    assert av.HAS_FLAT_LOGPROBS and "FlatLogprobs" in av.flat_logprobs_facility()
+    seen = []
+    generate = engine.llm.generate
+
+    def spy(prompts, params, **kw):
+        outs = generate(prompts, params, **kw)
+        seen.append((params, outs))
+        return outs
+
+    monkeypatch.setattr(engine.llm, "generate", spy)
+    ids, off = make_prompts(PROMPTS[:3])
+    b = engine.generate(ids, off, 2, SamplingConfig(max_tokens=6, seed=2))
+    (params, outs), = seen
+    assert all(p.flat_logprobs and p.logprobs == 0 for p in params)
+    seqs = [c for o in outs for c in o.outputs]
+    assert all(isinstance(c.logprobs, FlatLogprobs) and len(c.logprobs.logprobs) == len(c.token_ids)
+               for c in seqs)
+    np.testing.assert_array_equal(b.response_logprobs,
+                                  np.concatenate([c.logprobs.logprobs for c in seqs]).astype(np.float32))
+    engine.prompt_logprobs(PROBE_IDS)
+    params, outs = seen[-1]
+    assert params.flat_logprobs and isinstance(outs[0].prompt_logprobs, FlatLogprobs)
