@@ -14,13 +14,13 @@ from areno.losses import LossConfig
 Device = Literal["cpu", "cuda"]
 DType = Literal["float32", "bfloat16"]
 Strategy = Literal["fsdp2", "ddp", "auto"]
-AttnImpl = Literal["auto", "sdpa", "flash_attention_2", "eager"]
+AttnImpl = Literal["auto", "varlen", "flash_attention_2", "flex", "sdpa", "eager"]
 Launcher = Literal["spawn", "external"]
 
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 STRATEGIES: tuple[str, ...] = ("fsdp2", "ddp", "auto")
-ATTN_IMPLS: tuple[str, ...] = ("auto", "sdpa", "flash_attention_2", "eager")
+ATTN_IMPLS: tuple[str, ...] = ("auto", "varlen", "flash_attention_2", "flex", "sdpa", "eager")
 LAUNCHERS: tuple[str, ...] = ("spawn", "external")
 
 
@@ -41,9 +41,12 @@ class BackendConfig:
     """'fsdp2' (fully_shard per decoder layer + root), 'ddp', or 'auto' (= fsdp2;
     FSDP2 works under gloo on CPU too, so CPU tests run the GPU code path)."""
     attn_implementation: AttnImpl = "auto"
-    """'auto': flash_attention_2 on GPU if flash_attn imports, else sdpa. Packed
-    sequences are separated by position_ids in both (transformers detects the
-    restarts and builds a block-diagonal causal mask / varlen call)."""
+    """Packed attention kernel (backend/attention.py), each computing only
+    within-sequence blocks from the pack's cu_seqlens: 'varlen' (torch's flash
+    varlen, CUDA), 'flash_attention_2' (flash-attn, CUDA), 'flex' (FlexAttention
+    document mask), 'sdpa' (one causal sdpa per sequence), 'eager' (debugging).
+    'auto': flash_attention_2 if flash_attn imports, else varlen, else flex on
+    CUDA; sdpa on CPU."""
 
     # optimizer and schedule
     lr: float = 1e-6
@@ -147,8 +150,8 @@ class BackendConfig:
                 bad(name, getattr(self, name), "must be > 0")
         if self.device == "cpu" and self.dtype == "bfloat16":
             bad("dtype", self.dtype, "bfloat16 needs device='cuda' (CPU ranks train in float32)")
-        if self.device == "cpu" and self.attn_implementation == "flash_attention_2":
-            bad("attn_implementation", self.attn_implementation, "flash_attention_2 needs device='cuda'")
+        if self.device == "cpu" and self.attn_implementation in ("flash_attention_2", "varlen"):
+            bad("attn_implementation", self.attn_implementation, f"{self.attn_implementation} needs device='cuda'")
 
     @property
     def resolved_strategy(self) -> str:
