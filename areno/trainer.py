@@ -99,7 +99,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     with timer("materialize"):
         adv, keep, n_zero_var = advantages_and_keep(cfg, batch, scored)
         split = build_split_pack(
-            batch, adv, world_size=run.world_size, max_tokens=cfg.max_tokens_per_micro,
+            batch, adv, world_size=run.world_size, max_tokens=run.max_tokens_per_micro,
             num_minibatches=cfg.mini_batches, loss_agg=cfg.loss_agg,
             norm_len=cfg.max_new_tokens, keep=keep, workspace=run.workspace,
         )
@@ -115,6 +115,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     m = step_metrics(run, batch, scored, split.pack.num_tokens, split.plan.imbalance,
                      n_zero_var, opt_steps, timer.times, elapsed)
     m["data/prompt_hash"] = prompt_hash(prompt_idx)
+    m.update(getattr(run.backend, "last_perf", {}))  # perf/train_tokens_per_s, perf/mfu (GPU)
     return m
 
 

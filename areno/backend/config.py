@@ -48,6 +48,10 @@ class BackendConfig:
     'auto': flash_attention_2 if flash_attn imports, else varlen, else flex on
     CUDA; sdpa on CPU."""
 
+    compile_layers: bool = False
+    """torch.compile each decoder layer (`layer.compile()`, before FSDP2 wraps it).
+    The first train call pays the compile warm-up."""
+
     # optimizer and schedule
     lr: float = 1e-6
     """AdamW peak learning rate."""

@@ -201,6 +201,9 @@ def wrap_policy(
     world = torch.distributed.get_world_size()
     if trainable and cfg.grad_checkpointing:
         policy.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.compile_layers:
+        for layer in policy.hf.model.layers:
+            layer.compile()
     if strategy == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
 

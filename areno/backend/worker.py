@@ -17,6 +17,7 @@ from areno.backend.config import BackendConfig
 from areno.backend.handoff import LocalPack, RankHandoff, map_region
 from areno.backend.model import PolicyModule, load_hf_model, resolve_attn_implementation, wrap_policy
 from areno.backend.step import RankTrainer
+from areno.perf import flop_shape
 from areno.backend.weights import (
     WeightLayout,
     cpu_skeleton,
@@ -70,6 +71,9 @@ class RankWorker:
             "rank": self.rank, "pid": os.getpid(), "host": os.uname().nodename, "same_host": self.same_host,
             "vocab_size": self.vocab_size, "weights": self.export_meta if self.rank == 0 else None,
             "strategy": self.wrapped.strategy,
+            # for perf/mfu in the controller, which never touches CUDA
+            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
+            "flop_shape": flop_shape(self.hf),
         }
 
     def close(self) -> None:
