@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> dict:
                     cpu[name].append(c)
             peak = {"areno": backend.last_timings.get("peak_gpu_mem_gb") if args.gpu else vm_hwm_gb(rank_pid),
                     "padded": torch.cuda.max_memory_allocated() / 2**30 if args.gpu else vm_hwm_gb()}
-            res["areno_perf"] = dict(backend.last_perf)
+            res["areno_perf"] = dict(getattr(backend, "last_perf", {}))
     flops = train_flops(shape_f, lengths)
     peak_flops = peak_bf16_flops(torch.cuda.get_device_name() if args.gpu else None)
     for name, ts in times.items():
@@ -235,6 +235,41 @@ def run(args: argparse.Namespace) -> dict:
                         if res["padded"]["tokens_per_cpu_s"] and res["areno"]["tokens_per_cpu_s"] else None)
     res["padded_fill"] = tokens / sum(float(m["ids"].numel()) for m in micros)  # real / padded positions
     return res
+
+
+def sweep_micro(args: argparse.Namespace, budgets: list[int]) -> dict:
+    """areno alone, one backend, budgets in ascending order (peak memory is a
+    running maximum, so it is the peak of the largest budget so far)."""
+    kind = "smoke" if args.smoke else ("gpu" if args.gpu else "cpu")
+    shape, b = MODELS[kind], BATCHES[kind]
+    device = torch.device("cuda" if args.gpu else "cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batch, adv = make_batch(b, shape["vocab_size"], args.seed)
+    out: dict = {"meta": {"kind": kind, "sweep": budgets, "repeats": args.repeats}, "rows": []}
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        model_dir = Path(tmp) / "model"
+        build_model_dir(shape, model_dir)
+        cfg = BackendConfig(model_path=str(model_dir), world_size=1, device=device.type,
+                            dtype="bfloat16" if args.gpu else "float32", lr=1e-6, attn_implementation=args.attn,
+                            cpu_threads=torch.get_num_threads(), **({"compile_layers": True} if args.compile else {}))
+        with TorchBackend(cfg) as backend:
+            pid = backend.rank_pids[0]
+            for budget in sorted(budgets):
+                split = build_split_pack(batch, adv, world_size=1, max_tokens=budget, num_minibatches=1)
+                tokens = float(split.pack.num_tokens)
+                timed(lambda: backend.train(split), device, pid)
+                runs = [timed(lambda: backend.train(split), device, pid) for _ in range(args.repeats)]
+                w, c = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+                peak = backend.last_timings.get("peak_gpu_mem_gb") if args.gpu else vm_hwm_gb(pid)
+                out["rows"].append({"micro_tokens": budget, "micro_batches": int(split.num_micro),
+                                    "tokens_per_s": tokens / w, "tokens_per_cpu_s": tokens / c, "peak_mem_gb": peak})
+    lines = [f"bench_train {kind} micro-batch sweep (areno only, median of {args.repeats})",
+             f"{'budget':>7} {'micros':>6} {'tokens/s':>9} {'tok/cpu-s':>9} {'peak GB':>8}"]
+    lines += [f"{r['micro_tokens']:7d} {r['micro_batches']:6d} {r['tokens_per_s']:9,.0f} "
+              f"{r['tokens_per_cpu_s']:9,.0f} {r['peak_mem_gb']:8.2f}" for r in out["rows"]]
+    out["report"] = "\n".join(lines)
+    return out
 
 
 def report(res: dict) -> str:
@@ -269,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="timed steps per trainer (default 5; smoke 1)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU threads of both trainers (default: torch's, one per core)")
+    ap.add_argument("--sweep-micro", default=None,
+                    help="comma-separated micro-batch budgets: time areno alone at each (choosing the default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench_results/train.json"))
     args = ap.parse_args(argv)
@@ -277,10 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpu and not torch.cuda.is_available():
         print("bench_train: --gpu needs a CUDA device", file=sys.stderr)
         return 2
-    res = run(args)
-    text = report(res)
-    print(text, flush=True)
-    res["report"] = text
+    if args.sweep_micro:
+        res = sweep_micro(args, [int(x) for x in args.sweep_micro.split(",")])
+    else:
+        res = run(args)
+        res["report"] = report(res)
+    print(res["report"], flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(res, indent=1))

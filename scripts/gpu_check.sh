@@ -7,6 +7,9 @@
 #
 #   bash scripts/gpu_check.sh                 # on the GPU machine, from the repo root
 #   bash scripts/gpu_check.sh --cpu-smoke     # the same logic on CPU, tiny shape
+#   bash scripts/gpu_check.sh --bench-train   # issue 11 instead: scripts/bench_train.py --gpu,
+#                                             # eager then --compile (about 6-9 minutes);
+#                                             # $OUT/bench_train_gpu{,_compile}.{txt,json}
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-}"
@@ -17,6 +20,15 @@ RESULTS="${OUT:-.}/gpu_check.txt"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false
 export ARENO_CACHE="${ARENO_CACHE:-$(mktemp -d)}"
+if [[ "${1:-}" == "--bench-train" ]]; then
+  for mode in "" "--compile"; do
+    name="bench_train_gpu${mode:+_compile}"
+    timeout --signal=TERM --kill-after=30 "${BENCH_TRAIN_TIMEOUT:-270}" \
+      "$PY" scripts/bench_train.py --gpu $mode --repeats 3 --out "${OUT:-.}/$name.json" \
+      2>&1 | tee "${OUT:-.}/$name.txt"
+  done
+  exit 0
+fi
 # the whole check must never outlive its budget (the driver tears the backend down on exit)
 exec timeout --signal=TERM --kill-after=30 "${GPU_CHECK_TIMEOUT:-540}" \
   "$PY" scripts/gpu_check.py --out "$RESULTS" "$@"

@@ -93,7 +93,8 @@ def _packed_padded_alone(policy: PolicyModule, pass_cu: bool = True):
 @pytest.mark.parametrize("impl", ["sdpa", "eager", "flex"])
 def test_packed_and_padded_logprobs_agree(tiny_chat_path, impl: str) -> None:
     """Every packed kernel that runs on CPU keeps attention inside each sequence:
-    packed == padded == each sequence alone."""
+    packed == padded == each sequence alone (flex: forward only, as on CPU
+    torch has no flex backward)."""
     (lp, ent), (lp_pad, ent_pad), alone = _packed_padded_alone(_policy(tiny_chat_path, impl))
     torch.testing.assert_close(lp, lp_pad, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(ent, ent_pad, atol=2e-5, rtol=1e-5)
@@ -134,8 +135,9 @@ def test_varlen_adapter_layout_with_a_cpu_stand_in(tiny_chat_path, monkeypatch) 
 
 def test_auto_attention_is_per_sequence_sdpa_on_cpu() -> None:
     assert resolve_attn_implementation(BackendConfig(model_path="x")) == "sdpa"
-    with pytest.raises(ValueError, match="varlen needs device='cuda'"):
-        BackendConfig(model_path="x", attn_implementation="varlen")
+    for impl in ("varlen", "flex", "flash_attention_2"):
+        with pytest.raises(ValueError, match=f"{impl} needs device='cuda'"):
+            BackendConfig(model_path="x", attn_implementation=impl)
 
 
 # -- hand-off ------------------------------------------------------------------

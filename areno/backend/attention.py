@@ -164,7 +164,9 @@ def document_block_mask(position_ids: torch.Tensor):
     def doc_causal(b, h, i, j):
         return (start[i] == start[j]) & (j <= i)
 
-    return create_block_mask(doc_causal, 1, None, L, L, device=position_ids.device)
+    # compiled on CUDA: eager create_block_mask materialises a dense [L, L] mask first
+    return create_block_mask(doc_causal, 1, None, L, L, device=position_ids.device,
+                             _compile=position_ids.is_cuda)
 
 
 def flex(module: nn.Module, q, k, v, attention_mask=None, *, scaling=None,

@@ -154,7 +154,8 @@ class BackendConfig:
                 bad(name, getattr(self, name), "must be > 0")
         if self.device == "cpu" and self.dtype == "bfloat16":
             bad("dtype", self.dtype, "bfloat16 needs device='cuda' (CPU ranks train in float32)")
-        if self.device == "cpu" and self.attn_implementation in ("flash_attention_2", "varlen"):
+        if self.device == "cpu" and self.attn_implementation in ("flash_attention_2", "varlen", "flex"):
+            # flex runs forward on CPU, but torch 2.13 has no CPU backward for it
             bad("attn_implementation", self.attn_implementation, f"{self.attn_implementation} needs device='cuda'")
 
     @property
