@@ -332,3 +332,45 @@ def test_bfloat16_export_and_probe_from_the_exported_bytes(tiny_chat_path, monke
             del named
         finally:
             seg.unlink()
+
+
+def test_packed_forward_builds_no_mask(tiny_chat_path, monkeypatch) -> None:
+    """The training path never builds an [L, L] mask nor scans position_ids for
+    restarts (a host sync on GPU): transformers' mask builders must not run."""
+    import transformers.masking_utils as mu
+
+    def boom(*a, **k):
+        raise AssertionError("a mask was built on the packed path")
+
+    for name in ("sdpa_mask", "eager_mask", "find_packed_sequence_indices"):
+        monkeypatch.setattr(mu, name, boom)
+    monkeypatch.setattr(mu.ALL_MASK_ATTENTION_FUNCTIONS, "_global_mapping",
+                        {k: boom for k in mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping})
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def no_mask_sdpa(q, k, v, attn_mask=None, **kw):
+        assert attn_mask is None, f"sdpa got a mask of shape {tuple(attn_mask.shape)}"
+        calls.append(q.shape[-2])
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_mask_sdpa)
+    policy = _policy(tiny_chat_path, "sdpa")
+    b = random_batch(seed=3, vocab=VOCAB, max_response=12)
+    pack = build_train_pack(b, np.zeros(b.num_responses, np.float32))
+    lp, _ = policy(pack.input_ids.long()[None], pack.position_ids.long()[None], pack.targets.long()[None],
+                   cu_seqlens=pack.cu_seqlens, max_seqlen=pack.max_seqlen)
+    lp.sum().backward()
+    assert torch.isfinite(lp).all()
+    # one call per sequence and layer, each only as long as its sequence
+    assert len(calls) == pack.num_seqs * policy.hf.config.num_hidden_layers
+    assert max(calls) == pack.max_seqlen
+
+
+def test_auto_attention_on_cuda_prefers_flash_attn_then_varlen_then_flex(monkeypatch) -> None:
+    from areno.backend import attention
+
+    for fa, vl, want in ((True, True, "flash_attention_2"), (False, True, "varlen"), (False, False, "flex")):
+        monkeypatch.setattr(attention, "has_flash_attn", lambda fa=fa: fa)
+        monkeypatch.setattr(attention, "has_torch_varlen", lambda vl=vl: vl)
+        assert attention.auto_impl("cuda") == want
