@@ -44,3 +44,21 @@ def test_mfu_only_on_a_known_gpu() -> None:
 
 def test_default_micro_tokens_per_device() -> None:
     assert default_micro_tokens("cpu") > 0 and default_micro_tokens("cuda") >= default_micro_tokens("cpu")
+
+
+def test_controller_perf_counts_every_epoch_and_rank() -> None:
+    """The controller's per-call figures from the ranks' hello (no CUDA in the controller)."""
+    from areno.backend.controller import _train_perf
+    from areno.pack import build_split_pack
+    from helpers import random_batch
+
+    b = random_batch(seed=2, num_prompts=5, max_response=30)
+    split = build_split_pack(b, np.zeros(b.num_responses, np.float32), world_size=2, max_tokens=64)
+    shape = FlopShape(matmul_params=10_000, num_layers=3, attn_dim=32)
+    hellos = [{"flop_shape": shape, "device_name": "NVIDIA H200"}] * 2
+    out = _train_perf(split, 2, 0.5, hellos)
+    tokens = float(split.pack.num_tokens)
+    assert out["perf/train_tokens_per_s"] == pytest.approx(2 * tokens / 0.5)
+    want = 2 * train_flops(shape, split.pack.seq_lengths) / (0.5 * 2 * 989e12)
+    assert out["perf/mfu"] == pytest.approx(want)
+    assert "perf/mfu" not in _train_perf(split, 1, 0.5, [{"flop_shape": shape, "device_name": None}])

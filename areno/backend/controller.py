@@ -364,7 +364,6 @@ def _cleanup(procs: list, conns: list, segments: list[ShmSegment], grace_s: floa
             s.unlink()
 
 
-
 def _train_perf(split: SplitPack, epochs: int, train_s: float, hellos: list[dict]) -> dict[str, float]:
     """Throughput of one train(): every epoch trains every sequence of the pack once."""
     lengths = split.pack.seq_lengths

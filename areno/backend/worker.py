@@ -17,7 +17,6 @@ from areno.backend.config import BackendConfig
 from areno.backend.handoff import LocalPack, RankHandoff, map_region
 from areno.backend.model import PolicyModule, load_hf_model, resolve_attn_implementation, wrap_policy
 from areno.backend.step import RankTrainer
-from areno.perf import flop_shape
 from areno.backend.weights import (
     WeightLayout,
     cpu_skeleton,
@@ -27,6 +26,7 @@ from areno.backend.weights import (
     state_meta,
     write_export,
 )
+from areno.perf import flop_shape
 
 
 class RankWorker:
@@ -58,6 +58,7 @@ class RankWorker:
         self.export_names = hf_state_names(hf)
         self.export_meta = state_meta(hf, cfg.export_dtype)
         self.hf = hf
+        self.flop_shape = flop_shape(hf)  # before FSDP2 turns the weights into DTensors
         self.wrapped = wrap_policy(PolicyModule(hf, cfg.logprob_chunk_size), cfg, self.device)
         ref = None
         if cfg.needs_ref_model:
@@ -73,7 +74,7 @@ class RankWorker:
             "strategy": self.wrapped.strategy,
             # for perf/mfu in the controller, which never touches CUDA
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
-            "flop_shape": flop_shape(self.hf),
+            "flop_shape": self.flop_shape,
         }
 
     def close(self) -> None:
