@@ -106,14 +106,9 @@ def test_packed_without_cu_seqlens_derives_them(tiny_chat_path) -> None:
     torch.testing.assert_close(lp, lp_pad, atol=2e-5, rtol=1e-5)
 
 
-def test_varlen_adapter_layout_with_a_cpu_stand_in(tiny_chat_path, monkeypatch) -> None:
-    """torch's varlen_attn has no CPU kernel; a per-sequence sdpa with its
-    signature stands in, so the adapter's [L, H, D] layout, causal window, GQA
-    flag and cu_seqlens/max_seqlen plumbing are checked here."""
-    import torch.nn.attention.varlen as tv
+def _varlen_stand_in(calls: list):
+    """torch 2.13's varlen_attn signature over a per-sequence sdpa (CPU)."""
     import torch.nn.functional as F
-
-    calls = []
 
     def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
         assert q.dim() == 3 and window_size == (-1, 0) and cu_q is cu_k and max_q == max_k
@@ -126,7 +121,28 @@ def test_varlen_adapter_layout_with_a_cpu_stand_in(tiny_chat_path, monkeypatch) 
                 for a, b in zip(cu[:-1], cu[1:])]
         return torch.cat(outs)
 
-    monkeypatch.setattr(tv, "varlen_attn", stand_in)
+    def old_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None, scale=None):
+        """torch 2.10's: is_causal, no GQA flag (K/V must have the query's heads)."""
+        assert is_causal and q.shape[1] == k.shape[1]
+        return stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
+
+    return stand_in, old_stand_in
+
+
+@pytest.mark.parametrize("version", ["2.13", "2.10"])
+def test_varlen_adapter_layout_with_a_cpu_stand_in(tiny_chat_path, monkeypatch, version: str) -> None:
+    """torch's varlen_attn has no CPU kernel; a per-sequence sdpa with its
+    signature stands in, so the adapter's [L, H, D] layout, causal flag, GQA
+    handling and cu_seqlens/max_seqlen plumbing are checked here, for both
+    signatures the adapter knows."""
+    import torch.nn.attention.varlen as tv
+
+    from areno.backend import attention
+
+    calls: list = []
+    new, old = _varlen_stand_in(calls)
+    monkeypatch.setattr(tv, "varlen_attn", new if version == "2.13" else old)
+    monkeypatch.setattr(attention, "_VARLEN_FLAGS", [])
     (lp, _), (lp_pad, _), alone = _packed_padded_alone(_policy(tiny_chat_path, "varlen"))
     torch.testing.assert_close(lp, lp_pad, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(lp, alone, atol=2e-5, rtol=1e-5)

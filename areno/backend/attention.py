@@ -124,17 +124,41 @@ def eager_per_sequence(module: nn.Module, q, k, v, attention_mask=None, *, scali
     return torch.cat(out, dim=1), None
 
 
-def varlen(module: nn.Module, q, k, v, attention_mask=None, *, scaling=None,
-           cu_seq_lens_q=None, max_length_q=None, **kw):
-    """torch's flash varlen: q/k/v as [L, H, D], causal = window (-1, 0)."""
-    if cu_seq_lens_q is None:
-        return _padded_fallback(module, q, k, v, attention_mask, scaling)
+def _varlen_flags() -> tuple[bool, bool]:
+    """(takes window_size, takes enable_gqa): torch 2.10 had is_causal and no GQA
+    flag; 2.13 has window_size=(-1, 0) for causal and enable_gqa."""
+    import inspect
+
     from torch.nn.attention.varlen import varlen_attn
 
+    params = inspect.signature(varlen_attn).parameters
+    return "window_size" in params, "enable_gqa" in params
+
+
+def varlen(module: nn.Module, q, k, v, attention_mask=None, *, scaling=None,
+           cu_seq_lens_q=None, max_length_q=None, **kw):
+    """torch's flash varlen: q/k/v as [L, H, D], causal."""
+    if cu_seq_lens_q is None:
+        return _padded_fallback(module, q, k, v, attention_mask, scaling)
+    from torch.nn.attention import varlen as tv
+
+    if not _VARLEN_FLAGS:
+        _VARLEN_FLAGS.extend(_varlen_flags())
+    window, gqa_flag = _VARLEN_FLAGS
     qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))  # [L, H, D]
-    out = varlen_attn(qt, kt, vt, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,
-                      scale=scaling, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+    opts: dict = {"scale": scaling}
+    opts.update({"window_size": (-1, 0)} if window else {"is_causal": True})
+    if q.shape[1] != k.shape[1]:
+        if gqa_flag:
+            opts["enable_gqa"] = True
+        else:  # no GQA in the kernel: repeat each KV head for its query group
+            rep = q.shape[1] // k.shape[1]
+            kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
+    out = tv.varlen_attn(qt, kt, vt, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, **opts)
     return out[None], None
+
+
+_VARLEN_FLAGS: list[bool] = []  # filled once by the first varlen call
 
 
 _compiled_flex = None
