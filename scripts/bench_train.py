@@ -133,6 +133,8 @@ def padded_step(model, opt, micros: list[dict], device: torch.device, dtype: tor
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if device.type == "cuda":  # hand the cached blocks back: areno's rank shares the GPU
+        torch.cuda.empty_cache()
 
 
 def load_padded(model_dir: Path, device: torch.device, compile_layers: bool):
