@@ -139,8 +139,9 @@ class TrainConfig:
         False, "Take old log-probs from the trainer before the first update instead of the "
         "sampler's.", "Optimization")
     grad_checkpointing: bool = opt(False, "Activation checkpointing.", "Optimization")
-    max_tokens_per_micro: int = opt(8192, "Token budget of one micro-batch per rank.",
-                                    "Optimization", ge=1)
+    max_tokens_per_micro: int | None = opt(
+        None, "Token budget of one micro-batch per rank. Unset: measured per device, 16384 on "
+        "GPU, 4096 on CPU (docs/PERFORMANCE.md).", "Optimization", ge=1)
     max_nan_steps: int = opt(3, "Stop after this many NaN/inf steps in a row (each is skipped).",
                              "Optimization", ge=1)
     # -- Parallelism -------------------------------------------------------------

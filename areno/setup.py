@@ -25,6 +25,7 @@ from areno.modelinfo import check_context
 from areno.multinode import controller_port, start_local_ranks
 from areno.multinode import stop as stop_ranks
 from areno.pack import Workspace
+from areno.perf import default_micro_tokens
 from areno.reporting import RunLogger
 from areno.resume import restart_unsaved
 from areno.rewards import RewardScorer
@@ -56,6 +57,7 @@ class Run:
     step: int = 0
     evalset: tuple[RowSet, PromptSet] | None = None
     workspace: Workspace = field(default_factory=Workspace)  # pack buffers reused every step
+    max_tokens_per_micro: int = 8192  # --max-tokens-per-micro, or the device's default
 
     def maybe_eval(self, step: int, force: bool = False) -> None:
         cfg = self.cfg
@@ -278,7 +280,8 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
         yield Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows,
                   prompts=prompts, sampler=sampler, sampling=sampling, scorer=scorer,
                   backend=backend, engine=engine, logger=logger, world_size=world_size,
-                  total_steps=total, step=start, evalset=evalset)
+                  total_steps=total, step=start, evalset=evalset,
+                  max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
 
 
 def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_size: int,

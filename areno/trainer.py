@@ -130,7 +130,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             mode=cfg.adv_mode, filter_zero_variance=cfg.filter_zero_variance_groups,
             mask_overlong=cfg.mask_overlong)
         split = build_split_pack(
-            batch, adv, world_size=run.world_size, max_tokens=cfg.max_tokens_per_micro,
+            batch, adv, world_size=run.world_size, max_tokens=run.max_tokens_per_micro,
             num_minibatches=cfg.mini_batches, loss_agg=cfg.loss_agg,
             norm_len=cfg.max_new_tokens, keep=keep, workspace=run.workspace,
         )
@@ -146,6 +146,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     m = step_metrics(run, batch, scored, split.pack.num_tokens, split.plan.imbalance,
                      n_zero_var, opt_steps, timer.times, elapsed)
     m["data/prompt_hash"] = prompt_hash(prompt_idx)
+    m.update(getattr(run.backend, "last_perf", {}))  # perf/train_tokens_per_s, perf/mfu (GPU)
     if "peak_gpu_mem_gb" in train_timings:  # GPU only: the largest rank's allocator peak
         m["perf/peak_gpu_mem_gb"] = train_timings["peak_gpu_mem_gb"]
     return m

@@ -74,19 +74,22 @@ def build_model_dir(shape: dict, device: str, out: Path) -> None:
         torch.cuda.empty_cache()
 
 
-def packed_attention_check(device: str) -> float:
-    """max |packed - padded| log-prob on a tiny fp32 model on `device` (transformers'
-    packed-sequence masking is what keeps sequences apart)."""
+def packed_attention_check(device: str, impl: str = "sdpa") -> float:
+    """max |packed - padded| log-prob on a tiny model on `device` with areno's packed
+    kernel `impl` (backend/attention.py); fp32, bf16 for the flash kernels."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from areno.backend.attention import hf_name, register
     from areno.backend.model import PolicyModule
     from areno.pack import build_train_pack
     from areno.rollout.batch import RolloutBatch, offsets_from_lengths
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(**(TINY | {"vocab_size": 300}), attn_implementation="sdpa")
-    hf = Qwen3ForCausalLM(cfg).to(device).eval()
+    register()
+    cfg = Qwen3Config(**(TINY | {"vocab_size": 300}), attn_implementation=hf_name(impl))
+    dtype = torch.bfloat16 if impl in ("varlen", "flash_attention_2") else torch.float32  # flash: no fp32
+    hf = Qwen3ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
     rng = np.random.default_rng(0)
     p_len, r_len = np.array([5, 9, 3]), np.array([7, 4, 11, 6, 8, 2])
     b = RolloutBatch(rng.integers(0, 300, p_len.sum()).astype(np.int32), offsets_from_lengths(p_len),
@@ -145,9 +148,15 @@ def run(args: argparse.Namespace, rep: Report, work: Path) -> None:
     shape = TINY if smoke else QWEN3_06B
     rep.add(f"model shape: {json.dumps(shape)}")
 
-    diff = packed_attention_check(device)
-    # a packed forward that leaked across sequences differs by ~0.3 on this model
-    rep.check("packed == padded log-probs (sdpa, position_ids)", diff < 1e-3, f"max diff {diff:.2e}")
+    from areno.backend.attention import has_flash_attn, has_torch_varlen
+
+    impls = ["sdpa"] + (["flex"] + ["varlen"] * has_torch_varlen() + ["flash_attention_2"] * has_flash_attn()
+                        if device == "cuda" else [])
+    for impl in impls:
+        diff = packed_attention_check(device, impl)
+        # a packed forward that leaked across sequences differs by ~0.3 on this model
+        tol = 3e-2 if impl in ("varlen", "flash_attention_2") else 1e-3  # bf16 vs fp32
+        rep.check(f"packed == padded log-probs ({impl}, cu_seqlens)", diff < tol, f"max diff {diff:.2e}")
 
     t = time.perf_counter()
     model_dir = work / "model"
@@ -248,9 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-tokens", type=int, default=None)
     ap.add_argument("--minibatches", type=int, default=2)
     ap.add_argument("--grad-checkpointing", action="store_true")
-    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "auto", "flash_attention_2"],
-                    help="backend attention (auto picks flash_attention_2 when flash-attn imports; "
-                         "sdpa is the path verified on CPU)")
+    ap.add_argument("--attn", default="auto", choices=["auto", "varlen", "flash_attention_2", "flex", "sdpa"],
+                    help="backend attention (backend/attention.py; auto: flash-attn, else torch varlen, else flex)")
     args = ap.parse_args(argv)
     smoke = args.cpu_smoke
     for name, gpu, cpu in (("steps", 4, 2), ("prompts", 16, 4), ("prompt_len", 64, 12), ("new_tokens", 192, 8),

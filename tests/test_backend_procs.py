@@ -74,6 +74,8 @@ def test_one_rank_and_two_ranks_make_the_same_update(first_step, tiny_chat_model
         for k in ("loss", "grad_norm", "clip_frac", "num_tokens", "loss_tokens", "entropy", "lr"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
     assert [m["step"] for m in m2] == [1.0, 2.0]
+    be1 = first_step[0]
+    assert be1.last_perf["perf/train_tokens_per_s"] > 0 and "perf/mfu" not in be1.last_perf  # CPU
 
 
 def test_a_few_steps_on_a_fixed_pack_lower_the_loss(first_step) -> None:

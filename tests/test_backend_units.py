@@ -14,7 +14,8 @@ import torch
 from areno.backend.config import BackendConfig
 from areno.backend.controller import free_port
 from areno.backend.handoff import LocalPack, PackWriter, list_segments
-from areno.backend.model import PolicyModule, chunked_logprobs
+from areno.backend.attention import hf_name, register
+from areno.backend.model import PolicyModule, chunked_logprobs, resolve_attn_implementation
 from areno.backend.step import NonFiniteStepsError, lr_lambda
 from areno.losses import LossConfig
 from areno.pack import build_split_pack, build_train_pack
@@ -59,42 +60,100 @@ def test_chunked_logprobs_equal_full_log_softmax_values_and_grads(chunk: int) ->
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
 
 
-def test_packed_causal_mask_is_block_diagonal_causal() -> None:
-    from areno.backend.model import packed_causal_mask
-
-    lengths = [3, 1, 4, 2]
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
-    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    L = int(pos.numel())
-    want = torch.tensor([[bool(seq[i] == seq[j] and j <= i) for j in range(L)] for i in range(L)])
-    got = packed_causal_mask(pos)
-    assert got.shape == (1, 1, L, L) and torch.equal(got[0, 0], want)
-
-
-def test_packed_and_padded_logprobs_agree(tiny_chat_path) -> None:
-    """Packed sequences (position_ids restarts, sdpa) attend only within their sequence."""
+def _policy(tiny_chat_path, impl: str) -> PolicyModule:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_chat_path, dtype=torch.float32, attn_implementation="sdpa")
-    policy = PolicyModule(hf, chunk_size=13).eval()
+    register()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_chat_path, dtype=torch.float32, attn_implementation=hf_name(impl))
+    return PolicyModule(hf, chunk_size=13).eval()
+
+
+def _packed_padded_alone(policy: PolicyModule, pass_cu: bool = True):
+    """(packed lp, ent), (padded lp, ent at real positions), each sequence alone."""
     b = random_batch(seed=3, vocab=VOCAB, max_response=12)
     pack = build_train_pack(b, np.zeros(b.num_responses, np.float32))
+    assert pack.num_seqs > 5
+    cu_kw = {"cu_seqlens": pack.cu_seqlens, "max_seqlen": pack.max_seqlen} if pass_cu else {}
     with torch.no_grad():
-        lp, ent = policy(pack.input_ids.long()[None], pack.position_ids.long()[None], pack.targets.long()[None])
+        lp, ent = policy(pack.input_ids.long()[None], pack.position_ids.long()[None], pack.targets.long()[None],
+                         **cu_kw)
         pad = pack.to_padded()
         lp_pad, ent_pad = policy(pad.input_ids.long(), pad.position_ids.long(), pad.targets.long(),
                                  attention_mask=pad.attention_mask.long())
-        # reference: each sequence alone
         alone = []
         cu = pack.cu_seqlens.tolist()
         for a, b in zip(cu[:-1], cu[1:]):
             x = pack.input_ids[a:b].long()[None]
-            logits = hf(input_ids=x).logits[0].float()
+            logits = policy.hf(input_ids=x).logits[0].float()
             alone.append(torch.log_softmax(logits, -1).gather(-1, pack.targets[a:b].long()[:, None])[:, 0])
-    torch.testing.assert_close(lp[0], lp_pad[pad.attention_mask], atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(ent[0], ent_pad[pad.attention_mask], atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(lp[0], torch.cat(alone), atol=2e-5, rtol=1e-5)
-    assert pack.num_seqs > 5
+    m = pad.attention_mask
+    return (lp[0], ent[0]), (lp_pad[m], ent_pad[m]), torch.cat(alone)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager", "flex"])
+def test_packed_and_padded_logprobs_agree(tiny_chat_path, impl: str) -> None:
+    """Every packed kernel that runs on CPU keeps attention inside each sequence:
+    packed == padded == each sequence alone (flex: forward only, as on CPU
+    torch has no flex backward)."""
+    (lp, ent), (lp_pad, ent_pad), alone = _packed_padded_alone(_policy(tiny_chat_path, impl))
+    torch.testing.assert_close(lp, lp_pad, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(ent, ent_pad, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lp, alone, atol=2e-5, rtol=1e-5)
+
+
+def test_packed_without_cu_seqlens_derives_them(tiny_chat_path) -> None:
+    (lp, _), (lp_pad, _), _ = _packed_padded_alone(_policy(tiny_chat_path, "sdpa"), pass_cu=False)
+    torch.testing.assert_close(lp, lp_pad, atol=2e-5, rtol=1e-5)
+
+
+def _varlen_stand_in(calls: list):
+    """torch 2.13's varlen_attn signature over a per-sequence sdpa (CPU)."""
+    import torch.nn.functional as F
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        assert q.dim() == 3 and window_size == (-1, 0) and cu_q is cu_k and max_q == max_k
+        assert cu_q.dtype == torch.int32
+        calls.append(max_q)
+        cu = cu_q.tolist()
+        outs = [F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                               v[a:b].transpose(0, 1), is_causal=True, scale=scale,
+                                               enable_gqa=enable_gqa).transpose(0, 1)
+                for a, b in zip(cu[:-1], cu[1:])]
+        return torch.cat(outs)
+
+    def old_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None, scale=None):
+        """torch 2.10's: is_causal, no GQA flag (K/V must have the query's heads)."""
+        assert is_causal and q.shape[1] == k.shape[1]
+        return stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
+
+    return stand_in, old_stand_in
+
+
+@pytest.mark.parametrize("version", ["2.13", "2.10"])
+def test_varlen_adapter_layout_with_a_cpu_stand_in(tiny_chat_path, monkeypatch, version: str) -> None:
+    """torch's varlen_attn has no CPU kernel; a per-sequence sdpa with its
+    signature stands in, so the adapter's [L, H, D] layout, causal flag, GQA
+    handling and cu_seqlens/max_seqlen plumbing are checked here, for both
+    signatures the adapter knows."""
+    import torch.nn.attention.varlen as tv
+
+    from areno.backend import attention
+
+    calls: list = []
+    new, old = _varlen_stand_in(calls)
+    monkeypatch.setattr(tv, "varlen_attn", new if version == "2.13" else old)
+    monkeypatch.setattr(attention, "_VARLEN_FLAGS", [])
+    (lp, _), (lp_pad, _), alone = _packed_padded_alone(_policy(tiny_chat_path, "varlen"))
+    torch.testing.assert_close(lp, lp_pad, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lp, alone, atol=2e-5, rtol=1e-5)
+    assert calls and calls[0] == max(calls)
+
+
+def test_auto_attention_is_per_sequence_sdpa_on_cpu() -> None:
+    assert resolve_attn_implementation(BackendConfig(model_path="x")) == "sdpa"
+    for impl in ("varlen", "flex", "flash_attention_2"):
+        with pytest.raises(ValueError, match=f"{impl} needs device='cuda'"):
+            BackendConfig(model_path="x", attn_implementation=impl)
 
 
 # -- hand-off ------------------------------------------------------------------
@@ -289,3 +348,45 @@ def test_bfloat16_export_and_probe_from_the_exported_bytes(tiny_chat_path, monke
             del named
         finally:
             seg.unlink()
+
+
+def test_packed_forward_builds_no_mask(tiny_chat_path, monkeypatch) -> None:
+    """The training path never builds an [L, L] mask nor scans position_ids for
+    restarts (a host sync on GPU): transformers' mask builders must not run."""
+    import transformers.masking_utils as mu
+
+    def boom(*a, **k):
+        raise AssertionError("a mask was built on the packed path")
+
+    for name in ("sdpa_mask", "eager_mask", "find_packed_sequence_indices"):
+        monkeypatch.setattr(mu, name, boom)
+    monkeypatch.setattr(mu.ALL_MASK_ATTENTION_FUNCTIONS, "_global_mapping",
+                        {k: boom for k in mu.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping})
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+
+    def no_mask_sdpa(q, k, v, attn_mask=None, **kw):
+        assert attn_mask is None, f"sdpa got a mask of shape {tuple(attn_mask.shape)}"
+        calls.append(q.shape[-2])
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_mask_sdpa)
+    policy = _policy(tiny_chat_path, "sdpa")
+    b = random_batch(seed=3, vocab=VOCAB, max_response=12)
+    pack = build_train_pack(b, np.zeros(b.num_responses, np.float32))
+    lp, _ = policy(pack.input_ids.long()[None], pack.position_ids.long()[None], pack.targets.long()[None],
+                   cu_seqlens=pack.cu_seqlens, max_seqlen=pack.max_seqlen)
+    lp.sum().backward()
+    assert torch.isfinite(lp).all()
+    # one call per sequence and layer, each only as long as its sequence
+    assert len(calls) == pack.num_seqs * policy.hf.config.num_hidden_layers
+    assert max(calls) == pack.max_seqlen
+
+
+def test_auto_attention_on_cuda_prefers_flash_attn_then_varlen_then_flex(monkeypatch) -> None:
+    from areno.backend import attention
+
+    for fa, vl, want in ((True, True, "flash_attention_2"), (False, True, "varlen"), (False, False, "flex")):
+        monkeypatch.setattr(attention, "has_flash_attn", lambda fa=fa: fa)
+        monkeypatch.setattr(attention, "has_torch_varlen", lambda vl=vl: vl)
+        assert attention.auto_impl("cuda") == want

@@ -145,3 +145,25 @@ def test_comparisons_catch_differences(bm):
     stats = bm.areno_stats(batch)
     stats.mean += 1e-3
     assert bm.compare_stats(bm.ref_stats(lr.logprobs), stats)
+
+
+# -- bench_train.py ------------------------------------------------------------
+def test_bench_train_smoke_reports_both_trainers(tmp_path: Path):
+    """CPU smoke of scripts/bench_train.py: areno's backend and the padded loop
+    each train timed steps on the same batch; the JSON has what the table shows."""
+    out = tmp_path / "train.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_train.py"), "--smoke", "--threads", "1", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ratio areno/padded" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["meta"]["kind"] == "smoke" and data["meta"]["seqs"] == 8
+    for name in ("areno", "padded"):
+        r = data[name]
+        assert len(r["times_s"]) == 1 and _positive_finite(r["tokens_per_s"]), name
+        assert _positive_finite(r["warmup_s"]) and _positive_finite(r["peak_mem_gb"]), name
+        assert r["mfu"] is None  # CPU
+    assert _positive_finite(data["ratio"]) and 0 < data["padded_fill"] < 1
+    assert data["areno_perf"]["perf/train_tokens_per_s"] > 0

@@ -15,13 +15,13 @@ from areno.losses import LossConfig
 Device = Literal["cpu", "cuda"]
 DType = Literal["float32", "bfloat16"]
 Strategy = Literal["fsdp2", "ddp", "auto"]
-AttnImpl = Literal["auto", "sdpa", "flash_attention_2", "eager"]
+AttnImpl = Literal["auto", "varlen", "flash_attention_2", "flex", "sdpa", "eager"]
 Launcher = Literal["spawn", "external"]
 
 DEVICES: tuple[str, ...] = ("cpu", "cuda")
 DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 STRATEGIES: tuple[str, ...] = ("fsdp2", "ddp", "auto")
-ATTN_IMPLS: tuple[str, ...] = ("auto", "sdpa", "flash_attention_2", "eager")
+ATTN_IMPLS: tuple[str, ...] = ("auto", "varlen", "flash_attention_2", "flex", "sdpa", "eager")
 LAUNCHERS: tuple[str, ...] = ("spawn", "external")
 
 
@@ -42,9 +42,16 @@ class BackendConfig:
     """'fsdp2' (fully_shard per decoder layer + root), 'ddp', or 'auto' (= fsdp2;
     FSDP2 works under gloo on CPU too, so CPU tests run the GPU code path)."""
     attn_implementation: AttnImpl = "auto"
-    """'auto': flash_attention_2 on GPU if flash_attn imports, else sdpa. Packed
-    sequences are separated by position_ids in both (transformers detects the
-    restarts and builds a block-diagonal causal mask / varlen call)."""
+    """Packed attention kernel (backend/attention.py), each computing only
+    within-sequence blocks from the pack's cu_seqlens: 'varlen' (torch's flash
+    varlen, CUDA), 'flash_attention_2' (flash-attn, CUDA), 'flex' (FlexAttention
+    document mask), 'sdpa' (one causal sdpa per sequence), 'eager' (debugging).
+    'auto': flash_attention_2 if flash_attn imports, else varlen, else flex on
+    CUDA; sdpa on CPU."""
+
+    compile_layers: bool = False
+    """torch.compile each decoder layer (`layer.compile()`, before FSDP2 wraps it).
+    The first train call pays the compile warm-up."""
 
     # optimizer and schedule
     lr: float = 1e-6
@@ -154,8 +161,9 @@ class BackendConfig:
         if self.engine is not None and self.world_size % self.engine.tensor_parallel_size:
             bad("engine.tensor_parallel_size", self.engine.tensor_parallel_size,
                 f"must divide world_size {self.world_size}")
-        if self.device == "cpu" and self.attn_implementation == "flash_attention_2":
-            bad("attn_implementation", self.attn_implementation, "flash_attention_2 needs device='cuda'")
+        if self.device == "cpu" and self.attn_implementation in ("flash_attention_2", "varlen", "flex"):
+            # flex runs forward on CPU, but torch 2.13 has no CPU backward for it
+            bad("attn_implementation", self.attn_implementation, f"{self.attn_implementation} needs device='cuda'")
 
     @property
     def resolved_strategy(self) -> str:

@@ -33,6 +33,7 @@ from areno.backend.launch import accept_ranks, free_port, spawn_ranks  # noqa: F
 from areno.backend.weights import WeightLayout, probe_ids
 from areno.fileperms import replace_dir
 from areno.pack import SplitPack
+from areno.perf import train_flops, train_perf
 from areno.procs import exit_text
 
 
@@ -51,6 +52,7 @@ class TorchBackend:
         self._closed = False
         self.step = 0
         self.last_timings: dict[str, float] = {}
+        self.last_perf: dict[str, float] = {}  # perf/train_tokens_per_s, perf/mfu of the last train()
         self._finalizer = weakref.finalize(
             self, _cleanup, self._procs, self._conns, [self._pack.segment, self._weights, self._marker, self.rollout_segment],
             config.shutdown_grace_s,
@@ -162,6 +164,7 @@ class TorchBackend:
             "train_s": max(r["train_s"] for r in replies),
             "total_s": time.perf_counter() - t0,
         }
+        self.last_perf = _train_perf(split, self.config.ppo_epochs, self.last_timings["train_s"], self._hellos)
         if "peak_mem_gb" in replies[0]:
             self.last_timings["peak_gpu_mem_gb"] = max(r["peak_mem_gb"] for r in replies)
             self.last_timings["peak_gpu_reserved_gb"] = max(r["peak_reserved_gb"] for r in replies)
@@ -399,3 +402,9 @@ def _cleanup(procs: list, conns: list, segments: list[ShmSegment], grace_s: floa
         for s in segments:
             s.unlink()
 
+
+def _train_perf(split: SplitPack, epochs: int, train_s: float, hellos: list[dict]) -> dict[str, float]:
+    """Throughput of one train(): every epoch trains every sequence of the pack once."""
+    lengths = split.pack.seq_lengths
+    flops = epochs * train_flops(hellos[0]["flop_shape"], lengths)
+    return train_perf(epochs * float(lengths.sum()), flops, train_s, len(hellos), hellos[0]["device_name"])

@@ -22,39 +22,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from areno.backend.attention import (
+    PACKED_IMPLS,
+    auto_impl,
+    document_block_mask,
+    hf_name,
+    packed_kwargs,
+    padded_causal_mask,
+    register,
+)
 from areno.backend.config import BackendConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_attn_implementation(cfg: BackendConfig) -> str:
-    if cfg.attn_implementation != "auto":
-        return cfg.attn_implementation
-    if cfg.device == "cuda":
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except ImportError:
-            pass
-    return "sdpa"
+    """'auto' -> the packed kernel for the device (see attention.auto_impl)."""
+    return auto_impl(cfg.device) if cfg.attn_implementation == "auto" else cfg.attn_implementation
 
 
 def load_hf_model(path: str | os.PathLike, attn_implementation: str, device: torch.device) -> nn.Module:
-    """fp32 master weights on `device` (FSDP2 casts to the compute dtype per gather)."""
+    """fp32 master weights on `device` (FSDP2 casts to the compute dtype per gather).
+    `attn_implementation` is one of attention.PACKED_IMPLS."""
     from transformers import AutoModelForCausalLM
 
-    if attn_implementation in ("sdpa", "eager"):
-        try:  # packed sequences are told apart by position_ids restarts (transformers >= 4.56)
-            from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
-        except ImportError:
-            raise RuntimeError(
-                f"transformers {__import__('transformers').__version__} cannot keep packed sequences "
-                f"apart with attn_implementation={attn_implementation!r}; install transformers>=4.56 "
-                "or flash-attn (attn_implementation='flash_attention_2')"
-            ) from None
+    if attn_implementation not in PACKED_IMPLS:
+        raise ValueError(f"attn_implementation {attn_implementation!r}: expected one of {PACKED_IMPLS}")
+    register()
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation=attn_implementation
+        str(path), dtype=torch.float32, attn_implementation=hf_name(attn_implementation)
     )
     model.config.use_cache = False
     # fp32 master weights whatever the checkpoint's dtype
@@ -142,11 +138,14 @@ def chunked_logprobs(
 # -- the module that FSDP2 / DDP wrap ------------------------------------------
 class PolicyModule(nn.Module):
     """forward(input_ids [B, T], position_ids [B, T], targets [B, T],
-    attention_mask [B, T] | None) -> (logp [B, T], entropy [B, T]) fp32.
+    attention_mask [B, T] | None, cu_seqlens [S+1] int32 | None, max_seqlen int | None)
+    -> (logp [B, T], entropy [B, T]) fp32.
 
-    Packed layout: B = 1 and attention_mask None; transformers detects the
-    position_ids restarts and keeps attention inside each sequence. Padded
-    layout: attention_mask marks real positions.
+    Packed layout: B = 1, attention_mask None, `cu_seqlens` (on the device) and
+    `max_seqlen` (host int) from the pack: the attention kernel (attention.py)
+    computes only within-sequence blocks and reads nothing back from the device.
+    Padded layout (the reference tests compare against): attention_mask marks
+    real positions.
     """
 
     def __init__(self, hf: nn.Module, chunk_size: int) -> None:
@@ -154,26 +153,31 @@ class PolicyModule(nn.Module):
         self.hf = hf
         self.chunk_size = chunk_size
 
-    def forward(self, input_ids, position_ids, targets, attention_mask=None):
-        if attention_mask is None and getattr(self.hf.config, "_attn_implementation", None) == "sdpa":
-            # Our own block-diagonal mask (passed 4-D, transformers uses it as is):
-            # its packed-sequence detection would cost a host sync per forward on GPU.
-            attention_mask = packed_causal_mask(position_ids)
+    def forward(self, input_ids, position_ids, targets, attention_mask=None, cu_seqlens=None, max_seqlen=None):
+        kw: dict = {}
+        if attention_mask is not None:
+            attention_mask = padded_causal_mask(attention_mask)  # 4-D: used as is
+        else:
+            if cu_seqlens is None:  # callers without a pack: derive them (a host sync on GPU)
+                cu_seqlens, max_seqlen = cu_seqlens_from_positions(position_ids[0])
+            kw = packed_kwargs(cu_seqlens, max_seqlen)
+            if self.hf.config._attn_implementation == hf_name("flex"):
+                kw["areno_block_mask"] = document_block_mask(position_ids)
         out = self.hf.model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False,
+            **kw,
         )
         return chunked_logprobs(out.last_hidden_state, self.hf.lm_head.weight, targets, self.chunk_size)
 
 
-def packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """[B, L] positions of back-to-back sequences -> [B, 1, L, L] bool, True where
-    query i may attend key j: same sequence and j <= i. The sequence of i starts at
-    i - position_ids[i], so no sequence ids and no host sync are needed."""
-    L = position_ids.shape[-1]
-    i = torch.arange(L, device=position_ids.device)
-    start = i[None, :] - position_ids  # [B, L] first position of each query's sequence
-    j = i[None, None, :]
-    return ((j >= start[:, :, None]) & (j <= i[None, :, None]))[:, None]
+def cu_seqlens_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """[L] restarting positions -> (cu_seqlens [S+1] int32, max_seqlen). Reads the
+    starts back to the host; the training path passes the pack's instead."""
+    L = position_ids.shape[0]
+    starts = (position_ids == 0).nonzero()[:, 0].to(torch.int32)
+    end = torch.full((1,), L, dtype=torch.int32, device=position_ids.device)
+    cu = torch.cat([starts, end])
+    return cu, int((cu[1:] - cu[:-1]).max())
 
 
 @dataclass
@@ -197,6 +201,9 @@ def wrap_policy(
     world = torch.distributed.get_world_size()
     if trainable and cfg.grad_checkpointing:
         policy.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.compile_layers:
+        for layer in policy.hf.model.layers:
+            layer.compile()
     if strategy == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -55,6 +55,8 @@ class Micro:
     advantages: torch.Tensor
     seq_index: torch.Tensor
     seq_weights: torch.Tensor
+    cu_seqlens: torch.Tensor  # [S+1] int32 on the device, for the attention kernel
+    max_seqlen: int           # host int from the pack: no device readback per forward
     num_tokens: int
     num_seqs: int
 
@@ -70,7 +72,9 @@ def to_device(tp: TrainPack, device: torch.device) -> Micro:
             input_ids=z[None], position_ids=z[None], targets=z,
             loss_mask=torch.zeros(1, dtype=torch.bool, device=device),
             rollout_logprobs=torch.zeros(1, device=device), advantages=torch.zeros(1, device=device),
-            seq_index=z, seq_weights=torch.zeros(1, device=device), num_tokens=0, num_seqs=0,
+            seq_index=z, seq_weights=torch.zeros(1, device=device),
+            cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=device), max_seqlen=1,
+            num_tokens=0, num_seqs=0,
         )
     return Micro(
         input_ids=tp.input_ids.to(device, torch.long, non_blocking=nb)[None],
@@ -81,6 +85,8 @@ def to_device(tp: TrainPack, device: torch.device) -> Micro:
         advantages=tp.advantages.to(device, non_blocking=nb),
         seq_index=tp.local_seq_index().to(device, torch.long, non_blocking=nb),
         seq_weights=tp.seq_weights.to(device, non_blocking=nb),
+        cu_seqlens=tp.cu_seqlens.to(device, torch.int32, non_blocking=nb),
+        max_seqlen=tp.max_seqlen,
         num_tokens=tp.num_tokens,
         num_seqs=tp.num_seqs,
     )
@@ -89,7 +95,8 @@ def to_device(tp: TrainPack, device: torch.device) -> Micro:
 def forward_logprobs(w: Wrapped, cfg: BackendConfig, mb: Micro) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp [L], entropy [L]) fp32 of a packed micro-batch (through the wrapped root)."""
     with autocast_ctx(cfg, w.strategy):
-        lp, ent = w.root(mb.input_ids, mb.position_ids, mb.targets[None])
+        lp, ent = w.root(mb.input_ids, mb.position_ids, mb.targets[None],
+                         cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen)
     return lp[0], ent[0]
 
 

@@ -36,6 +36,7 @@ from areno.backend.weights import (
     state_meta,
     write_export,
 )
+from areno.perf import flop_shape
 
 
 class RankWorker:
@@ -67,6 +68,7 @@ class RankWorker:
         self.export_names = hf_state_names(hf)
         self.export_meta = state_meta(hf, cfg.export_dtype)
         self.hf = hf
+        self.flop_shape = flop_shape(hf)  # before FSDP2 turns the weights into DTensors
         self.wrapped = wrap_policy(PolicyModule(hf, cfg.logprob_chunk_size), cfg, self.device)
         ref = None
         if cfg.needs_ref_model:
@@ -86,6 +88,9 @@ class RankWorker:
             "vocab_size": self.vocab_size, "weights": self.export_meta if self.rank == 0 else None,
             "strategy": self.wrapped.strategy, "engine": self.engine_kind,
             "engine_max_model_len": getattr(self.engine, "max_model_len", None),
+            # for perf/mfu in the controller, which never touches CUDA
+            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
+            "flop_shape": self.flop_shape,
         }
 
     def close(self) -> None:
