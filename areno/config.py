@@ -300,7 +300,9 @@ DEMO_PRESET: dict[str, Any] = {
     "max_new_tokens": 3,
     "batch_size": 16,
     "n_samples": 8,
-    "max_steps": 200,
+    # 600 steps (with the cosine decay over them): the 20-step mean reward passes 0.9
+    # near step 250 and ends near 0.98 (seeds 0-2; README); 400 ended at 0.91 (seed 0).
+    "max_steps": 600,
     "epochs": 1000,  # 55 prompts make 3 batches an epoch: --max-steps bounds the demo
     "warmup_steps": 0,
     "min_lr_ratio": 0.1,

@@ -1,5 +1,5 @@
 """The README's main command: `areno train` with no model and no dataset trains
-the locally built tiny model on the built-in addition task, and reward rises."""
+the locally built tiny model on the built-in addition task until it masters it."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 WINDOW = 20
-MARGIN = 0.15  # seen: +0.32 (seed 1) and +0.35 (seed 0) over 200 steps
+MASTERED = 0.9  # mean reward of the last 20 steps (issue 12: seeds 0, 1 and 2)
 
 
 @pytest.mark.slow
-def test_embedded_demo_reward_rises(tmp_path):
+def test_embedded_demo_masters_its_task(tmp_path):
     run_dir = tmp_path / "demo"
     res = subprocess.run(
         [sys.executable, "-m", "areno.cli", "train", "--seed", "0", "--no-save",
@@ -28,6 +28,6 @@ def test_embedded_demo_reward_rises(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     reward = np.array([s["reward/mean"] for s in steps if "reward/mean" in s])
-    assert reward.size == 200  # the demo preset's --max-steps
+    assert reward.size == 600  # the demo preset's --max-steps
     early, late = reward[:WINDOW].mean(), reward[-WINDOW:].mean()
-    assert late > early + MARGIN, f"reward did not rise: {early:.3f} -> {late:.3f}"
+    assert early < 0.2 and late >= MASTERED, f"reward {early:.3f} -> {late:.3f}"
