@@ -140,8 +140,8 @@ class TrainConfig:
         "sampler's.", "Optimization")
     grad_checkpointing: bool = opt(False, "Activation checkpointing.", "Optimization")
     max_tokens_per_micro: int | None = opt(
-        None, "Token budget of one micro-batch per rank. Unset: measured per device, 16384 on "
-        "GPU, 4096 on CPU (docs/PERFORMANCE.md).", "Optimization", ge=1)
+        None, "Token budget of one micro-batch per rank, measured per device "
+        "(docs/PERFORMANCE.md).", "Optimization", ge=1, shown="16384 on GPU, 4096 on CPU")
     max_nan_steps: int = opt(3, "Stop after this many NaN/inf steps in a row (each is skipped).",
                              "Optimization", ge=1)
     # -- Parallelism -------------------------------------------------------------

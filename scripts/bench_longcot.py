@@ -61,7 +61,7 @@ Measured per step (controller clock = time.monotonic, shared with the ranks):
               with the ranks in step (baseline), and the ranks' work before
               it (map + device copies of every micro-batch) is timed in wall
               and CPU time.
-  readbacks   Tensor.item/tolist/cpu/numpy calls inside RankTrainer.train on
+  readbacks   Tensor.item/tolist/cpu calls inside RankTrainer.train on
               each rank (the device-to-host syncs of tests/test_backend_units.py),
               per optimizer step, with their call sites.
   RSS         the controller's peak RSS during the step (VmHWM after resetting it
@@ -120,7 +120,9 @@ for _p in (REPO, REPO / "scripts"):  # areno, and bench_materialize's reference 
 PROBE_DIR_ENV = "ARENO_BENCH_LONGCOT_PROBE_DIR"
 MICRO_LIMIT_ENV = "ARENO_BENCH_LONGCOT_MICRO_LIMIT"
 REWARD_COST_ENV = "ARENO_BENCH_LONGCOT_REWARD_COST"
-READBACK_METHODS = ("item", "tolist", "cpu", "numpy")
+# Tensor.numpy() is left out: it cannot read a device tensor (it raises on CUDA), and
+# the rank calls it on the CPU pack views (micro-batch lengths), which is no readback.
+READBACK_METHODS = ("item", "tolist", "cpu")
 
 
 # =============================================================================

@@ -10,16 +10,21 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import random_batch
 
+from areno.backend.attention import hf_name, register
 from areno.backend.config import BackendConfig
 from areno.backend.controller import free_port
 from areno.backend.handoff import LocalPack, PackWriter, list_segments
-from areno.backend.attention import hf_name, register
-from areno.backend.model import PolicyModule, chunked_logprobs, resolve_attn_implementation
+from areno.backend.model import (
+    PolicyModule,
+    chunked_logprobs,
+    resolve_attn_implementation,
+)
 from areno.backend.step import NonFiniteStepsError, lr_lambda
 from areno.losses import LossConfig
 from areno.pack import build_split_pack, build_train_pack
-from helpers import random_batch
+from areno.rollout.factory import EngineSpec
 
 VOCAB = 300  # < the tiny chat model's vocabulary
 
@@ -215,9 +220,9 @@ def test_lr_schedule_warmup_then_cosine_to_floor() -> None:
 
 
 @pytest.mark.parametrize("kw,msg", [
-    ({"world_size": 0}, "backend.world_size"),
+    ({"world_size": 0}, "backend.world_size"),  # bf16 on CPU is valid: ranks train it under gloo
     ({"strategy": "zero3"}, "backend.strategy: expected one of fsdp2, ddp, auto"),
-    ({"dtype": "bfloat16"}, "needs device='cuda'"),
+    ({"world_size": 3, "engine": EngineSpec(tensor_parallel_size=2)}, "must divide world_size 3"),
     ({"max_nan_steps": 0}, "backend.max_nan_steps"),
     ({"betas": (0.9, 1.5)}, "backend.betas"),
 ])

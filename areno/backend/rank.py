@@ -31,16 +31,11 @@ from areno.runlog import redirect_child_output
 
 # -- process hygiene ---------------------------------------------------------
 def _quiet() -> None:
-    # Ctrl-C reaches the whole process group; the controller owns shutdown.
+    # Ctrl-C reaches the whole process group; the controller owns shutdown. Library
+    # output (weight-loading bars, engine logs) goes to RUN_DIR/run.log, or to the
+    # terminal with --verbose (areno/runlog.py), so it is not silenced here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    except ImportError:
-        pass
 
 
 # -- entry points --------------------------------------------------------------
