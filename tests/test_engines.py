@@ -147,3 +147,25 @@ def test_an_interrupted_step_counts_only_if_its_update_was_applied():
     run.backend.step = 5
     settle_interrupted_step(run, (5, state, 4))  # the update reached the weights
     assert run.step == 5
+
+
+def test_a_rollout_left_suspended_is_settled_before_the_next_command(tiny_arith_path, tmp_path):
+    """An exception while a part is scored keeps the rollout's generator alive (in
+    the traceback) while the interrupt handler saves: the save must not take the
+    rollout's late replies for its own."""
+    from areno.backend.config import BackendConfig
+    from areno.backend.controller import TorchBackend
+    from areno.backend.rollout import RankEngines
+    from areno.rollout.engine import SamplingConfig
+    from areno.rollout.factory import EngineSpec
+
+    cfg = BackendConfig(model_path=str(tiny_arith_path), world_size=1,
+                        engine=EngineSpec(kind="hf", max_model_len=64))
+    with TorchBackend(cfg) as be:
+        stream = RankEngines(be).generate_stream(np.array([5, 12, 3, 13], np.int32),
+                                                 np.array([0, 2, 4]), 2, SamplingConfig(max_tokens=3, seed=1))
+        next(stream)  # a part taken; the engine's final reply not yet read
+        path = be.save_pretrained(tmp_path / "model")
+        assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+        be.debug("noop")
+        del stream

@@ -68,6 +68,7 @@ class TorchBackend:
             raise
         self.dead: BackendError | None = None  # set by the watchdog
         self._busy = False  # the main thread is waiting on the ranks: it sees a death itself
+        self._open_stream: dict | None = None  # a command whose replies are still coming (_events)
         if self._procs:
             threading.Thread(target=self._watch, name="areno-rank-watchdog", daemon=True).start()
         h0 = self._hellos[0]
@@ -255,6 +256,8 @@ class TorchBackend:
             raise BackendError("backend is closed (a rank failed or close() was called)")
 
     def _send(self, rank: int, cmd: str, **kwargs) -> None:
+        if self._open_stream is not None:  # replies of an abandoned command come first
+            self._settle(self._open_stream)
         self._check_open()
         try:
             self._conns[rank].send((cmd, kwargs))
@@ -288,17 +291,29 @@ class TorchBackend:
         unless drain_s > 0 (commands that leave the trained weights as they were):
         then the rest of the replies are read for up to drain_s seconds and, if
         all come, the backend stays usable (e.g. to save the last finished step)."""
-        pending = set(range(self.world_size))
+        stream = {"what": what, "pending": set(range(self.world_size)), "drain_s": drain_s}
+        self._open_stream = stream
         try:
             deadline = time.monotonic() + timeout_s
-            while pending:
-                for r, msg in self._wait_some(what, pending, deadline, timeout_s):
+            while stream["pending"]:
+                for r, msg in self._wait_some(what, stream["pending"], deadline, timeout_s):
                     if msg[0] == "ok":
-                        pending.discard(r)
+                        stream["pending"].discard(r)
                     yield r, msg[0], msg[1]
         finally:
-            if pending and not (drain_s > 0 and self._drain(what, pending, drain_s)):
-                self._abort()
+            self._settle(stream)
+
+    def _settle(self, stream: dict) -> None:
+        """End a command's replies once: drain what is left (drain_s > 0) or abort.
+        Runs when its generator finishes or is closed, or before the next command
+        if the caller left it suspended (an exception raised while a part was being
+        scored keeps the generator alive in its traceback)."""
+        if self._open_stream is not stream:
+            return
+        self._open_stream = None
+        pending, drain_s = stream["pending"], stream["drain_s"]
+        if pending and not (drain_s > 0 and self._drain(stream["what"], pending, drain_s)):
+            self._abort()
 
     def _drain(self, what: str, pending: set[int], drain_s: float) -> bool:
         """Read and drop replies until every pending rank has finished (True) or
