@@ -3,9 +3,11 @@
 Both signals raise KeyboardInterrupt in the main thread (SIGTERM normally kills
 the process without a word). The training loop then saves the last finished
 step through the still-running backend, prints one line with the exact
-`--resume` command, and exits 130. An interrupt that lands inside a backend
-command (train, export, save) aborts the backend (its ranks may be mid-update),
-so the newest existing checkpoint is named instead.
+`--resume` command, and exits 130. Once a step's update has started, the first
+interrupt waits for the step to end (train, weight sync, log: then it is saved
+whole); during a rollout the ranks are drained (backend/controller.py). A second
+interrupt, or one inside a save, aborts the backend, and the newest existing
+checkpoint is named instead.
 
 The backend's watchdog also SIGINTs the main thread when a rank dies; the
 caller tells that apart by `backend.dead` before calling `interrupted`.
@@ -29,9 +31,30 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 _received: list[str] = []  # names of the signals seen, newest last
 
 
+_deferred: dict[str, Any] = {"on": False, "hit": False}
+
+
 def _raise(signum: int, frame: Any) -> None:
     _received.append(signal.Signals(signum).name)
+    if _deferred["on"] and not _deferred["hit"]:  # a second one raises at once
+        _deferred["hit"] = True
+        return
     raise KeyboardInterrupt
+
+
+def defer_interrupts() -> None:
+    """From here until release_interrupts(), the first Ctrl-C/SIGTERM only marks
+    the step: once its update has reached the weights, finishing it (sync, log)
+    is the only way to save it as a whole."""
+    _deferred.update(on=True, hit=False)
+
+
+def release_interrupts(*, raise_pending: bool = True) -> None:
+    """End the deferral; raise KeyboardInterrupt if an interrupt came meanwhile."""
+    hit = _deferred["hit"]
+    _deferred.update(on=False, hit=False)
+    if hit and raise_pending:
+        raise KeyboardInterrupt
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from areno.backend.errors import BackendError
 from areno.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config import TrainConfig
 from areno.data import select
-from areno.interrupt import interrupted, interrupts_raise
+from areno.interrupt import defer_interrupts, interrupted, interrupts_raise, release_interrupts
 from areno.pack import build_split_pack
 from areno.rewards import RewardResult, reward_records
 from areno.rollout.batch import (
@@ -69,11 +69,14 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
                 metrics = train_step(run, step)
                 run.step = step
                 run.logger.log(step, metrics)
+                release_interrupts()  # a Ctrl-C during the update lands here: the step is whole
                 run.maybe_save(step)
                 run.maybe_eval(step)
         except (BackendError, WeightSyncError) as e:  # every process is stopped on the way out
+            release_interrupts(raise_pending=False)
             stopped(run, e)
         except KeyboardInterrupt:  # Ctrl-C, SIGTERM, or the backend's watchdog (a rank died)
+            release_interrupts(raise_pending=False)
             if run.backend is not None and run.backend.dead is not None:
                 stopped(run, run.backend.dead)
             settle_interrupted_step(run, before)
@@ -134,6 +137,7 @@ def train_step(run: Run, step: int) -> dict[str, float]:
             num_minibatches=cfg.mini_batches, loss_agg=cfg.loss_agg,
             norm_len=cfg.max_new_tokens, keep=keep, workspace=run.workspace,
         )
+    defer_interrupts()  # from the update on, an interrupt waits for the step to end
     with timer("train"):
         run.engine.sleep()
         opt_steps = run.backend.train(split) if split.pack.num_seqs else []

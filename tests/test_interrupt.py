@@ -16,7 +16,7 @@ import pytest
 
 from areno.checkpoint import latest_checkpoint, read_state
 from areno.errors import UserError
-from areno.interrupt import interrupted, resume_command
+from areno.interrupt import interrupted, interrupts_raise, resume_command
 from test_faults import assert_complete, wait_for
 from test_resume import HF1, REPO, cli_env, popen_train, read_metrics, wait_group_gone
 
@@ -107,3 +107,19 @@ def test_ctrl_c_before_training_starts_exits_130(monkeypatch, capsys):
     monkeypatch.setattr(areno.trainer, "run_training", boom)
     assert main(["train", "--max-steps", "1"]) == 130
     assert "areno: interrupted" in capsys.readouterr().err
+
+
+def test_an_interrupt_during_an_update_waits_for_the_step_a_second_one_does_not():
+    from areno.interrupt import defer_interrupts, release_interrupts
+
+    with interrupts_raise():
+        defer_interrupts()
+        os.kill(os.getpid(), signal.SIGINT)  # marked, not raised: the update goes on
+        with pytest.raises(KeyboardInterrupt):
+            release_interrupts()  # the step is whole: now it stops
+        defer_interrupts()
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # the second one raises at once
+        release_interrupts(raise_pending=False)
+        release_interrupts()  # nothing pending: no raise
