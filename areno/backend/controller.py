@@ -337,30 +337,32 @@ class TorchBackend:
         if left <= 0:
             raise BackendError(f"{what}: rank(s) {sorted(pending)} did not answer within {timeout_s:g}s")
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
-        # Only while actually waiting here: a caller may hold a streamed command open
-        # for long (scoring a part in-process), and then the watchdog must act.
+        # Only while in here: a caller may hold a streamed command open for long
+        # (scoring a part in-process), and then the watchdog must act. A death seen
+        # here closes the backend before the flag drops, so the watchdog, which
+        # sees the same sentinel, never interrupts a run that is already stopping.
         self._busy = True
         try:
             ready = set(wait([self._conns[r] for r in pending] + list(sentinels), timeout=min(left, 1.0)))
+            got, errors = [], []
+            for r in sorted(pending):
+                if self._conns[r] in ready:
+                    try:
+                        got.append((r, self._recv(r, what)))
+                    except BackendError as e:
+                        errors.append(e)
+            dead = [r for s, r in sentinels.items() if s in ready]
+            if errors and not dead and sentinels:
+                # A rank's error is often the echo of a peer's death (gloo: "connection
+                # closed by peer"); look briefly so the root cause is what gets reported.
+                dead = [sentinels[s] for s in wait(list(sentinels), timeout=0.5)]
+            if dead or errors:
+                err = self._death(dead[0], what, errors) if dead else errors[0]
+                self._abort()
+                raise err
+            return got
         finally:
             self._busy = False
-        got, errors = [], []
-        for r in sorted(pending):
-            if self._conns[r] in ready:
-                try:
-                    got.append((r, self._recv(r, what)))
-                except BackendError as e:
-                    errors.append(e)
-        dead = [r for s, r in sentinels.items() if s in ready]
-        if errors and not dead and sentinels:
-            # A rank's error is often the echo of a peer's death (gloo: "connection
-            # closed by peer"); look briefly so the root cause is what gets reported.
-            dead = [sentinels[s] for s in wait(list(sentinels), timeout=0.5)]
-        if dead:
-            raise self._death(dead[0], what, errors)
-        if errors:
-            raise errors[0]
-        return got
 
     def _death(self, r: int, what: str, echoes: list[BackendError]) -> BackendError:
         if self._conns[r] is not None and self._conns[r].poll(0):
