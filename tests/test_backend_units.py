@@ -372,7 +372,7 @@ def test_packed_forward_builds_no_mask(tiny_chat_path, monkeypatch) -> None:
 
     def no_mask_sdpa(q, k, v, attn_mask=None, **kw):
         assert attn_mask is None, f"sdpa got a mask of shape {tuple(attn_mask.shape)}"
-        calls.append(q.shape[-2])
+        calls.append((q.shape[0], q.shape[-2]))
         return sdpa(q, k, v, attn_mask=attn_mask, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_mask_sdpa)
@@ -383,9 +383,10 @@ def test_packed_forward_builds_no_mask(tiny_chat_path, monkeypatch) -> None:
                    cu_seqlens=pack.cu_seqlens, max_seqlen=pack.max_seqlen)
     lp.sum().backward()
     assert torch.isfinite(lp).all()
-    # one call per sequence and layer, each only as long as its sequence
-    assert len(calls) == pack.num_seqs * policy.hf.config.num_hidden_layers
-    assert max(calls) == pack.max_seqlen
+    # one call per distinct length and layer, over every sequence of that length
+    # as a batch, each only as long as its sequences (no padding)
+    lengths, counts = np.unique(np.diff(pack.cu_seqlens.numpy()), return_counts=True)
+    assert sorted(calls) == sorted(list(zip(counts.tolist(), lengths.tolist())) * policy.hf.config.num_hidden_layers)
 
 
 def test_auto_attention_on_cuda_prefers_flash_attn_then_varlen_then_flex(monkeypatch) -> None:
@@ -395,3 +396,10 @@ def test_auto_attention_on_cuda_prefers_flash_attn_then_varlen_then_flex(monkeyp
         monkeypatch.setattr(attention, "has_flash_attn", lambda fa=fa: fa)
         monkeypatch.setattr(attention, "has_torch_varlen", lambda vl=vl: vl)
         assert attention.auto_impl("cuda") == want
+
+
+def test_cpu_ranks_leave_one_core_to_the_controller() -> None:
+    from areno.backend.config import rank_cpu_threads
+
+    assert [rank_cpu_threads(2, 1), rank_cpu_threads(2, 2), rank_cpu_threads(16, 1), rank_cpu_threads(16, 8),
+            rank_cpu_threads(1, 1)] == [1, 1, 15, 1, 1]

@@ -11,7 +11,7 @@ The kernels here see the boundaries instead:
 | `varlen` | `torch.nn.attention.varlen.varlen_attn` (flash, cu_seqlens) | CUDA, torch >= 2.10 |
 | `flash_attention_2` | flash-attn's varlen, through transformers' own path | CUDA, flash-attn installed |
 | `flex` | FlexAttention with a document-causal block mask (compiled on CUDA) | anywhere |
-| `sdpa` | one causal sdpa call per sequence | CPU default (fastest measured there) |
+| `sdpa` | one causal sdpa call per distinct sequence length | CPU default (fastest measured there) |
 | `eager` | transformers' eager math, one call per sequence | debugging |
 
 They are registered in transformers' `AttentionInterface` under `areno_<name>`
@@ -24,8 +24,10 @@ no mask at all for them (and does not scan position_ids for restarts).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -57,7 +59,7 @@ def has_flash_attn() -> bool:
 
 def auto_impl(device: str) -> str:
     """CUDA: flash-attn's varlen if installed, else torch's varlen, else flex.
-    CPU: per-sequence sdpa (measured fastest on CPU; docs/BACKEND.md)."""
+    CPU: sdpa by length groups (measured fastest on CPU; docs/BACKEND.md)."""
     if device == "cuda":
         if has_flash_attn():
             return "flash_attention_2"
@@ -91,19 +93,54 @@ def _seq_bounds(cu: torch.Tensor) -> list[int]:
     return cu.numpy().tolist() if cu.device.type == "cpu" else cu.tolist()
 
 
-def sdpa_per_sequence(module: nn.Module, q, k, v, attention_mask=None, *, scaling=None,
-                      cu_seq_lens_q=None, **kw):
-    """One causal sdpa per sequence: work and memory O(sum len_s^2), no mask."""
+@dataclass(frozen=True)
+class LengthGroups:
+    """The packed sequences grouped by length, so one sdpa call covers a group.
+
+    index[g]: [n_g * len_g] int64 positions of the group's n_g sequences (each
+    contiguous); inverse: [L] int64, the packed order from the groups'
+    concatenation. Built once per forward (`length_groups`), used by every layer.
+    """
+
+    lengths: tuple[int, ...]
+    index: tuple[torch.Tensor, ...]
+    inverse: torch.Tensor
+
+
+def length_groups(cu_seqlens: torch.Tensor) -> LengthGroups:
+    """cu_seqlens [S+1] -> LengthGroups on its device. O(S) numpy plus one
+    index of L entries; reads cu_seqlens from host memory on CPU."""
+    cu = np.asarray(_seq_bounds(cu_seqlens), dtype=np.int64)
+    lens, starts = np.diff(cu), cu[:-1]
+    lengths, index, order = [], [], []
+    for w in np.unique(lens).tolist():
+        pos = (starts[lens == w][:, None] + np.arange(w)).reshape(-1)
+        lengths.append(int(w))
+        index.append(torch.from_numpy(pos).to(cu_seqlens.device))
+        order.append(pos)
+    perm = np.concatenate(order) if order else np.zeros(0, np.int64)
+    inverse = np.empty_like(perm)
+    inverse[perm] = np.arange(perm.size)
+    return LengthGroups(tuple(lengths), tuple(index), torch.from_numpy(inverse).to(cu_seqlens.device))
+
+
+def sdpa_by_length(module: nn.Module, q, k, v, attention_mask=None, *, scaling=None,
+                   cu_seq_lens_q=None, areno_length_groups=None, **kw):
+    """One causal sdpa call per distinct sequence length, over all sequences of
+    that length as a batch: work and memory O(sum len_s^2), no mask, no padding,
+    and as many calls as lengths rather than sequences (an RL batch of short
+    samples has few lengths and many sequences)."""
     if cu_seq_lens_q is None:
         return _padded_fallback(module, q, k, v, attention_mask, scaling)
-    bounds = _seq_bounds(cu_seq_lens_q)
+    groups = areno_length_groups or length_groups(cu_seq_lens_q)
     gqa = q.shape[1] != k.shape[1]
-    out = [
-        F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
-                                       scale=scaling, enable_gqa=gqa)
-        for a, b in zip(bounds[:-1], bounds[1:])
-    ]
-    return torch.cat(out, dim=2).transpose(1, 2), None
+    out = []
+    for w, idx in zip(groups.lengths, groups.index):
+        # [1, H, L, D] -> [n, H, w, D]: the group's sequences as a batch
+        qg, kg, vg = (x[0].index_select(1, idx).unflatten(1, (-1, w)).transpose(0, 1) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scaling, enable_gqa=gqa)
+        out.append(o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[3]))  # [n * w, H, D]
+    return torch.cat(out).index_select(0, groups.inverse)[None], None
 
 
 def eager_per_sequence(module: nn.Module, q, k, v, attention_mask=None, *, scaling=None,
@@ -203,7 +240,7 @@ def flex(module: nn.Module, q, k, v, attention_mask=None, *, scaling=None,
     return out.transpose(1, 2), None
 
 
-_KERNELS = {"varlen": varlen, "flex": flex, "sdpa": sdpa_per_sequence, "eager": eager_per_sequence}
+_KERNELS = {"varlen": varlen, "flex": flex, "sdpa": sdpa_by_length, "eager": eager_per_sequence}
 
 
 def register() -> None:

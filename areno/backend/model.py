@@ -27,6 +27,7 @@ from areno.backend.attention import (
     auto_impl,
     document_block_mask,
     hf_name,
+    length_groups,
     packed_kwargs,
     padded_causal_mask,
     register,
@@ -161,8 +162,11 @@ class PolicyModule(nn.Module):
             if cu_seqlens is None:  # callers without a pack: derive them (a host sync on GPU)
                 cu_seqlens, max_seqlen = cu_seqlens_from_positions(position_ids[0])
             kw = packed_kwargs(cu_seqlens, max_seqlen)
-            if self.hf.config._attn_implementation == hf_name("flex"):
+            impl = self.hf.config._attn_implementation
+            if impl == hf_name("flex"):
                 kw["areno_block_mask"] = document_block_mask(position_ids)
+            elif impl == hf_name("sdpa"):  # once per forward, not once per layer
+                kw["areno_length_groups"] = length_groups(cu_seqlens)
         out = self.hf.model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False,
             **kw,
@@ -196,9 +200,10 @@ def wrap_policy(
     *,
     trainable: bool = True,
 ) -> Wrapped:
-    """FSDP2 (fully_shard per decoder layer, then the root) or DDP around `policy`."""
-    strategy = cfg.resolved_strategy
+    """FSDP2 (fully_shard per decoder layer, then the root) or DDP around `policy`;
+    'single' (one rank): `policy` as it is."""
     world = torch.distributed.get_world_size()
+    strategy = cfg.strategy_for(world)
     if trainable and cfg.grad_checkpointing:
         policy.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.compile_layers:
@@ -221,8 +226,8 @@ def wrap_policy(
             fully_shard(layer, **kw)
         fully_shard(policy, **kw)
         return Wrapped(policy, policy, "fsdp2")
-    if not trainable:
-        return Wrapped(policy, policy, "ddp")
+    if strategy == "single" or not trainable:
+        return Wrapped(policy, policy, strategy)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ddp = DDP(policy, device_ids=[device.index] if device.type == "cuda" else None)
@@ -230,8 +235,9 @@ def wrap_policy(
 
 
 def autocast_ctx(cfg: BackendConfig, strategy: str):
-    """DDP has no mixed-precision policy: bf16 compute goes through autocast."""
-    if cfg.dtype != "float32" and strategy == "ddp":
+    """DDP and the plain module have no mixed-precision policy: bf16 compute goes
+    through autocast (fp32 weights, bf16 matmuls)."""
+    if cfg.dtype != "float32" and strategy != "fsdp2":
         return torch.autocast(device_type=cfg.device, dtype=_DTYPES[cfg.dtype])
     import contextlib
 
