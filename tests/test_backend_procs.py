@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from areno.backend import BackendConfig, TorchBackend
+from areno.backend.config import rank_cpu_threads
 from areno.backend.handoff import list_segments
 from test_backend_units import make_split
 
@@ -51,7 +52,7 @@ def assert_states_close(a: dict, b: dict, atol: float = 2e-5) -> None:
 
 @pytest.fixture(scope="module")
 def first_step(tiny_chat_path):
-    """Two FSDP2 backends (1 and 2 ranks) after one train call on the same
+    """Two backends on auto (1 and 2 ranks) after one train call on the same
     rollout batch; yields (be1, be2, state1, state2, metrics1, metrics2)."""
     be1 = TorchBackend(config(tiny_chat_path, 1))
     be2 = TorchBackend(config(tiny_chat_path, 2))
@@ -66,7 +67,11 @@ def first_step(tiny_chat_path):
 
 
 def test_one_rank_and_two_ranks_make_the_same_update(first_step, tiny_chat_model) -> None:
-    _, _, s1, s2, m1, m2 = first_step
+    """'auto' is the plain module on one rank and FSDP2 on two: the same update."""
+    be1, be2, s1, s2, m1, m2 = first_step
+    assert (be1.strategy, be2.strategy) == ("single", "fsdp2")
+    cpus = len(os.sched_getaffinity(0))
+    assert [h["cpu_threads"] for h in be2._hellos] == [rank_cpu_threads(cpus, 2)] * 2
     assert_states_close(s1, s2)
     start = tiny_chat_model.state_dict()
     assert any(not torch.equal(s1[k], start[k]) for k in start), "weights did not move"
@@ -74,7 +79,6 @@ def test_one_rank_and_two_ranks_make_the_same_update(first_step, tiny_chat_model
         for k in ("loss", "grad_norm", "clip_frac", "num_tokens", "loss_tokens", "entropy", "lr"):
             assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
     assert [m["step"] for m in m2] == [1.0, 2.0]
-    be1 = first_step[0]
     assert be1.last_perf["perf/train_tokens_per_s"] > 0 and "perf/mfu" not in be1.last_perf  # CPU
 
 

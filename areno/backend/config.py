@@ -39,8 +39,10 @@ class BackendConfig:
     """Compute dtype. 'bfloat16': FSDP2 gathers bf16 params and reduces gradients
     in fp32 (on CPU under gloo too); master weights and optimizer state stay fp32."""
     strategy: Strategy = "auto"
-    """'fsdp2' (fully_shard per decoder layer + root), 'ddp', or 'auto' (= fsdp2;
-    FSDP2 works under gloo on CPU too, so CPU tests run the GPU code path)."""
+    """'fsdp2' (fully_shard per decoder layer + root), 'ddp', or 'auto': fsdp2 on
+    more than one rank (FSDP2 works under gloo on CPU too, so CPU tests run the
+    GPU code path), and the plain module on one rank ('single'), where a wrapper
+    has nothing to shard or reduce and its hooks only cost time."""
     attn_implementation: AttnImpl = "auto"
     """Packed attention kernel (backend/attention.py), each computing only
     within-sequence blocks from the pack's cu_seqlens: 'varlen' (torch's flash
@@ -107,7 +109,7 @@ class BackendConfig:
     master_port: int | None = None
     """spawn launcher: rendezvous port; None = a free port."""
     cpu_threads: int | None = None
-    """torch threads per rank on CPU; None = cores // world_size (at least 1)."""
+    """torch threads per rank on CPU; None = `rank_cpu_threads` of this host."""
     startup_timeout_s: float = 600.0
     """Seconds for all ranks to load the model and report ready."""
     command_timeout_s: float = 3600.0
@@ -165,9 +167,11 @@ class BackendConfig:
             # flex runs forward on CPU, but torch 2.13 has no CPU backward for it
             bad("attn_implementation", self.attn_implementation, f"{self.attn_implementation} needs device='cuda'")
 
-    @property
-    def resolved_strategy(self) -> str:
-        return "fsdp2" if self.strategy == "auto" else self.strategy
+    def strategy_for(self, world_size: int) -> str:
+        """'auto' -> 'fsdp2' on several ranks, 'single' (no wrapper) on one."""
+        if self.strategy != "auto":
+            return self.strategy
+        return "fsdp2" if world_size > 1 else "single"
 
     @property
     def dist_backend(self) -> str:
@@ -176,3 +180,12 @@ class BackendConfig:
     @property
     def needs_ref_model(self) -> bool:
         return self.loss.kl_coef > 0
+
+
+def rank_cpu_threads(cpus: int, local_ranks: int) -> int:
+    """torch threads for each of `local_ranks` CPU ranks on `cpus` cores: one core
+    stays with the controller (rewards, packing, the progress bar). OpenMP threads
+    spin while they wait for each other, so a rank that shares a core with another
+    busy process stalls: measured on the demo with 2 cores, 2 rank threads took
+    0.74-0.83 s a step under load and 1 thread 0.06 s."""
+    return max(1, (cpus - 1) // max(1, local_ranks))

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from areno.backend.config import BackendConfig
+from areno.backend.config import BackendConfig, rank_cpu_threads
 from areno.rng import rng_state, set_rng_state
 from areno.rollout.factory import make_engine
 from areno.backend.engine_host import (
@@ -54,7 +54,7 @@ class RankWorker:
         else:
             self.device = torch.device("cpu")
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-            torch.set_num_threads(cfg.cpu_threads or max(1, (os.cpu_count() or 1) // local_world))
+            torch.set_num_threads(cfg.cpu_threads or rank_cpu_threads(len(os.sched_getaffinity(0)), local_world))
         if not dist.is_initialized():
             dist.init_process_group(
                 cfg.dist_backend, rank=self.rank, world_size=self.world,
@@ -90,7 +90,7 @@ class RankWorker:
             "engine_max_model_len": getattr(self.engine, "max_model_len", None),
             # for perf/mfu in the controller, which never touches CUDA
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
-            "flop_shape": self.flop_shape,
+            "flop_shape": self.flop_shape, "cpu_threads": torch.get_num_threads(),
         }
 
     def close(self) -> None:
