@@ -160,7 +160,8 @@ class TrainConfig:
     master_port: int = opt(29500, "Rendezvous port on node 0; its controller listens on the next "
                            "port.", "Parallelism", ge=1, le=65534)
     strategy: Literal["auto", "fsdp2", "ddp"] = opt(
-        "auto", "Data parallelism: auto (= fsdp2, which also runs on CPU under gloo), fsdp2 or ddp.", "Parallelism")
+        "auto", "Data parallelism: auto (fsdp2, which also runs on CPU under gloo; one rank: no wrapper), "
+        "fsdp2 or ddp.", "Parallelism")
     # -- Logging and checkpoints -------------------------------------------------
     max_steps: int | None = opt(None, "Stop after this many steps.", "Logging and checkpoints",
                                 ge=1, shown="unset (run --epochs)")
@@ -307,6 +308,10 @@ DEMO_PRESET: dict[str, Any] = {
     "warmup_steps": 0,
     "min_lr_ratio": 0.1,
     "reward_workers": 0,
+    # transformers' generate: for a 2-layer model vLLM's fixed CPU costs per step
+    # (scheduling, re-packing the weights on every sync) and its ~15 s start-up
+    # outweigh the model's compute (docs/PERFORMANCE.md, "The demo's step").
+    "rollout_engine": "hf",
     "max_prompt_len": 16,
     "kv_cache_gb": 0.25,
 }
