@@ -582,7 +582,8 @@ def ref_build_split(lr, adv, world_size: int, max_tokens: int):
     import numpy as np
     import torch
 
-    from areno.pack import PACKED_TOKEN_FIELDS, SplitPack, TrainPack, plan_split
+    from areno.pack import PACKED_TOKEN_FIELDS, TrainPack
+    from areno.split import SplitPack, plan_split
     from bench_materialize import ref_pack
 
     used = [i for i, r in enumerate(lr.responses) if r]

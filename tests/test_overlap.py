@@ -12,10 +12,10 @@ import torch
 
 from areno.data import PromptSampler, normalize_rows, tokenize_prompts
 from areno.advantages import advantages_and_keep
-from areno.pack import build_split_pack
 from areno.rewards import RewardScorer
 from areno.rollout.batch import overlong_mask
 from areno.rollout.engine import SamplingConfig
+from areno.split import build_split_pack
 from areno.trainer import (
     PhaseTimer,
     rollout_overlapped,
