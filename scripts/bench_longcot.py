@@ -620,7 +620,7 @@ def ref_train_step(run, step: int, rec: Recorder) -> dict:
     """train_step's shape with the list reference's host work (see the docstring)."""
     import numpy as np
 
-    from areno.data import select
+    from areno.prompts import select
     from bench_materialize import ref_decode, ref_stats
 
     cfg = run.cfg
