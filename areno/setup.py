@@ -17,7 +17,9 @@ import yaml
 from areno.checkpoint import checkpoint_root, drop_after, latest_checkpoint, read_state, restore_controller_rng
 from areno.rollout.factory import EngineSpec
 from areno.config import TrainConfig
-from areno.data import PromptSampler, PromptSet, RowSet, load_rows, normalize_rows, tokenize_prompts
+from areno.prompts import PromptSet, tokenize_prompts
+from areno.rows import RowSet, load_rows, normalize_rows
+from areno.sampler import PromptSampler
 from areno.errors import UserError
 from areno.hub import check_model_id
 from areno.leftovers import clean_leftovers

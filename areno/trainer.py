@@ -18,9 +18,9 @@ from areno.advantages import advantages_and_keep
 from areno.backend.errors import BackendError
 from areno.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config import TrainConfig
-from areno.data import select
+from areno.prompts import select
 from areno.interrupt import defer_interrupts, interrupted, interrupts_raise, release_interrupts
-from areno.pack import build_split_pack
+from areno.split import build_split_pack
 from areno.rewards import RewardResult, reward_records
 from areno.rollout.batch import (
     FINISH_LENGTH,

@@ -42,8 +42,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from areno.backend.handoff import LocalPack, PackWriter
-from areno.pack import PACKED_TOKEN_FIELDS, SplitPack, build_split_pack
+from areno.pack import PACKED_TOKEN_FIELDS
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths
+from areno.split import SplitPack, build_split_pack
 
 FIELDS = PACKED_TOKEN_FIELDS  # per-token fields
 

@@ -582,7 +582,8 @@ def ref_build_split(lr, adv, world_size: int, max_tokens: int):
     import numpy as np
     import torch
 
-    from areno.pack import PACKED_TOKEN_FIELDS, SplitPack, TrainPack, plan_split
+    from areno.pack import PACKED_TOKEN_FIELDS, TrainPack
+    from areno.split import SplitPack, plan_split
     from bench_materialize import ref_pack
 
     used = [i for i, r in enumerate(lr.responses) if r]
@@ -619,7 +620,7 @@ def ref_train_step(run, step: int, rec: Recorder) -> dict:
     """train_step's shape with the list reference's host work (see the docstring)."""
     import numpy as np
 
-    from areno.data import select
+    from areno.prompts import select
     from bench_materialize import ref_decode, ref_stats
 
     cfg = run.cfg

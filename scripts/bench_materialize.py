@@ -65,16 +65,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from areno.advantages import group_advantages  # noqa: E402
-from areno.pack import (  # noqa: E402
-    PACKED_TOKEN_FIELDS,
-    SplitPack,
-    TrainPack,
-    Workspace,
-    build_split_pack,
-    build_train_pack,
-    plan_split,
-)
+from areno.pack import PACKED_TOKEN_FIELDS, TrainPack, Workspace, build_train_pack  # noqa: E402
 from areno.rollout.batch import RolloutBatch, decode_completions, offsets_from_lengths  # noqa: E402
+from areno.split import SplitPack, build_split_pack, plan_split  # noqa: E402
 from areno.stats import StreamingStats  # noqa: E402
 
 EPS = 1e-6

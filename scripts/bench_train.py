@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from areno.backend.config import BackendConfig
 from areno.backend.controller import TorchBackend
-from areno.pack import build_split_pack
 from areno.perf import flop_shape, peak_bf16_flops, train_flops
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths
+from areno.split import build_split_pack
 
 MODELS = {
     "smoke": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

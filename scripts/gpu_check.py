@@ -129,9 +129,9 @@ def run(args: argparse.Namespace, rep: Report, work: Path) -> None:
     from areno.advantages import group_advantages
     from areno.backend import BackendConfig, TorchBackend
     from areno.losses import LossConfig
-    from areno.pack import build_split_pack
     from areno.rollout.engine import SamplingConfig
     from areno.rollout.hf import HFEngine
+    from areno.split import build_split_pack
 
     smoke = args.cpu_smoke
     device = "cpu" if smoke else "cuda"

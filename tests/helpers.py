@@ -7,16 +7,9 @@ import numpy as np
 import torch
 
 from areno.advantages import zero_variance_groups
-from areno.pack import (
-    PACKED_TOKEN_FIELDS,
-    LossAgg,
-    SplitPack,
-    TrainPack,
-    _runs_index,
-    aggregation_weights,
-    plan_split,
-)
+from areno.pack import PACKED_TOKEN_FIELDS, TrainPack, _runs_index
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths
+from areno.split import LossAgg, SplitPack, aggregation_weights, plan_split
 
 
 def random_batch(
@@ -142,7 +135,7 @@ def keep_nonzero_variance(batch: RolloutBatch, rewards: np.ndarray) -> np.ndarra
     return ~zv[batch.group_index]
 
 
-# -- TrainPack transforms (the trainer plans first: pack.build_split_pack) ----
+# -- TrainPack transforms (the trainer plans first: split.build_split_pack) ---
 
 
 def gather_seqs(pack: TrainPack, seq_order: np.ndarray) -> TrainPack:

@@ -155,7 +155,7 @@ def test_controller_rejects_token_ids_outside_the_vocabulary(first_step) -> None
 def test_a_rank_with_no_sequences_still_steps(first_step) -> None:
     """One sequence, two ranks: rank 1 runs a zero-weight dummy micro-batch so the
     collectives line up; the step counts only the real tokens."""
-    from areno.pack import build_split_pack
+    from areno.split import build_split_pack
     from helpers import random_batch
 
     _, be2, *_ = first_step

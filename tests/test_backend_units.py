@@ -23,8 +23,9 @@ from areno.backend.model import (
 )
 from areno.backend.step import NonFiniteStepsError, lr_lambda
 from areno.losses import LossConfig
-from areno.pack import build_split_pack, build_train_pack
+from areno.pack import build_train_pack
 from areno.rollout.factory import EngineSpec
+from areno.split import build_split_pack
 
 VOCAB = 300  # < the tiny chat model's vocabulary
 

@@ -22,7 +22,8 @@ import torch
 from helpers import random_batch, random_rewards
 
 from areno.advantages import group_advantages
-from areno.pack import build_split_pack, build_train_pack
+from areno.pack import build_train_pack
+from areno.split import build_split_pack
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_materialize.py"

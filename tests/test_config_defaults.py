@@ -63,7 +63,7 @@ def test_config_choices_match_the_modules_that_dispatch_on_them():
     from areno.advantages import ADVANTAGE_MODES
     from areno.config import LOSS_AGG_BY_ALGO, field_type
     from areno.losses import ALGOS, KL_TYPES
-    from areno.pack import LOSS_AGG_MODES
+    from areno.split import LOSS_AGG_MODES
 
     for name, owner in (("algo", ALGOS), ("kl_type", KL_TYPES), ("adv_mode", ADVANTAGE_MODES),
                         ("loss_agg", LOSS_AGG_MODES)):

@@ -1,4 +1,4 @@
-"""areno.data: dataset specs, row normalization, prompt tokenization, sampling."""
+"""Dataset specs (datasource), row normalization (rows), prompt tokenization (prompts), sampling (sampler)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,10 @@ import numpy as np
 import pytest
 
 from areno import hub
-from areno.data import (
-    DatasetSpec,
-    PromptSampler,
-    load_rows,
-    normalize_rows,
-    parse_dataset_spec,
-    render_prompts,
-    select,
-    tokenize_prompts,
-)
+from areno.datasource import DatasetSpec, parse_dataset_spec
+from areno.prompts import render_prompts, select, tokenize_prompts
+from areno.rows import load_rows, normalize_rows
+from areno.sampler import PromptSampler
 from areno.errors import UserError
 
 CHAT_TEMPLATE = (

@@ -134,7 +134,7 @@ def test_an_interrupt_during_a_draining_command_leaves_the_backend_usable(tiny_c
 def test_an_interrupted_step_counts_only_if_its_update_was_applied():
     from types import SimpleNamespace
 
-    from areno.data import PromptSampler
+    from areno.sampler import PromptSampler
     from areno.trainer import settle_interrupted_step
 
     sampler = PromptSampler(55, 16, seed=0)

@@ -42,10 +42,11 @@ class ScriptedEngine:
 def test_evaluate_scores_greedy_pass_at_1_and_mean_and_pass_at_k(tmp_path, tiny_arith_path):
     from transformers import AutoTokenizer
 
-    from areno.data import normalize_rows, tokenize_prompts
     from areno.evaluate import evaluate
+    from areno.prompts import tokenize_prompts
     from areno.rewards import RewardScorer
     from areno.rollout.engine import SamplingConfig
+    from areno.rows import normalize_rows
 
     tok = AutoTokenizer.from_pretrained(tiny_arith_path)
     rows = normalize_rows(EVAL_ROWS[:4], source="test")

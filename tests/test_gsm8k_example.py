@@ -10,8 +10,8 @@ from pathlib import Path
 import datasets.config
 import pytest
 
-from areno.data import load_rows
 from areno.rewards import RewardRecord, RewardScorer
+from areno.rows import load_rows
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "math"
 LOADER = str(EXAMPLES / "dataset_loader.py")

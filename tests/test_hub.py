@@ -92,7 +92,7 @@ def test_missing_model_and_dataset_ids_say_so(monkeypatch, restore_offline):
     monkeypatch.setattr(hub, "hub_status", lambda *a: hub.HubStatus("missing", "404"))
     with pytest.raises(UserError, match="--ckpt nosuchorg/x: not a local directory, and no such model on the Hugging Face hub"):
         hub.check_model_id("nosuchorg/x")
-    from areno.data import load_rows
+    from areno.rows import load_rows
 
     with pytest.raises(UserError, match="no dataset 'nosuchorg/x', split 'train' on the Hugging Face"):
         load_rows("nosuchorg/x")

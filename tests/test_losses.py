@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from areno.losses import LossConfig, LossInputs, compute_loss
-from areno.pack import build_split_pack, build_train_pack
+from areno.pack import build_train_pack
+from areno.split import build_split_pack
 from helpers import random_batch
 
 torch.set_default_dtype(torch.float64)

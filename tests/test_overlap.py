@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from areno.data import PromptSampler, normalize_rows, tokenize_prompts
 from areno.advantages import advantages_and_keep
-from areno.pack import build_split_pack
+from areno.prompts import tokenize_prompts
 from areno.rewards import RewardScorer
 from areno.rollout.batch import overlong_mask
 from areno.rollout.engine import SamplingConfig
+from areno.rows import normalize_rows
+from areno.sampler import PromptSampler
+from areno.split import build_split_pack
 from areno.trainer import (
     PhaseTimer,
     rollout_overlapped,

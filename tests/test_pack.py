@@ -2,12 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from areno.pack import (
-    aggregation_weights,
-    build_split_pack,
-    build_train_pack,
-    plan_split,
-)
+from areno.pack import build_train_pack
+from areno.split import aggregation_weights, build_split_pack, plan_split
 from helpers import random_batch, split_pack
 
 

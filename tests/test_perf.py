@@ -49,7 +49,7 @@ def test_default_micro_tokens_per_device() -> None:
 def test_controller_perf_counts_every_epoch_and_rank() -> None:
     """The controller's per-call figures from the ranks' hello (no CUDA in the controller)."""
     from areno.backend.controller import _train_perf
-    from areno.pack import build_split_pack
+    from areno.split import build_split_pack
     from helpers import random_batch
 
     b = random_batch(seed=2, num_prompts=5, max_response=30)

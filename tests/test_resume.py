@@ -72,7 +72,7 @@ def train_steps(run_dir: Path) -> dict[int, dict]:
 def expected_prompt_hashes(steps: range, batch_size: int, seed: int = 0,
                            num_prompts: int = DEMO_PROMPTS) -> dict[int, float]:
     """The data order an uninterrupted run draws, straight from PromptSampler."""
-    from areno.data import PromptSampler
+    from areno.sampler import PromptSampler
     from areno.trainer import prompt_hash
 
     sampler = PromptSampler(num_prompts, batch_size, seed)

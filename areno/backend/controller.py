@@ -32,9 +32,9 @@ from areno.backend.handoff import PackWriter, RankHandoff, ShmSegment
 from areno.backend.launch import accept_ranks, free_port, spawn_ranks  # noqa: F401 (free_port re-exported)
 from areno.backend.weights import WeightLayout, probe_ids
 from areno.fileperms import replace_dir
-from areno.pack import SplitPack
 from areno.perf import train_flops, train_perf
 from areno.procs import exit_text
+from areno.split import SplitPack
 
 
 class TorchBackend:

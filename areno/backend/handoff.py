@@ -30,7 +30,8 @@ from multiprocessing import shared_memory
 import numpy as np
 import torch
 
-from areno.pack import PACKED_TOKEN_FIELDS, SplitPack, TrainPack
+from areno.pack import PACKED_TOKEN_FIELDS, TrainPack
+from areno.split import SplitPack
 
 SHM_PREFIX = "areno-bk-"
 SHM_DIR = "/dev/shm"

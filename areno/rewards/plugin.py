@@ -37,7 +37,7 @@ class RewardRecord:
     completion: str  # the decoded response
     answer: str | None  # the row's reference answer, if any
     solutions: list | None  # the row's reference solutions, if any
-    row: dict  # the normalized source row (see areno.data)
+    row: dict  # the normalized source row (see areno.rows)
     num_tokens: int  # response length in tokens
     finish_reason: str  # "stop" | "length" | "abort"
     index: int  # sample index in the step
