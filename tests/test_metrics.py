@@ -1,0 +1,91 @@
+"""The metric table (areno/metrics.py): every metric a step produces is declared
+once, and each reduction does what the table says."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from areno.backend.step import ACCUMULATED, accumulate
+from areno.losses import LossConfig, LossInputs, compute_loss
+from areno.metrics import (
+    DEVICE_MAXES,
+    DEVICE_METRICS,
+    DEVICE_SUMS,
+    LOSS_METRICS,
+    METRICS,
+    finalize_step,
+)
+
+
+def _inputs(with_optional: bool) -> LossInputs:
+    lp = torch.tensor([-1.0, -2.0, -0.5])
+    opt = dict(rollout_logprobs=lp - 0.1, ref_logprobs=lp + 0.2, entropy=torch.ones(3)) \
+        if with_optional else {}
+    return LossInputs(logprobs=lp, old_logprobs=lp - 0.05, advantages=torch.tensor([1.0, 1.0, -1.0]),
+                      loss_mask=torch.tensor([True, True, False]), seq_weights=torch.tensor([0.5]),
+                      seq_index=torch.zeros(3, dtype=torch.long), **opt)
+
+
+@pytest.mark.parametrize("with_optional", [False, True])
+def test_compute_loss_emits_exactly_the_tables_loss_metrics(with_optional: bool) -> None:
+    cfg = LossConfig(kl_coef=0.1, tis_cap=2.0) if with_optional else LossConfig()
+    out = compute_loss(_inputs(with_optional), cfg)
+    assert set(out.metrics) == set(LOSS_METRICS)
+
+
+def test_table_is_consistent() -> None:
+    assert set(DEVICE_SUMS).isdisjoint(DEVICE_MAXES)
+    assert DEVICE_METRICS == DEVICE_SUMS + DEVICE_MAXES
+    for name, m in METRICS.items():
+        assert m.name == name and m.help, name
+        assert (m.source == "host") == (m.reduce == "host"), name  # host values never reach the device
+        assert m.over_steps is not None or not m.logged, name      # a rank-only metric is not logged
+    # what the rank accumulates per micro-batch, plus what the optimizer sets once
+    assert set(ACCUMULATED) | {"grad_norm", "lr"} == set(DEVICE_METRICS)
+
+
+def test_metrics_module_needs_no_torch() -> None:
+    code = "import sys, areno.metrics; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+def test_accumulate_sums_and_takes_maxima_as_declared() -> None:
+    micro = [{k: torch.tensor(float(i + 1)) for k in LOSS_METRICS} for i in range(3)]
+    micro[1]["ratio_max"] = torch.tensor(7.0)
+    acc = {k: torch.zeros(()) for k in ACCUMULATED}
+    for mb in micro:
+        accumulate(acc, mb)
+    for k in LOSS_METRICS:
+        want = 7.0 if METRICS[k].reduce == "max" else 1.0 + 2.0 + 3.0
+        assert acc[k].item() == want, k
+
+
+def test_finalize_step() -> None:
+    """(moved from test_stats: finalize_loss_metrics is now metrics.finalize_step)"""
+    out = finalize_step(
+        {"loss_tokens": 4.0, "clip_frac": 1.0, "ratio_mean": 4.4, "ratio_sq": 5.0, "ratio_max": 1.3, "loss": -0.2}
+    )
+    assert out["clip_frac"] == 0.25 and out["ratio_mean"] == pytest.approx(1.1)
+    assert out["ratio_std"] == pytest.approx(math.sqrt(5.0 / 4 - 1.21))
+    assert out["ratio_max"] == 1.3 and out["loss"] == -0.2
+
+
+def test_finalize_step_divides_token_means_only_and_drops_rank_only_metrics() -> None:
+    values = {k: 8.0 for k in DEVICE_METRICS}
+    values["loss_tokens"] = 4.0
+    out = finalize_step(values)
+    assert "ratio_sq" not in out and out.keys() == set(DEVICE_METRICS) - {"ratio_sq"} | {"ratio_std"}
+    for k in DEVICE_METRICS:
+        if k == "ratio_sq":
+            continue
+        want = 2.0 if METRICS[k].reduce == "token_mean" else values[k]
+        assert out[k] == want, k
+    assert out["ratio_std"] == 0.0  # E[r^2] - E[r]^2 = 2 - 4 < 0, clamped
+    assert finalize_step({"loss_tokens": 0.0, "kl": 3.0})["kl"] == 3.0  # no loss token: / 1
+
