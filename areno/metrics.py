@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 Source = Literal["loss", "batch", "optimizer", "host"]
 Reduce = Literal["sum", "token_mean", "max", "host"]
 OverSteps = Literal["mean", "last", "sum"]
@@ -78,6 +80,7 @@ DEVICE_MAXES: tuple[str, ...] = tuple(m.name for m in _ROWS if m.reduce == "max"
 # The stacked vector a rank all-gathers and reads back: sums, then maxima.
 DEVICE_METRICS: tuple[str, ...] = DEVICE_SUMS + DEVICE_MAXES
 REPORTED: tuple[str, ...] = tuple(m.name for m in _ROWS if m.over_steps is not None)
+TRAIN_METRICS: tuple[str, ...] = tuple(m.name for m in _ROWS if m.logged)
 
 
 def finalize_step(values: dict[str, float]) -> dict[str, float]:
@@ -92,3 +95,25 @@ def finalize_step(values: dict[str, float]) -> dict[str, float]:
         out["ratio_std"] = math.sqrt(max(means["ratio_sq"] - means["ratio_mean"] ** 2, 0.0))
     return out
 
+
+def reduce_opt_steps(opt_steps: list[dict[str, float]]) -> dict[str, float]:
+    """The optimizer steps of one areno step -> one value per metric, by over_steps."""
+    if not opt_steps:
+        return {}
+    out = {}
+    for k in opt_steps[0]:
+        vals = [s[k] for s in opt_steps]
+        how = METRICS[k].over_steps
+        if how == "last":
+            out[k] = vals[-1]
+        elif how == "sum":
+            out[k] = float(sum(vals))
+        else:
+            out[k] = float(np.mean(vals))
+    return out
+
+
+def train_metrics(opt_steps: list[dict[str, float]]) -> dict[str, float]:
+    """{train/<name>: value} of every logged metric (0.0 when no optimizer step ran)."""
+    reduced = reduce_opt_steps(opt_steps)
+    return {f"train/{k}": float(reduced.get(k, 0.0)) for k in TRAIN_METRICS}

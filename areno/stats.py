@@ -1,4 +1,4 @@
-"""Streaming statistics and the names of step metrics.
+"""Streaming statistics.
 
 `StreamingStats` keeps count/mean/M2/min/max in float64 and merges batches
 with Chan et al.'s parallel update, so statistics over every response token of
@@ -72,10 +72,3 @@ class StreamingStats:
             f"{prefix}max": self.max if self.count else math.nan,
         }
 
-
-# What the backend reports per optimizer step (after metrics.finalize_step),
-# logged as train/<name>.
-TRAIN_METRICS: tuple[str, ...] = (
-    "loss", "clip_frac", "ratio_mean", "ratio_std", "ratio_max", "kl", "entropy",
-    "logprob_diff", "tis_weight", "loss_tokens", "grad_norm", "lr", "nan_skipped",
-)

@@ -20,6 +20,7 @@ from areno.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config import TrainConfig
 from areno.data import select
 from areno.interrupt import defer_interrupts, interrupted, interrupts_raise, release_interrupts
+from areno.metrics import train_metrics
 from areno.pack import build_split_pack
 from areno.rewards import RewardResult, reward_records
 from areno.rollout.batch import (
@@ -32,7 +33,7 @@ from areno.rollout.engine import SamplingConfig
 from areno.rollout.probe import WeightSyncError
 from areno.multinode import run_worker_node
 from areno.setup import Run, open_run, visible_gpus
-from areno.stats import TRAIN_METRICS, StreamingStats
+from areno.stats import StreamingStats
 
 
 class PhaseTimer:
@@ -207,17 +208,6 @@ def rollout_overlapped(run: Run, prompt_idx: np.ndarray, sampling: SamplingConfi
     return batch, replace(merged, rewards=merged.rewards[perm], valid=merged.valid[perm])
 
 
-def _mean_over_opt_steps(opt_steps: list[dict[str, float]]) -> dict[str, float]:
-    if not opt_steps:
-        return {}
-    keys = opt_steps[0].keys()
-    out = {k: float(np.mean([s[k] for s in opt_steps])) for k in keys}
-    out["lr"] = opt_steps[-1]["lr"]  # the LR the run continues with
-    if "nan_skipped" in out:
-        out["nan_skipped"] = float(sum(s["nan_skipped"] for s in opt_steps))
-    return out
-
-
 def step_metrics(run: Run, batch: RolloutBatch, scored: RewardResult, pack_tokens: int,
                  imbalance: float, n_zero_var: int, opt_steps: list[dict[str, float]],
                  times: dict[str, float], elapsed: float) -> dict[str, float]:
@@ -245,9 +235,7 @@ def step_metrics(run: Run, batch: RolloutBatch, scored: RewardResult, pack_token
         "batch/rank_imbalance": float(imbalance),
         "data/epoch": float(run.sampler.epoch),
     }
-    train = _mean_over_opt_steps(opt_steps)
-    for key in TRAIN_METRICS:
-        m[f"train/{key}"] = float(train.get(key, 0.0))
+    m.update(train_metrics(opt_steps))  # reduced over the optimizer steps by the table
     for phase, t in times.items():
         m[f"time/{phase}"] = t
     m["time/step"] = elapsed

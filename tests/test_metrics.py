@@ -18,7 +18,11 @@ from areno.metrics import (
     DEVICE_SUMS,
     LOSS_METRICS,
     METRICS,
+    REPORTED,
+    TRAIN_METRICS,
     finalize_step,
+    reduce_opt_steps,
+    train_metrics,
 )
 
 
@@ -47,6 +51,7 @@ def test_table_is_consistent() -> None:
         assert m.over_steps is not None or not m.logged, name      # a rank-only metric is not logged
     # what the rank accumulates per micro-batch, plus what the optimizer sets once
     assert set(ACCUMULATED) | {"grad_norm", "lr"} == set(DEVICE_METRICS)
+    assert set(TRAIN_METRICS) <= set(REPORTED)
 
 
 def test_metrics_module_needs_no_torch() -> None:
@@ -89,3 +94,19 @@ def test_finalize_step_divides_token_means_only_and_drops_rank_only_metrics() ->
     assert out["ratio_std"] == 0.0  # E[r^2] - E[r]^2 = 2 - 4 < 0, clamped
     assert finalize_step({"loss_tokens": 0.0, "kl": 3.0})["kl"] == 3.0  # no loss token: / 1
 
+
+def test_reduce_opt_steps_by_over_steps() -> None:
+    steps = [{k: float(i) for k in REPORTED} for i in (1, 2, 4)]
+    out = reduce_opt_steps(steps)
+    for k in REPORTED:
+        want = {"mean": 7.0 / 3, "last": 4.0, "sum": 7.0}[METRICS[k].over_steps]
+        assert out[k] == pytest.approx(want, rel=1e-15), k
+    assert out["lr"] == 4.0 and out["nan_skipped"] == 7.0 and out["loss"] == pytest.approx(7.0 / 3)
+    assert reduce_opt_steps([]) == {}
+
+
+def test_train_metrics_logs_every_train_metric_in_table_order() -> None:
+    assert list(train_metrics([])) == [f"train/{k}" for k in TRAIN_METRICS]
+    assert set(train_metrics([]).values()) == {0.0}  # no optimizer step: all zero
+    one = train_metrics([{k: 2.0 for k in REPORTED}])
+    assert list(one) == [f"train/{k}" for k in TRAIN_METRICS] and set(one.values()) == {2.0}
