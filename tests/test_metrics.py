@@ -7,8 +7,10 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
+from helpers import random_batch
 
 from areno.backend.step import ACCUMULATED, accumulate
 from areno.losses import LossConfig, LossInputs, compute_loss
@@ -24,6 +26,9 @@ from areno.metrics import (
     reduce_opt_steps,
     train_metrics,
 )
+from areno.rewards import RewardResult
+from areno.rewards.plugin import RewardCounts
+from areno.trainer import StepResult, step_metrics
 
 
 def _inputs(with_optional: bool) -> LossInputs:
@@ -110,3 +115,22 @@ def test_train_metrics_logs_every_train_metric_in_table_order() -> None:
     assert set(train_metrics([]).values()) == {0.0}  # no optimizer step: all zero
     one = train_metrics([{k: 2.0 for k in REPORTED}])
     assert list(one) == [f"train/{k}" for k in TRAIN_METRICS] and set(one.values()) == {2.0}
+
+
+def test_step_metrics_come_from_the_step_result_alone() -> None:
+    batch = random_batch(seed=0)
+    n = batch.num_responses
+    scored = RewardResult(rewards=np.linspace(0.0, 1.5, n).astype(np.float32),
+                          valid=np.ones(n, dtype=bool), counts=RewardCounts())
+    res = StepResult(batch=batch, scored=scored, prompt_idx=np.arange(batch.num_prompts),
+                     pack_tokens=10, rank_imbalance=1.25, zero_var_groups=2,
+                     opt_steps=[{k: 1.0 for k in REPORTED}, {k: 3.0 for k in REPORTED}],
+                     times={"rollout": 0.5}, elapsed=2.0, data_epoch=1,
+                     backend_perf={"perf/train_tokens_per_s": 5.0})
+    m = step_metrics(res)
+    assert m["train/loss"] == 2.0 and m["train/lr"] == 3.0 and m["train/nan_skipped"] == 4.0
+    assert m["batch/pack_tokens"] == 10.0 and m["batch/rank_imbalance"] == 1.25
+    assert m["batch/zero_var_groups"] == 2.0 and m["data/epoch"] == 1.0
+    assert m["time/rollout"] == 0.5 and m["time/step"] == 2.0
+    assert list(m)[-2:] == ["data/prompt_hash", "perf/train_tokens_per_s"]
+    assert all(isinstance(v, float) and math.isfinite(v) for v in m.values())
