@@ -49,7 +49,6 @@ Algo = Literal["grpo", "gspo"]
 KLType = Literal["k1", "k3"]
 ALGOS: tuple[str, ...] = typing.get_args(Algo)
 KL_TYPES: tuple[str, ...] = typing.get_args(KLType)
-MAX_METRICS: tuple[str, ...] = ("ratio_max",)  # reduced by max, all others by sum
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,9 @@ class LossInputs:
 @dataclass(frozen=True)
 class LossOutputs:
     loss: torch.Tensor                  # 0-dim, weighted sum (add across micro-batches)
-    metrics: dict[str, torch.Tensor]    # 0-dim device sums (max for MAX_METRICS)
+    # 0-dim device tensors named in metrics.LOSS_METRICS: sums over the micro-batch's
+    # loss tokens, or its maximum where the table's reduce is "max".
+    metrics: dict[str, torch.Tensor]
 
 
 def _segment_sum(x: torch.Tensor, seq_index: torch.Tensor, num_seqs: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Streaming statistics and the names of step metrics.
+"""Streaming statistics.
 
 `StreamingStats` keeps count/mean/M2/min/max in float64 and merges batches
 with Chan et al.'s parallel update, so statistics over every response token of
@@ -72,37 +72,3 @@ class StreamingStats:
             f"{prefix}max": self.max if self.count else math.nan,
         }
 
-
-# -- step metrics ------------------------------------------------------------
-# Loss metrics come out of `losses.compute_loss` as device tensors of token
-# *sums* (so micro-batches and ranks add up); `finalize_loss_metrics` turns the
-# summed, read-back values into means. Keys are declared here once.
-TOKEN_MEAN_METRICS: tuple[str, ...] = (
-    "clip_frac",       # fraction of loss tokens whose ratio was clipped
-    "ratio_mean",      # mean importance ratio exp(logp - old_logp)
-    "kl",              # KL estimate to the reference (0 when off)
-    "entropy",         # policy entropy per token (when computed)
-    "logprob_diff",    # mean |train logp - rollout logp| before the update
-    "tis_weight",      # mean truncated-IS weight (1 when off)
-)
-SUM_METRICS: tuple[str, ...] = ("ratio_sq", "ratio_max", "loss_tokens", "loss")
-
-
-def finalize_loss_metrics(sums: dict[str, float]) -> dict[str, float]:
-    """Turn token sums ({name: sum}, plus 'loss_tokens', 'ratio_sq') into means."""
-    n = max(sums.get("loss_tokens", 0.0), 1.0)
-    out = {k: sums[k] / n for k in TOKEN_MEAN_METRICS if k in sums}
-    if "ratio_sq" in sums and "ratio_mean" in out:
-        out["ratio_std"] = math.sqrt(max(sums["ratio_sq"] / n - out["ratio_mean"] ** 2, 0.0))
-    for k in ("ratio_max", "loss", "loss_tokens"):
-        if k in sums:
-            out[k] = sums[k]
-    return out
-
-
-# What the backend reports per optimizer step (after finalize_loss_metrics),
-# logged as train/<name>.
-TRAIN_METRICS: tuple[str, ...] = (
-    "loss", "clip_frac", "ratio_mean", "ratio_std", "ratio_max", "kl", "entropy",
-    "logprob_diff", "tis_weight", "loss_tokens", "grad_norm", "lr", "nan_skipped",
-)

@@ -9,7 +9,7 @@ import signal
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import numpy as np
@@ -20,6 +20,7 @@ from areno.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config import TrainConfig
 from areno.prompts import select
 from areno.interrupt import defer_interrupts, interrupted, interrupts_raise, release_interrupts
+from areno.metrics import train_metrics
 from areno.split import build_split_pack
 from areno.rewards import RewardResult, reward_records
 from areno.rollout.batch import (
@@ -32,7 +33,7 @@ from areno.rollout.engine import SamplingConfig
 from areno.rollout.probe import WeightSyncError
 from areno.multinode import run_worker_node
 from areno.setup import Run, open_run, visible_gpus
-from areno.stats import TRAIN_METRICS, StreamingStats
+from areno.stats import StreamingStats
 
 
 class PhaseTimer:
@@ -147,13 +148,13 @@ def train_step(run: Run, step: int) -> dict[str, float]:
         if opt_steps:
             run.sync_weights()
     elapsed = time.perf_counter() - t_step
-    m = step_metrics(run, batch, scored, split.pack.num_tokens, split.plan.imbalance,
-                     n_zero_var, opt_steps, timer.times, elapsed)
-    m["data/prompt_hash"] = prompt_hash(prompt_idx)
-    m.update(getattr(run.backend, "last_perf", {}))  # perf/train_tokens_per_s, perf/mfu (GPU)
+    perf = dict(getattr(run.backend, "last_perf", {}))  # perf/train_tokens_per_s, perf/mfu (GPU)
     if "peak_gpu_mem_gb" in train_timings:  # GPU only: the largest rank's allocator peak
-        m["perf/peak_gpu_mem_gb"] = train_timings["peak_gpu_mem_gb"]
-    return m
+        perf["perf/peak_gpu_mem_gb"] = train_timings["peak_gpu_mem_gb"]
+    return step_metrics(StepResult(
+        batch=batch, scored=scored, prompt_idx=prompt_idx, pack_tokens=split.pack.num_tokens,
+        rank_imbalance=split.plan.imbalance, zero_var_groups=n_zero_var, opt_steps=opt_steps,
+        times=timer.times, elapsed=elapsed, data_epoch=run.sampler.epoch, backend_perf=perf))
 
 
 def prompt_hash(prompt_idx: np.ndarray) -> float:
@@ -207,21 +208,26 @@ def rollout_overlapped(run: Run, prompt_idx: np.ndarray, sampling: SamplingConfi
     return batch, replace(merged, rewards=merged.rewards[perm], valid=merged.valid[perm])
 
 
-def _mean_over_opt_steps(opt_steps: list[dict[str, float]]) -> dict[str, float]:
-    if not opt_steps:
-        return {}
-    keys = opt_steps[0].keys()
-    out = {k: float(np.mean([s[k] for s in opt_steps])) for k in keys}
-    out["lr"] = opt_steps[-1]["lr"]  # the LR the run continues with
-    if "nan_skipped" in out:
-        out["nan_skipped"] = float(sum(s["nan_skipped"] for s in opt_steps))
-    return out
+@dataclass(frozen=True)
+class StepResult:
+    """What one step produced, as its metrics need it."""
+
+    batch: RolloutBatch
+    scored: RewardResult
+    prompt_idx: np.ndarray                # int64 [P], the prompts the step drew
+    pack_tokens: int                      # tokens in the train pack
+    rank_imbalance: float                 # the pack plan's token imbalance over ranks
+    zero_var_groups: int                  # groups whose rewards were all equal
+    opt_steps: list[dict[str, float]]     # backend.train's metrics, one per optimizer step
+    times: dict[str, float]               # seconds per phase
+    elapsed: float                        # seconds of the whole step
+    data_epoch: int                       # the sampler's epoch after drawing the prompts
+    backend_perf: dict[str, float]        # perf/* of the last backend.train call
 
 
-def step_metrics(run: Run, batch: RolloutBatch, scored: RewardResult, pack_tokens: int,
-                 imbalance: float, n_zero_var: int, opt_steps: list[dict[str, float]],
-                 times: dict[str, float], elapsed: float) -> dict[str, float]:
+def step_metrics(res: StepResult) -> dict[str, float]:
     """Every per-step metric (see README, "Metrics"), all finite floats."""
+    batch, scored = res.batch, res.scored
     r = scored.rewards[scored.valid]
     lengths = batch.response_lengths
     step_lp = StreamingStats()
@@ -240,16 +246,16 @@ def step_metrics(run: Run, batch: RolloutBatch, scored: RewardResult, pack_token
         "response/truncated_frac": float((batch.finish_reason == FINISH_LENGTH).mean()),
         "rollout/logprob_mean": step_lp.mean if step_lp.count else 0.0,
         "rollout/logprob_std": step_lp.std if step_lp.count > 1 else 0.0,
-        "batch/zero_var_groups": float(n_zero_var),
-        "batch/pack_tokens": float(pack_tokens),
-        "batch/rank_imbalance": float(imbalance),
-        "data/epoch": float(run.sampler.epoch),
+        "batch/zero_var_groups": float(res.zero_var_groups),
+        "batch/pack_tokens": float(res.pack_tokens),
+        "batch/rank_imbalance": float(res.rank_imbalance),
+        "data/epoch": float(res.data_epoch),
     }
-    train = _mean_over_opt_steps(opt_steps)
-    for key in TRAIN_METRICS:
-        m[f"train/{key}"] = float(train.get(key, 0.0))
-    for phase, t in times.items():
+    m.update(train_metrics(res.opt_steps))  # reduced over the optimizer steps by the table
+    for phase, t in res.times.items():
         m[f"time/{phase}"] = t
-    m["time/step"] = elapsed
-    m["perf/tokens_per_s"] = float(lengths.sum()) / max(elapsed, 1e-9)
+    m["time/step"] = res.elapsed
+    m["perf/tokens_per_s"] = float(lengths.sum()) / max(res.elapsed, 1e-9)
+    m["data/prompt_hash"] = prompt_hash(res.prompt_idx)
+    m.update(res.backend_perf)
     return m

@@ -23,6 +23,7 @@ from areno.backend.model import (
 )
 from areno.backend.step import NonFiniteStepsError, lr_lambda
 from areno.losses import LossConfig
+from areno.metrics import REPORTED
 from areno.pack import build_train_pack
 from areno.rollout.factory import EngineSpec
 from areno.split import build_split_pack
@@ -285,6 +286,8 @@ def test_one_device_to_host_readback_per_optimizer_step(tiny_chat_path, monkeypa
     assert len(steps) == 2 * 3
     assert calls == ["tolist"] * len(steps), calls
     assert all(s["kl"] >= 0 and s["num_tokens"] > 0 for s in steps)
+    # every metric the rank reports is in the table (the trainer reduces it by its row)
+    assert all(s.keys() == set(REPORTED) for s in steps), steps[0].keys() ^ set(REPORTED)
 
 
 def test_nan_steps_are_skipped_then_k_in_a_row_stop(tiny_chat_path, monkeypatch) -> None:

@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from areno.stats import StreamingStats, finalize_loss_metrics
+from areno.stats import StreamingStats
 
 
 def test_matches_numpy_over_uneven_chunks():
@@ -63,12 +63,3 @@ def test_summary_and_empty():
     assert s.summary(prefix="lp_") == {
         "lp_count": 2.0, "lp_mean": 2.0, "lp_std": 1.0, "lp_min": 1.0, "lp_max": 3.0,
     }
-
-
-def test_finalize_loss_metrics():
-    out = finalize_loss_metrics(
-        {"loss_tokens": 4.0, "clip_frac": 1.0, "ratio_mean": 4.4, "ratio_sq": 5.0, "ratio_max": 1.3, "loss": -0.2}
-    )
-    assert out["clip_frac"] == 0.25 and out["ratio_mean"] == pytest.approx(1.1)
-    assert out["ratio_std"] == pytest.approx(math.sqrt(5.0 / 4 - 1.21))
-    assert out["ratio_max"] == 1.3 and out["loss"] == -0.2

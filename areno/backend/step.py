@@ -8,6 +8,9 @@ it on the device and reads it back with ONE device-to-host copy
 there whether to step or to skip a non-finite update: no second sync. All
 ranks read the same reduced values, so they all decide the same way.
 
+How each metric is reduced (sum, token mean, max) is declared once, in
+`areno/metrics.py`.
+
 The loss of each micro-batch is the weighted SUM from `losses.compute_loss`
 (weights normalised over the whole mini-batch); DDP and FSDP average gradients
 over R ranks, so each rank backpropagates R * loss.
@@ -26,17 +29,13 @@ import torch.distributed as dist
 from areno.backend.config import BackendConfig
 from areno.backend.handoff import LocalPack
 from areno.backend.model import Wrapped, autocast_ctx
-from areno.losses import MAX_METRICS, LossInputs, compute_loss
+from areno.losses import LossInputs, compute_loss
+from areno.metrics import DEVICE_METRICS, DEVICE_SUMS, METRICS, finalize_step
 from areno.pack import TrainPack
-from areno.stats import finalize_loss_metrics
 
-LOSS_SUM_KEYS: tuple[str, ...] = (
-    "loss", "loss_tokens", "clip_frac", "ratio_mean", "ratio_sq", "logprob_diff", "kl", "entropy",
-    "tis_weight",
-)
-SUM_KEYS: tuple[str, ...] = LOSS_SUM_KEYS + ("num_tokens", "num_seqs")
-# grad_norm and lr are the same on every rank; max keeps them as they are.
-MAX_KEYS: tuple[str, ...] = tuple(MAX_METRICS) + ("grad_norm", "lr")
+# Accumulated over micro-batches; the optimizer's metrics (grad_norm, lr) are set
+# once per step, after clipping, so they get no accumulator.
+ACCUMULATED: tuple[str, ...] = tuple(k for k in DEVICE_METRICS if METRICS[k].source != "optimizer")
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -143,8 +142,7 @@ class RankTrainer:
 
     def _optimizer_step(self, micros: list[Micro], old, ref) -> dict[str, float]:
         cfg, dev = self.cfg, self.device
-        sums = {k: torch.zeros((), device=dev) for k in SUM_KEYS}
-        maxes = {k: torch.zeros((), device=dev) for k in MAX_METRICS}
+        acc = {k: torch.zeros((), device=dev) for k in ACCUMULATED}
         self.optimizer.zero_grad(set_to_none=True)
         for m, mb in enumerate(micros):
             with self._grad_sync(last=m == len(micros) - 1):
@@ -160,33 +158,31 @@ class RankTrainer:
                 )
                 res = compute_loss(inp, cfg.loss)
                 (res.loss * self.world).backward()
-            for k in LOSS_SUM_KEYS:
-                sums[k] += res.metrics[k]
-            for k in MAX_METRICS:
-                maxes[k] = torch.maximum(maxes[k], res.metrics[k])
-            sums["num_tokens"] += mb.num_tokens
-            sums["num_seqs"] += mb.num_seqs
+            accumulate(acc, res.metrics)
+            acc["num_tokens"] += mb.num_tokens
+            acc["num_seqs"] += mb.num_seqs
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm is not None else math.inf
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
         if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor
             norm = norm.full_tensor()
-        maxes["grad_norm"] = norm.to(torch.float32)
-        maxes["lr"] = torch.full((), self.optimizer.param_groups[0]["lr"], device=dev)
-        values = self._reduce_and_read(sums, maxes)
+        acc["grad_norm"] = norm.to(torch.float32)
+        acc["lr"] = torch.full((), self.optimizer.param_groups[0]["lr"], device=dev)
+        values = self._reduce_and_read(acc)
         return self._apply(values)
 
-    def _reduce_and_read(self, sums: dict, maxes: dict) -> dict[str, float]:
-        """One stacked vector, one all_gather (then sum / max per key on the device,
-        where NaN propagates the same way on every backend), one readback."""
-        vec = torch.stack([sums[k] for k in SUM_KEYS] + [maxes[k] for k in MAX_KEYS])
+    def _reduce_and_read(self, acc: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One stacked vector (DEVICE_METRICS: sums, then maxima), one all_gather
+        (then sum / max per key on the device, where NaN propagates the same way
+        on every backend), one readback."""
+        vec = torch.stack([acc[k] for k in DEVICE_METRICS])
         if self.world > 1:
             parts = [torch.empty_like(vec) for _ in range(self.world)]
             dist.all_gather(parts, vec)
             every = torch.stack(parts)  # [R, n]
-            n = len(SUM_KEYS)
+            n = len(DEVICE_SUMS)
             vec = torch.cat([every[:, :n].sum(0), every[:, n:].amax(0)])
         host = vec.tolist()  # THE one device-to-host copy of the step
-        return dict(zip(SUM_KEYS + MAX_KEYS, host))
+        return dict(zip(DEVICE_METRICS, host))
 
     def _apply(self, v: dict[str, float]) -> dict[str, float]:
         finite = math.isfinite(v["loss"]) and math.isfinite(v["grad_norm"])
@@ -198,11 +194,8 @@ class RankTrainer:
         else:  # skip: the gradients are dropped below, weights and schedule stay
             self.nan_streak += 1
         self.optimizer.zero_grad(set_to_none=True)
-        out = finalize_loss_metrics({k: v[k] for k in LOSS_SUM_KEYS + tuple(MAX_METRICS)})
-        out.update(
-            grad_norm=v["grad_norm"], lr=v["lr"], num_tokens=v["num_tokens"], num_seqs=v["num_seqs"],
-            nan_skipped=0.0 if finite else 1.0, step=float(self.step),
-        )
+        out = finalize_step(v)
+        out.update(nan_skipped=0.0 if finite else 1.0, step=float(self.step))
         if self.nan_streak >= self.cfg.max_nan_steps:
             raise NonFiniteStepsError(
                 f"{self.nan_streak} optimizer steps in a row had a non-finite loss or grad norm "
@@ -235,6 +228,16 @@ class RankTrainer:
         for group, base, f in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
                                   self.scheduler.lr_lambdas):
             group["lr"] = base * f(self.scheduler.last_epoch)
+
+
+def accumulate(acc: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
+    """Fold one micro-batch's 0-dim device metrics into the step's accumulators,
+    each by its reduction in the table (max, else a sum). No host sync."""
+    for k, v in metrics.items():
+        if METRICS[k].reduce == "max":
+            acc[k] = torch.maximum(acc[k], v)
+        else:
+            acc[k] += v
 
 
 def lr_lambda(cfg: BackendConfig):

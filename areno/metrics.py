@@ -1,0 +1,119 @@
+"""The metrics of an optimizer step, declared once, with how each is reduced.
+
+A rank accumulates every device metric of an optimizer step over its
+micro-batches and then over the ranks, as its `reduce` says:
+
+  sum         added up (the weighted loss, token and sequence counts)
+  token_mean  added up as a sum over loss tokens, divided by `loss_tokens`
+              after the step's one device-to-host readback
+  max         the largest (ratio_max; grad_norm and lr, equal on every rank)
+  host        no device value: the rank computes it on the host after the
+              readback (so every rank gets the same)
+
+The trainer reduces the optimizer steps of one areno step by `over_steps`
+(mean, last or sum) and logs the `logged` ones as `train/<name>`.
+`source` says who produces a metric: `loss` (losses.compute_loss, once per
+micro-batch), `batch` (the micro-batch's counts), `optimizer` (once per
+optimizer step, after clipping) or `host`.
+
+No torch here: the controller imports this module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+Source = Literal["loss", "batch", "optimizer", "host"]
+Reduce = Literal["sum", "token_mean", "max", "host"]
+OverSteps = Literal["mean", "last", "sum"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One row of the table: a metric and its reductions."""
+
+    name: str
+    source: Source
+    reduce: Reduce               # over micro-batches and ranks, within one optimizer step
+    over_steps: OverSteps | None = "mean"  # over a step's optimizer steps; None: the rank keeps it
+    logged: bool = True          # written to metrics.jsonl as train/<name>
+    help: str = ""
+
+
+# Logged rows first, in the order of their train/<name> keys in metrics.jsonl.
+_ROWS: tuple[Metric, ...] = (
+    Metric("loss", "loss", "sum", help="the mini-batch's weighted policy loss (losses.py)"),
+    Metric("clip_frac", "loss", "token_mean", help="fraction of loss tokens whose ratio was clipped"),
+    Metric("ratio_mean", "loss", "token_mean", help="mean importance ratio exp(logp - old_logp)"),
+    Metric("ratio_std", "host", "host", help="std of the ratio, from ratio_sq and ratio_mean"),
+    Metric("ratio_max", "loss", "max", help="largest ratio of a loss token"),
+    Metric("kl", "loss", "token_mean", help="KL estimate to the reference (0 when off)"),
+    Metric("entropy", "loss", "token_mean", help="policy entropy per token (when computed)"),
+    Metric("logprob_diff", "loss", "token_mean",
+           help="mean |train logp - rollout logp| before the update"),
+    Metric("tis_weight", "loss", "token_mean", help="mean truncated-IS weight (1 when off)"),
+    Metric("loss_tokens", "loss", "sum", help="tokens in the loss: the token_mean denominator"),
+    Metric("grad_norm", "optimizer", "max", help="gradient norm before clipping"),
+    Metric("lr", "optimizer", "max", over_steps="last",
+           help="learning rate; the last one is what the run continues with"),
+    Metric("nan_skipped", "host", "host", over_steps="sum",
+           help="1 when the step was skipped for a non-finite loss or grad norm"),
+    Metric("ratio_sq", "loss", "token_mean", over_steps=None, logged=False,
+           help="mean squared ratio: only an input of ratio_std, never reported"),
+    Metric("num_tokens", "batch", "sum", logged=False, help="packed tokens (prompt + response)"),
+    Metric("num_seqs", "batch", "sum", logged=False, help="packed sequences"),
+    Metric("step", "host", "host", logged=False, help="optimizer steps the rank has taken"),
+    Metric("epoch", "host", "host", logged=False, help="PPO epoch of the optimizer step"),
+    Metric("minibatch", "host", "host", logged=False, help="mini-batch of the optimizer step"),
+    Metric("step_time_s", "host", "host", logged=False, help="the rank's wall time of the step"),
+)
+METRICS: dict[str, Metric] = {m.name: m for m in _ROWS}
+
+# Derived views of the table, in table order.
+LOSS_METRICS: tuple[str, ...] = tuple(m.name for m in _ROWS if m.source == "loss")
+DEVICE_SUMS: tuple[str, ...] = tuple(m.name for m in _ROWS if m.reduce in ("sum", "token_mean"))
+DEVICE_MAXES: tuple[str, ...] = tuple(m.name for m in _ROWS if m.reduce == "max")
+# The stacked vector a rank all-gathers and reads back: sums, then maxima.
+DEVICE_METRICS: tuple[str, ...] = DEVICE_SUMS + DEVICE_MAXES
+REPORTED: tuple[str, ...] = tuple(m.name for m in _ROWS if m.over_steps is not None)
+TRAIN_METRICS: tuple[str, ...] = tuple(m.name for m in _ROWS if m.logged)
+
+
+def finalize_step(values: dict[str, float]) -> dict[str, float]:
+    """Read-back device values of one optimizer step (sums and maxima over its
+    micro-batches and ranks) -> what the rank reports: token_mean metrics
+    divided by loss_tokens, ratio_std from ratio_sq and ratio_mean, rank-only
+    metrics dropped. The rank adds its host metrics to the result."""
+    n = max(values.get("loss_tokens", 0.0), 1.0)
+    means = {k: (v / n if METRICS[k].reduce == "token_mean" else v) for k, v in values.items()}
+    out = {k: v for k, v in means.items() if METRICS[k].over_steps is not None}
+    if "ratio_sq" in means and "ratio_mean" in means:  # Var = E[r^2] - E[r]^2, clamped at 0
+        out["ratio_std"] = math.sqrt(max(means["ratio_sq"] - means["ratio_mean"] ** 2, 0.0))
+    return out
+
+
+def reduce_opt_steps(opt_steps: list[dict[str, float]]) -> dict[str, float]:
+    """The optimizer steps of one areno step -> one value per metric, by over_steps."""
+    if not opt_steps:
+        return {}
+    out = {}
+    for k in opt_steps[0]:
+        vals = [s[k] for s in opt_steps]
+        how = METRICS[k].over_steps
+        if how == "last":
+            out[k] = vals[-1]
+        elif how == "sum":
+            out[k] = float(sum(vals))
+        else:
+            out[k] = float(np.mean(vals))
+    return out
+
+
+def train_metrics(opt_steps: list[dict[str, float]]) -> dict[str, float]:
+    """{train/<name>: value} of every logged metric (0.0 when no optimizer step ran)."""
+    reduced = reduce_opt_steps(opt_steps)
+    return {f"train/{k}": float(reduced.get(k, 0.0)) for k in TRAIN_METRICS}
