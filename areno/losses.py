@@ -1,11 +1,11 @@
 """GRPO and GSPO policy losses on packed per-token tensors.
 
-All tensors are [L] over the positions of one micro-batch (see pack.py);
+All tensors are [L] over the positions of one micro-batch (see pack.py and split.py);
 only positions with loss_mask contribute. The loss is a weighted SUM
 
     loss = sum_t w_t * l_t,   w_t = seq_weights[seq(t)] * loss_mask[t]
 
-with weights normalised over the whole mini-batch (pack.aggregation_weights),
+with weights normalised over the whole mini-batch (split.aggregation_weights),
 so micro-batch losses add up to the mini-batch loss whatever the split. A
 data-parallel backend whose gradient reduction *averages* over R ranks must
 scale each rank's loss by R (see backend).
