@@ -5,7 +5,9 @@ Both run in their own subprocess, one after the other (areno first), on CPU:
 
   areno  `python -m areno.cli train --max-steps N --seed S --output-dir TMP --no-save`,
          i.e. `areno train` with no model: the demo preset (tiny "arith" model,
-         16 prompts x 8 samples, 3 new tokens, lr 3e-4 cosine to 0.1x, token-mean).
+         16 prompts x 8 samples, 3 new tokens, lr 3e-4 cosine to 0.1x, token-mean,
+         transformers' generate in the rank).
+  areno-vllm  (--also-vllm) the same with `--rollout-engine vllm`.
   trl    GRPOTrainer (HF generate, no vLLM) on the same model, prompts
          (`areno.tasks.arith.rows()`, plain text, no chat template) and reward
          (`areno.tasks.arith.reward_fn`; "stop" = the completion ended with an EOS
@@ -177,12 +179,12 @@ def print_table(rows: list[dict[str, Any]], ratios: dict[str, float | None]) -> 
     def f(v: Any, fmt: str, none: str = "n/a") -> str:
         return none if v is None else format(v, fmt)
 
-    head = f"{'trainer':<8} {'wall s':>7} {'steps':>5} {'s/step':>7} {'own s/step':>10} " \
+    head = f"{'trainer':<10} {'wall s':>7} {'steps':>5} {'s/step':>7} {'own s/step':>10} " \
            f"{'final reward':>12} {'step to 0.9':>11} {'s to 0.9':>8}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['trainer']:<8} {r['wall_s']:>7.1f} {r['steps']:>5} {f(r['s_per_step'], '.4f'):>7} "
+        print(f"{r['trainer']:<10} {r['wall_s']:>7.1f} {r['steps']:>5} {f(r['s_per_step'], '.4f'):>7} "
               f"{f(r['own_s_per_step'], '.4f'):>10} {f(r['final_reward'], '.3f'):>12} "
               f"{f(r['to_target_step'], 'd', 'never'):>11} {f(r['to_target_s'], '.1f', 'never'):>8}")
     for k, v in ratios.items():
@@ -195,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the table here as JSON")
     p.add_argument("--require-trl", action="store_true", help="exit 2 if trl is not importable")
+    p.add_argument("--also-vllm", action="store_true", help="add a row: areno's demo with --rollout-engine vllm")
     p.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)  # internal: run TRL here
     a = p.parse_args(argv)
     if a.steps < 1:
@@ -210,19 +213,21 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
         d = Path(tmp)
-        print(f"areno: {a.steps} steps, seed {a.seed} ...", flush=True)
-        rows = [run_child("areno", [sys.executable, "-m", "areno.cli", "train", "--max-steps", str(a.steps),
-                                    "--seed", str(a.seed), "--output-dir", str(d / "areno"), "--no-save"],
-                          d / "areno" / "metrics.jsonl", d / "areno.log")]
+        rows = []
+        for name, extra in [("areno", [])] + [("areno-vllm", ["--rollout-engine", "vllm"])] * a.also_vllm:
+            print(f"{name}: {a.steps} steps, seed {a.seed} ...", flush=True)
+            rows.append(run_child(name, [sys.executable, "-m", "areno.cli", "train", "--max-steps", str(a.steps),
+                                         "--seed", str(a.seed), "--output-dir", str(d / name), "--no-save", *extra],
+                                  d / name / "metrics.jsonl", d / f"{name}.log"))
         if have_trl:
             print(f"trl: {a.steps} steps, seed {a.seed} ...", flush=True)
             rows.append(run_child("trl", [sys.executable, str(Path(__file__).resolve()), "--steps", str(a.steps),
                                           "--seed", str(a.seed), "--trl-child", str(d)],
                                   d / "trl_steps.jsonl", d / "trl.log"))
     ratios: dict[str, float | None] = {}
-    if len(rows) == 2:
-        ratios = {"s/step": _ratio(rows[0]["s_per_step"], rows[1]["s_per_step"]),
-                  "s to 0.9": _ratio(rows[0]["to_target_s"], rows[1]["to_target_s"])}
+    if have_trl:  # areno's demo (the first row) against TRL (the last)
+        ratios = {"s/step": _ratio(rows[0]["s_per_step"], rows[-1]["s_per_step"]),
+                  "s to 0.9": _ratio(rows[0]["to_target_s"], rows[-1]["to_target_s"])}
     print_table(rows, ratios)
     if a.json is not None:
         a.json.parent.mkdir(parents=True, exist_ok=True)
