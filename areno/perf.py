@@ -86,3 +86,11 @@ def train_perf(tokens: float, flops: float, seconds: float, world_size: int,
     if peak is not None:
         out["perf/mfu"] = flops / (seconds * world_size * peak)
     return out
+
+
+def pack_train_perf(seq_lengths: np.ndarray, epochs: int, seconds: float, world_size: int,
+                    shape: FlopShape, device_name: str | None) -> dict[str, float]:
+    """`train_perf` of one train call over a pack: every epoch trains every
+    sequence ([S] int lengths) once."""
+    flops = epochs * train_flops(shape, seq_lengths)
+    return train_perf(epochs * float(np.sum(seq_lengths)), flops, seconds, world_size, device_name)

@@ -42,3 +42,29 @@ def exit_text(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def stop_processes(procs: list, conns: list, segments: list, grace_s: float) -> None:
+    """Stop every process (SIGTERM, then SIGKILL after up to `grace_s`, at most 3 s),
+    close and forget their pipes, then unlink `segments` (shared memory). Idempotent."""
+    try:
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            p.terminate()
+        deadline = time.monotonic() + min(grace_s, 3.0)
+        for p in alive:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)
+        for i, c in enumerate(conns):
+            if c is not None:
+                try:
+                    c.close()
+                except OSError:
+                    pass
+                conns[i] = None
+    finally:
+        for s in segments:
+            s.unlink()

@@ -47,18 +47,17 @@ def test_default_micro_tokens_per_device() -> None:
 
 
 def test_controller_perf_counts_every_epoch_and_rank() -> None:
-    """The controller's per-call figures from the ranks' hello (no CUDA in the controller)."""
-    from areno.backend.controller import _train_perf
+    """The controller's per-call figures (from the ranks' hello: no CUDA in the controller)."""
+    from areno.perf import pack_train_perf
     from areno.split import build_split_pack
     from helpers import random_batch
 
     b = random_batch(seed=2, num_prompts=5, max_response=30)
     split = build_split_pack(b, np.zeros(b.num_responses, np.float32), world_size=2, max_tokens=64)
     shape = FlopShape(matmul_params=10_000, num_layers=3, attn_dim=32)
-    hellos = [{"flop_shape": shape, "device_name": "NVIDIA H200"}] * 2
-    out = _train_perf(split, 2, 0.5, hellos)
+    out = pack_train_perf(split.pack.seq_lengths, 2, 0.5, 2, shape, "NVIDIA H200")
     tokens = float(split.pack.num_tokens)
     assert out["perf/train_tokens_per_s"] == pytest.approx(2 * tokens / 0.5)
     want = 2 * train_flops(shape, split.pack.seq_lengths) / (0.5 * 2 * 989e12)
     assert out["perf/mfu"] == pytest.approx(want)
-    assert "perf/mfu" not in _train_perf(split, 1, 0.5, [{"flop_shape": shape, "device_name": None}])
+    assert "perf/mfu" not in pack_train_perf(split.pack.seq_lengths, 1, 0.5, 1, shape, None)

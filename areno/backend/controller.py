@@ -32,8 +32,8 @@ from areno.backend.handoff import PackWriter, RankHandoff, ShmSegment
 from areno.backend.launch import accept_ranks, free_port, spawn_ranks  # noqa: F401 (free_port re-exported)
 from areno.backend.weights import WeightLayout, probe_ids
 from areno.fileperms import replace_dir
-from areno.perf import train_flops, train_perf
-from areno.procs import exit_text
+from areno.perf import pack_train_perf
+from areno.procs import exit_text, stop_processes
 from areno.split import SplitPack
 
 
@@ -54,7 +54,7 @@ class TorchBackend:
         self.last_timings: dict[str, float] = {}
         self.last_perf: dict[str, float] = {}  # perf/train_tokens_per_s, perf/mfu of the last train()
         self._finalizer = weakref.finalize(
-            self, _cleanup, self._procs, self._conns, [self._pack.segment, self._weights, self._marker, self.rollout_segment],
+            self, stop_processes, self._procs, self._conns, [self._pack.segment, self._weights, self._marker, self.rollout_segment],
             config.shutdown_grace_s,
         )
         try:
@@ -165,7 +165,9 @@ class TorchBackend:
             "train_s": max(r["train_s"] for r in replies),
             "total_s": time.perf_counter() - t0,
         }
-        self.last_perf = _train_perf(split, self.config.ppo_epochs, self.last_timings["train_s"], self._hellos)
+        h0 = self._hellos[0]
+        self.last_perf = pack_train_perf(split.pack.seq_lengths, self.config.ppo_epochs, self.last_timings["train_s"],
+                                         len(self._hellos), h0["flop_shape"], h0["device_name"])
         if "peak_mem_gb" in replies[0]:
             self.last_timings["peak_gpu_mem_gb"] = max(r["peak_mem_gb"] for r in replies)
             self.last_timings["peak_gpu_reserved_gb"] = max(r["peak_reserved_gb"] for r in replies)
@@ -393,35 +395,3 @@ def _remote(h: RankHandoff) -> RankHandoff:
     from dataclasses import replace
 
     return replace(h, segment=None, offset=0)
-
-
-def _cleanup(procs: list, conns: list, segments: list[ShmSegment], grace_s: float) -> None:
-    """Stop every rank (SIGTERM, then SIGKILL), close pipes, unlink segments. Idempotent."""
-    try:
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.terminate()
-        deadline = time.monotonic() + min(grace_s, 3.0)
-        for p in alive:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5.0)
-        for i, c in enumerate(conns):
-            if c is not None:
-                try:
-                    c.close()
-                except OSError:
-                    pass
-                conns[i] = None
-    finally:
-        for s in segments:
-            s.unlink()
-
-
-def _train_perf(split: SplitPack, epochs: int, train_s: float, hellos: list[dict]) -> dict[str, float]:
-    """Throughput of one train(): every epoch trains every sequence of the pack once."""
-    lengths = split.pack.seq_lengths
-    flops = epochs * train_flops(hellos[0]["flop_shape"], lengths)
-    return train_perf(epochs * float(lengths.sum()), flops, train_s, len(hellos), hellos[0]["device_name"])
