@@ -55,7 +55,7 @@ def resume_config(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     if cfg.resume is None:
         return cfg
     from areno.checkpoint import read_state
-    from areno.setup import find_resume
+    from areno.run import find_resume
 
     saved = read_state(find_resume(cfg)).get("config")
     if not isinstance(saved, dict):

@@ -1,5 +1,5 @@
 """The training loop: rollout -> decode -> reward -> advantages -> pack ->
-backend.train -> weight sync -> log. `setup.py` builds what a step needs;
+backend.train -> weight sync -> log. `run.py` builds what a step needs;
 this module is the loop itself, one call per phase."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from areno.rollout.batch import (
 from areno.rollout.engine import SamplingConfig
 from areno.rollout.probe import WeightSyncError
 from areno.multinode import run_worker_node
-from areno.setup import Run, open_run, visible_gpus
+from areno.run import Run, open_run, visible_gpus
 from areno.stats import StreamingStats
 
 
@@ -53,7 +53,7 @@ class PhaseTimer:
 
 def run_training(cfg: TrainConfig, engine: Any = None) -> None:
     """`areno train`: the whole run, from an opened Run to the final checkpoint.
-    engine: optional RolloutEngine instance (see setup.open_run)."""
+    engine: optional RolloutEngine instance (see run.open_run)."""
     if cfg.node_rank > 0:  # a worker node: its ranks serve node 0's controller
         raise SystemExit(run_worker_node(cfg.nnodes, cfg.node_rank, cfg.nproc_per_node or
                                          visible_gpus() or 1, cfg.master_addr, cfg.master_port))

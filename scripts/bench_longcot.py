@@ -851,7 +851,7 @@ def run_bench(args) -> dict:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as open_run's engine setup does
     from areno.config import TrainConfig
-    from areno.setup import open_run
+    from areno.run import open_run
     from areno.tiny import tiny_model_path
 
     t_start = time.monotonic()

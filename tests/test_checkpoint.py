@@ -221,7 +221,7 @@ def test_read_state_of_an_incomplete_checkpoint_is_a_user_error(tmp_path):
 
 
 def test_resume_latest_skips_temp_dirs_and_says_when_there_is_nothing(tmp_path):
-    from areno.setup import find_resume
+    from areno.run import find_resume
 
     cfg = TrainConfig(output_dir=str(tmp_path), resume="latest")
     with pytest.raises(UserError, match="no complete checkpoint under"):
@@ -265,7 +265,7 @@ def test_resume_drops_checkpoints_of_the_abandoned_continuation(tmp_path):
 
 def test_a_fresh_run_refuses_an_output_dir_that_holds_a_run(tmp_path):
     from areno.config import TrainConfig
-    from areno.setup import make_output_dir
+    from areno.run import make_output_dir
 
     out = tmp_path / "run"
     (out / "checkpoints" / "step_000001").mkdir(parents=True)
@@ -279,7 +279,7 @@ def test_a_fresh_run_refuses_an_output_dir_that_holds_a_run(tmp_path):
 
 def test_a_run_that_stopped_before_its_first_checkpoint_starts_again(tmp_path, capsys):
     from areno.config import TrainConfig
-    from areno.setup import make_output_dir
+    from areno.run import make_output_dir
 
     out = tmp_path / "run"
     (out / "checkpoints" / ".tmp-step_000002-123").mkdir(parents=True)  # killed mid-save

@@ -32,7 +32,7 @@ def test_explicit_loss_agg_wins_from_a_flag_or_yaml(files, tmp_path):
 
 
 def test_config_yaml_records_the_loss_agg_used(files, tmp_path):
-    from areno.setup import make_output_dir
+    from areno.run import make_output_dir
 
     cfg = TrainConfig.from_sources(None, {**files, "algo": "gspo", "output_dir": str(tmp_path / "r")})
     out = make_output_dir(cfg)
@@ -40,7 +40,7 @@ def test_config_yaml_records_the_loss_agg_used(files, tmp_path):
 
 
 def test_clip_ratio_c_is_off_by_default_and_reaches_the_loss(files):
-    from areno.setup import backend_config
+    from areno.run import backend_config
 
     cfg = TrainConfig.from_sources(None, files)
     assert cfg.clip_ratio_c is None
