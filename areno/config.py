@@ -17,7 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from areno.advantages import AdvantageMode
+from areno.choices import LOSS_AGG_BY_ALGO, Algo, Device, DType, KLType, LossAgg, Strategy
 from areno.errors import UserError
+from areno.rewards.plugin import OnError
+from areno.rollout.factory import EngineKind
 
 GROUPS = (
     "Model", "Data", "Rollout", "Rewards", "Algorithm", "Optimization", "Parallelism",
@@ -41,7 +45,7 @@ class TrainConfig:
         None, "HF model directory or hub id to train. Unset: the embedded demo "
         "(a tiny model built locally, trained on one-digit addition).", "Model",
         shown="unset (the demo)")
-    dtype: Literal["auto", "bfloat16", "float32"] = opt(
+    dtype: Literal["auto", DType] = opt(
         "auto", "Parameter dtype. auto: bfloat16 on GPU, float32 on CPU.", "Model")
     # -- Data ------------------------------------------------------------------
     dataset_path: str | None = opt(
@@ -63,7 +67,7 @@ class TrainConfig:
                               "lines instead of failing.",
                               "Data")
     # -- Rollout ---------------------------------------------------------------
-    rollout_engine: Literal["vllm", "hf"] = opt(
+    rollout_engine: EngineKind = opt(
         "vllm", "vllm (default; falls back to hf with a warning if vLLM is not installed) or hf "
         "(transformers generate).", "Rollout")
     temperature: float = opt(1.0, "Sampling temperature; log-probs are taken after it.",
@@ -89,17 +93,17 @@ class TrainConfig:
     overlap_rewards: bool = opt(
         True, "Decode and score each group as soon as it finishes generating, while the rest "
         "still generate. Off: score after the whole rollout.", "Rewards")
-    on_reward_error: Literal["fail", "zero", "skip"] = opt(
+    on_reward_error: OnError = opt(
         "fail", "A reward that raises, times out or is NaN: fail the run, score it 0, or skip "
         "the sample. Every case is counted in the metrics.", "Rewards")
     # -- Algorithm -----------------------------------------------------------
-    algo: Literal["grpo", "gspo"] = opt(
+    algo: Algo = opt(
         "grpo", "grpo: per-token clipped ratio; gspo: clipped length-normalised sequence ratio "
         "(arXiv:2507.18071).", "Algorithm")
-    adv_mode: Literal["grpo", "drgrpo", "rloo"] = opt(
+    adv_mode: AdvantageMode = opt(
         "grpo", "Group advantage: grpo (r-mean)/std, drgrpo r-mean, rloo leave-one-out.",
         "Algorithm")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] | None = opt(
+    loss_agg: LossAgg | None = opt(
         None, "Loss aggregation. Default follows --algo: token-mean for grpo, "
         "seq-mean-token-mean for gspo (the GSPO paper's per-sequence objective, as verl). "
         "seq-mean-token-sum-norm is Dr. GRPO's (normalised by --max-new-tokens).", "Algorithm",
@@ -115,7 +119,7 @@ class TrainConfig:
         "cannot blow up the update.", "Algorithm", gt=1.0, shown="off")
     kl_coef: float = opt(0.0, "KL-to-reference coefficient (0 = off, no reference model loaded).",
                          "Algorithm", ge=0.0)
-    kl_type: Literal["k1", "k3"] = opt("k3", "KL estimator (Schulman): k1 or k3.", "Algorithm")
+    kl_type: KLType = opt("k3", "KL estimator (Schulman): k1 or k3.", "Algorithm")
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient (0 = off).", "Algorithm", ge=0.0)
     tis_cap: float | None = opt(
         None, "Truncated importance-sampling cap C on trainer/sampler log-prob ratios "
@@ -145,8 +149,8 @@ class TrainConfig:
     max_nan_steps: int = opt(3, "Stop after this many NaN/inf steps in a row (each is skipped).",
                              "Optimization", ge=1)
     # -- Parallelism -------------------------------------------------------------
-    device: Literal["auto", "cuda", "cpu"] = opt("auto", "Training device (auto: cuda if present).",
-                                                 "Parallelism")
+    device: Literal["auto", Device] = opt("auto", "Training device (auto: cuda if present).",
+                                          "Parallelism")
     world_size: int | None = opt(None, "Training ranks.", "Parallelism", ge=1,
                                  shown="number of GPUs, 1 on CPU")
     nnodes: int = opt(1, "Nodes in the run (as torchrun's --nnodes): every node runs the same "
@@ -159,7 +163,7 @@ class TrainConfig:
                            "Parallelism")
     master_port: int = opt(29500, "Rendezvous port on node 0; its controller listens on the next "
                            "port.", "Parallelism", ge=1, le=65534)
-    strategy: Literal["auto", "fsdp2", "ddp"] = opt(
+    strategy: Strategy = opt(
         "auto", "Data parallelism: auto (fsdp2, which also runs on CPU under gloo; one rank: no wrapper), "
         "fsdp2 or ddp.", "Parallelism")
     # -- Logging and checkpoints -------------------------------------------------
@@ -285,12 +289,6 @@ class TrainConfig:
         if self.n_samples < 2 and self.adv_mode in ("grpo", "rloo"):
             raise UserError(f"--n-samples must be >= 2 for --adv-mode {self.adv_mode} "
                             "(a group of one has no baseline)")
-
-
-# The default --loss-agg of each --algo: GSPO's objective is a mean over
-# sequences of per-sequence token means (arXiv:2507.18071, eq. 5; verl always
-# aggregates GSPO this way); GRPO keeps the token mean.
-LOSS_AGG_BY_ALGO: dict[str, str] = {"grpo": "token-mean", "gspo": "seq-mean-token-mean"}
 
 # Embedded demo: hyper-parameters measured to make reward rise within minutes on
 # 2 CPU cores (see DESIGN.md, "embedded default").

@@ -41,12 +41,11 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-Algo = Literal["grpo", "gspo"]
-KLType = Literal["k1", "k3"]
+from areno.choices import Algo, KLType
+
 ALGOS: tuple[str, ...] = typing.get_args(Algo)
 KL_TYPES: tuple[str, ...] = typing.get_args(KLType)
 

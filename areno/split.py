@@ -16,15 +16,14 @@ from __future__ import annotations
 import heapq
 import typing
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import torch
 
+from areno.choices import LossAgg
 from areno.pack import TrainPack, Workspace, build_train_pack
 from areno.rollout.batch import RolloutBatch
 
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 LOSS_AGG_MODES: tuple[str, ...] = typing.get_args(LossAgg)
 
 

@@ -223,7 +223,7 @@ def test_lr_schedule_warmup_then_cosine_to_floor() -> None:
 
 @pytest.mark.parametrize("kw,msg", [
     ({"world_size": 0}, "backend.world_size"),  # bf16 on CPU is valid: ranks train it under gloo
-    ({"strategy": "zero3"}, "backend.strategy: expected one of fsdp2, ddp, auto"),
+    ({"strategy": "zero3"}, "backend.strategy: expected one of auto, fsdp2, ddp"),
     ({"world_size": 3, "engine": EngineSpec(tensor_parallel_size=2)}, "must divide world_size 3"),
     ({"max_nan_steps": 0}, "backend.max_nan_steps"),
     ({"betas": (0.9, 1.5)}, "backend.betas"),

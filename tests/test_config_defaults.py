@@ -57,7 +57,8 @@ def test_clip_ratio_c_must_exceed_one(value, capsys):
 
 
 def test_config_choices_match_the_modules_that_dispatch_on_them():
-    """config.py stays free of torch, so it spells the Literals again; they must not drift."""
+    """Each flag offers exactly the choices of the module that dispatches on them (config.py
+    names the owners' Literals; those of torch-side owners live in areno/choices.py)."""
     import typing
 
     from areno.advantages import ADVANTAGE_MODES

@@ -6,23 +6,22 @@ Checks run in `__post_init__`, in the controller, before any rank is spawned.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from areno.choices import Device, DType, Strategy  # light: TrainConfig names them too
 from areno.rollout.factory import EngineSpec
 from areno.losses import LossConfig
 
-Device = Literal["cpu", "cuda"]
-DType = Literal["float32", "bfloat16"]
-Strategy = Literal["fsdp2", "ddp", "auto"]
 AttnImpl = Literal["auto", "varlen", "flash_attention_2", "flex", "sdpa", "eager"]
 Launcher = Literal["spawn", "external"]
 
-DEVICES: tuple[str, ...] = ("cpu", "cuda")
-DTYPES: tuple[str, ...] = ("float32", "bfloat16")
-STRATEGIES: tuple[str, ...] = ("fsdp2", "ddp", "auto")
-ATTN_IMPLS: tuple[str, ...] = ("auto", "varlen", "flash_attention_2", "flex", "sdpa", "eager")
-LAUNCHERS: tuple[str, ...] = ("spawn", "external")
+DEVICES: tuple[str, ...] = typing.get_args(Device)
+DTYPES: tuple[str, ...] = typing.get_args(DType)
+STRATEGIES: tuple[str, ...] = typing.get_args(Strategy)
+ATTN_IMPLS: tuple[str, ...] = typing.get_args(AttnImpl)
+LAUNCHERS: tuple[str, ...] = typing.get_args(Launcher)
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,16 @@ import asyncio
 import inspect
 import math
 import numbers
+import typing
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
 
 from areno.errors import UserError, _one_line, import_user_file, user_frame
 
-ON_ERROR = ("fail", "zero", "skip")
+OnError = Literal["fail", "zero", "skip"]  # --on-reward-error
+ON_ERROR: tuple[str, ...] = typing.get_args(OnError)
 FAILURE_KINDS = ("errors", "timeouts", "nan", "worker_crashes")
 _MAX_MESSAGES = 5  # failure messages kept in a RewardResult
 _PENDING, _OK, _ERROR = 0, 1, 2  # per-sample status (in shared memory under workers)

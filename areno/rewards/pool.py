@@ -55,6 +55,7 @@ from areno.rewards.plugin import (
     _ERROR,
     _PENDING,
     ON_ERROR,
+    OnError,
     RewardCounts,
     RewardError,
     RewardResult,
@@ -89,7 +90,7 @@ class RewardScorer:
         *,
         workers: int = 2,
         timeout: float = 10.0,
-        on_error: str = "fail",
+        on_error: OnError = "fail",
         chunk_size: int | None = None,
     ) -> None:
         if on_error not in ON_ERROR:

@@ -1,0 +1,32 @@
+"""Choice lists whose owners import torch: declared here so that config.py, which
+the CPU-only controller imports and validates before anything heavy, can name
+them without importing torch.
+
+Each list is declared once, as a `Literal`; its owner imports it from here and
+derives its check with `typing.get_args`, as TrainConfig's flags and checks do:
+
+    Algo, KLType   the policy loss (losses.py)
+    LossAgg        how the loss is aggregated (split.aggregation_weights)
+    Device, DType, Strategy   the torch backend (backend/config.py)
+
+Lists whose owner is light stay with it: `advantages.AdvantageMode`,
+`rollout.factory.EngineKind`, `rewards.plugin.OnError`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Algo = Literal["grpo", "gspo"]
+KLType = Literal["k1", "k3"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+# The default --loss-agg of each --algo: GSPO's objective is a mean over
+# sequences of per-sequence token means (arXiv:2507.18071, eq. 5; verl always
+# aggregates GSPO this way); GRPO keeps the token mean.
+LOSS_AGG_BY_ALGO: dict[Algo, LossAgg] = {"grpo": "token-mean", "gspo": "seq-mean-token-mean"}
+
+# In the order --help and the config's errors list them after "auto".
+Device = Literal["cuda", "cpu"]
+DType = Literal["bfloat16", "float32"]
+Strategy = Literal["auto", "fsdp2", "ddp"]
