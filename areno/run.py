@@ -14,8 +14,8 @@ from typing import Any, Iterator
 
 import yaml
 
+from areno import settings
 from areno.checkpoint import checkpoint_root, drop_after, latest_checkpoint, read_state, restore_controller_rng
-from areno.rollout.factory import EngineSpec
 from areno.config import TrainConfig
 from areno.prompts import PromptSet, tokenize_prompts
 from areno.rows import RowSet, load_rows, normalize_rows
@@ -255,8 +255,8 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
             resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,
             timeout=cfg.reward_timeout, on_error=cfg.on_reward_error))
         # The ranks hold the rollout engines, so an eval-only run starts them too.
-        spec = None if engine is not None else engine_spec(cfg, device, longest)
-        bcfg = backend_config(cfg, model_path, base_model, world_size, device, max(total, 1), spec)
+        spec = None if engine is not None else settings.engine_spec(cfg, device, longest)
+        bcfg = settings.backend_config(cfg, model_path, base_model, world_size, device, max(total, 1), spec)
         if cfg.nnodes > 1:  # node 0: the controller, plus this node's ranks
             bcfg = replace(bcfg, launcher="external", listen_port=controller_port(cfg.master_port))
             ranks = start_local_ranks(cfg.nnodes, 0, nproc, cfg.master_addr, cfg.master_port)
@@ -275,54 +275,14 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
             + f"), {total} steps of {cfg.batch_size}x{cfg.n_samples}")
         logger.info(f"areno: {model_path} on {device} x{world_size}, {what}"
                     + (f", resumed at step {start}" if resume else "") + f"; run dir {out}")
-        sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                  max_tokens=cfg.max_new_tokens)
         if resume:  # last: engine and backend start-up may reseed the global RNGs
             restore_controller_rng(resume)
         yield Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows,
-                  prompts=prompts, sampler=sampler, sampling=sampling, scorer=scorer,
+                  prompts=prompts, sampler=sampler, sampling=settings.sampling(cfg), scorer=scorer,
                   backend=backend, engine=engine, logger=logger, world_size=world_size,
                   total_steps=total, step=start, evalset=evalset,
                   max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
 
 
-def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_size: int,
-                   device: str, total_steps: int, engine: EngineSpec | None = None) -> Any:
-    from areno.backend.config import BackendConfig
-    from areno.losses import LossConfig
-
-    low, high = cfg.loss_eps()
-    loss = LossConfig(algo=cfg.algo, clip_eps_low=low, clip_eps_high=high, kl_coef=cfg.kl_coef,
-                      kl_type=cfg.kl_type, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap,
-                      clip_ratio_c=cfg.clip_ratio_c)
-    return BackendConfig(
-        model_path=model_path, world_size=world_size, device=device, dtype=resolved_dtype(cfg, device),
-        strategy=cfg.strategy, lr=cfg.lr, weight_decay=cfg.weight_decay,
-        warmup_steps=cfg.warmup_steps,
-        total_steps=total_steps * cfg.mini_batches * cfg.ppo_epochs,
-        min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm or None,
-        grad_checkpointing=cfg.grad_checkpointing, ppo_epochs=cfg.ppo_epochs,
-        recompute_logprobs=cfg.recompute_logprobs, loss=loss, max_nan_steps=cfg.max_nan_steps,
-        seed=cfg.seed, ref_model_path=base_model, engine=engine,
-    )
-
-
 def _default_world_size(device: str) -> int:
     return visible_gpus() if device == "cuda" else 1
-
-
-def engine_spec(cfg: TrainConfig, device: str, max_prompt_len: int) -> EngineSpec:
-    """The rollout engine every rank builds beside its policy."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # vLLM logs several lines per weight push at INFO/WARNING; the step line is ours.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    # At least 64: the weight-sync probe is scored as one prompt.
-    return EngineSpec(kind=cfg.rollout_engine, dtype=resolved_dtype(cfg, device), seed=cfg.seed,
-                      max_model_len=max(max_prompt_len + cfg.max_new_tokens, 64),
-                      tensor_parallel_size=cfg.tensor_parallel_size,
-                      gpu_memory_utilization=cfg.gpu_memory_utilization,
-                      kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)))
-
-
-def resolved_dtype(cfg: TrainConfig, device: str) -> str:
-    return cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")

@@ -40,7 +40,7 @@ def test_config_yaml_records_the_loss_agg_used(files, tmp_path):
 
 
 def test_clip_ratio_c_is_off_by_default_and_reaches_the_loss(files):
-    from areno.run import backend_config
+    from areno.settings import backend_config
 
     cfg = TrainConfig.from_sources(None, files)
     assert cfg.clip_ratio_c is None

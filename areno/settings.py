@@ -1,0 +1,62 @@
+"""TrainConfig -> the settings of the parts a run builds: the torch backend
+(`BackendConfig`, with its `LossConfig`), the rollout engine every rank holds
+(`EngineSpec`) and rollout sampling (`SamplingConfig`).
+
+Apart from config.py because these types import torch, which config.py (read
+by the controller before it validates anything) must not.
+"""
+
+from __future__ import annotations
+
+import os
+
+from areno.backend.config import BackendConfig
+from areno.config import TrainConfig
+from areno.losses import LossConfig
+from areno.rollout.engine import SamplingConfig
+from areno.rollout.factory import EngineSpec
+
+
+def resolved_dtype(cfg: TrainConfig, device: str) -> str:
+    """--dtype, with auto resolved: bfloat16 on GPU, float32 on CPU."""
+    return cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+
+
+def sampling(cfg: TrainConfig) -> SamplingConfig:
+    """How responses are sampled; each step and each evaluation sets its own seed."""
+    return SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                          max_tokens=cfg.max_new_tokens)
+
+
+def engine_spec(cfg: TrainConfig, device: str, max_prompt_len: int) -> EngineSpec:
+    """The rollout engine every rank builds beside its policy."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # vLLM logs several lines per weight push at INFO/WARNING; the step line is ours.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # At least 64: the weight-sync probe is scored as one prompt.
+    return EngineSpec(kind=cfg.rollout_engine, dtype=resolved_dtype(cfg, device), seed=cfg.seed,
+                      max_model_len=max(max_prompt_len + cfg.max_new_tokens, 64),
+                      tensor_parallel_size=cfg.tensor_parallel_size,
+                      gpu_memory_utilization=cfg.gpu_memory_utilization,
+                      kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)))
+
+
+def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_size: int,
+                   device: str, total_steps: int, engine: EngineSpec | None = None) -> BackendConfig:
+    """The backend's settings. model_path: the policy to load (a checkpoint when
+    resuming); base_model: the reference model; total_steps: rollout steps of the
+    run (the LR schedule counts optimizer steps)."""
+    low, high = cfg.loss_eps()
+    loss = LossConfig(algo=cfg.algo, clip_eps_low=low, clip_eps_high=high, kl_coef=cfg.kl_coef,
+                      kl_type=cfg.kl_type, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap,
+                      clip_ratio_c=cfg.clip_ratio_c)
+    return BackendConfig(
+        model_path=model_path, world_size=world_size, device=device, dtype=resolved_dtype(cfg, device),
+        strategy=cfg.strategy, lr=cfg.lr, weight_decay=cfg.weight_decay,
+        warmup_steps=cfg.warmup_steps,
+        total_steps=total_steps * cfg.mini_batches * cfg.ppo_epochs,
+        min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm or None,
+        grad_checkpointing=cfg.grad_checkpointing, ppo_epochs=cfg.ppo_epochs,
+        recompute_logprobs=cfg.recompute_logprobs, loss=loss, max_nan_steps=cfg.max_nan_steps,
+        seed=cfg.seed, ref_model_path=base_model, engine=engine,
+    )
