@@ -195,6 +195,89 @@ def read_state(ckpt: Path) -> dict:
         raise UserError(f"--resume {ckpt}: not a complete areno checkpoint ({e})") from None
 
 
+class Resume:
+    """Where a run starts: the checkpoint --resume names (`ckpt`, with its trainer
+    state), or none, a fresh run. open_run uses it in start-up order: `find` before
+    anything starts; `validate` once the run directory is known, before anything is
+    written there; `restore_sampler` with the data, before any process starts (a
+    changed dataset is a user error); `restore_backend` once the ranks are up;
+    `restore_rng` last. For a fresh run the restores do nothing."""
+
+    def __init__(self, ckpt: Path | None = None, state: dict | None = None) -> None:
+        self.ckpt = ckpt
+        self.state = state or {}
+
+    @classmethod
+    def find(cls, cfg: Any) -> "Resume":
+        """The checkpoint --resume names, read (a fresh run without --resume).
+        UserError unless it is a complete checkpoint."""
+        if cfg.resume is None:
+            return cls()
+        if cfg.resume != "latest":
+            ckpt = Path(cfg.resume).expanduser()
+            return cls(ckpt, read_state(ckpt))
+        if not cfg.save_path and not cfg.output_dir:
+            raise UserError("--resume latest needs --output-dir (or --save-path) to look in")
+        root = checkpoint_root(cfg, Path(cfg.output_dir or "."))
+        ckpt = latest_checkpoint(root)
+        if ckpt is None:
+            raise UserError(f"--resume latest: no complete checkpoint under {root} (a run that "
+                            "stopped before its first checkpoint starts again without --resume)")
+        return cls(ckpt, read_state(ckpt))
+
+    @property
+    def step(self) -> int:
+        """The last step the checkpoint holds (0: a fresh run)."""
+        return int(self.state["step"]) if self.ckpt else 0
+
+    @property
+    def base_model(self) -> str | None:
+        """The model the resumed run started from (its reference model); None when fresh."""
+        return self.state["model_path"] if self.ckpt else None
+
+    def validate(self, cfg: Any, out: Path) -> None:
+        """Fit the run directory `out` to this start. Resumed: checkpoints after this
+        one belong to the abandoned continuation (like its metrics.jsonl lines), so they
+        go: `--resume latest` must not pick them later. Fresh: a run already in `out`
+        starts again if it never saved (UserError if it did); an eval-only run leaves
+        it alone."""
+        if self.ckpt is not None:
+            drop_after(checkpoint_root(cfg, out), self.step)
+        elif not cfg.eval_only and (out / "metrics.jsonl").is_file():
+            _restart_unsaved(cfg, out)
+
+    def restore_sampler(self, sampler: Any) -> None:
+        """Continue the data order where the checkpoint left it."""
+        if self.ckpt is not None and sampler is not None:
+            sampler.load_state_dict(self.state["sampler"])
+
+    def restore_backend(self, backend: Any) -> None:
+        """Optimizer, LR scheduler and RNG states of every rank."""
+        if self.ckpt is not None:
+            backend.load_state(self.ckpt / "backend")
+
+    def restore_rng(self) -> None:
+        """The controller's RNGs: last, as engine and backend start-up may reseed them."""
+        if self.ckpt is not None:
+            restore_controller_rng(self.ckpt)
+
+
+def _restart_unsaved(cfg: Any, out: Path) -> None:
+    """`out` holds a run (metrics.jsonl) and no --resume was given: start it again
+    from step 0 if it never wrote a checkpoint (there is nothing to resume), else
+    UserError pointing at --resume latest."""
+    root = checkpoint_root(cfg, out)
+    if latest_checkpoint(root) is not None:
+        raise UserError(f"--output-dir {out} already holds a run (metrics.jsonl): continue it "
+                        "with --resume latest, or choose another --output-dir")
+    # What it left: its metrics (would mix with ours) and half-written checkpoints.
+    (out / "metrics.jsonl").unlink()
+    if root.is_dir():
+        remove_stale(root)
+    print(f"areno: {out} holds a run that stopped before its first checkpoint: "
+          "starting it again from step 0", flush=True)
+
+
 def _write_json(path: Path, obj: Any) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=1)

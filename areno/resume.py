@@ -1,5 +1,5 @@
-"""Which options a resumed run takes from its checkpoint, which it may change,
-and starting again a run that stopped before its first checkpoint.
+"""Which options a resumed run takes from its checkpoint and which it may change
+(finding and restoring the checkpoint is checkpoint.Resume's).
 
 A resumed run must compute the same steps as the run that was saved, so an
 option that changes what a step computes (model, data, sampling, algorithm,
@@ -14,11 +14,10 @@ on the command line (or in --config) take the checkpoint's values, so
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from areno.checkpoint import checkpoint_root, latest_checkpoint, remove_stale
-from areno.config import TrainConfig, flag_name
+from areno.checkpoint import Resume
+from areno.config import TrainConfig, _read_yaml, flag_name
 from areno.errors import UserError
 
 # Where the run lives: always this invocation's, never the checkpoint's.
@@ -40,8 +39,6 @@ MAY_CHANGE: frozenset[str] = frozenset({
 
 def given_options(config_path: str | None, flags: dict[str, Any]) -> set[str]:
     """Options the user set: flags given (not None) and keys of the --config file."""
-    from areno.config import _read_yaml
-
     given = {k for k, v in flags.items() if v is not None}
     if config_path is not None:
         given |= set(_read_yaml(config_path))
@@ -54,10 +51,7 @@ def resume_config(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     --resume. UserError naming every option given that may not change."""
     if cfg.resume is None:
         return cfg
-    from areno.checkpoint import read_state
-    from areno.run import find_resume
-
-    saved = read_state(find_resume(cfg)).get("config")
+    saved = Resume.find(cfg).state.get("config")
     if not isinstance(saved, dict):
         return cfg  # an older checkpoint without its config: nothing to compare with
     names = [f.name for f in TrainConfig.fields()]
@@ -82,18 +76,3 @@ def resume_config(cfg: TrainConfig, given: set[str]) -> TrainConfig:
 def _change(name: str, old: Any, new: Any) -> str:
     return f"{flag_name(name)} {old} -> {new}"
 
-
-def restart_unsaved(cfg: Any, out: Path) -> None:
-    """`out` holds a run (metrics.jsonl) and no --resume was given: start it again
-    from step 0 if it never wrote a checkpoint (there is nothing to resume), else
-    UserError pointing at --resume latest."""
-    root = checkpoint_root(cfg, out)
-    if latest_checkpoint(root) is not None:
-        raise UserError(f"--output-dir {out} already holds a run (metrics.jsonl): continue it "
-                        "with --resume latest, or choose another --output-dir")
-    # What it left: its metrics (would mix with ours) and half-written checkpoints.
-    (out / "metrics.jsonl").unlink()
-    if root.is_dir():
-        remove_stale(root)
-    print(f"areno: {out} holds a run that stopped before its first checkpoint: "
-          "starting it again from step 0", flush=True)

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import yaml
 
 from areno import settings
-from areno.checkpoint import checkpoint_root, drop_after, latest_checkpoint, read_state, restore_controller_rng
+from areno.checkpoint import Resume
 from areno.config import TrainConfig
 from areno.prompts import PromptSet, tokenize_prompts
 from areno.rows import RowSet, load_rows, normalize_rows
@@ -29,7 +29,6 @@ from areno.multinode import stop as stop_ranks
 from areno.pack import Workspace
 from areno.perf import default_micro_tokens
 from areno.reporting import RunLogger
-from areno.resume import restart_unsaved
 from areno.rewards import RewardScorer
 from areno.rollout.engine import SamplingConfig
 from areno.runlog import third_party_to_log
@@ -124,15 +123,17 @@ def resolve_device(cfg: TrainConfig) -> str:
     return "cuda" if gpus else "cpu"
 
 
-def make_output_dir(cfg: TrainConfig, resume: Path | None = None) -> Path:
+def make_output_dir(cfg: TrainConfig, resume: Resume | None = None) -> Path:
+    """The run directory, with the run's config.yaml written into it (after
+    resume.validate: an existing run there may be a user error)."""
+    resume = resume or Resume()
     if cfg.output_dir:
         out = Path(cfg.output_dir).expanduser()
-    elif resume is not None and resume.parent.name == "checkpoints":
-        out = resume.parent.parent  # the resumed run's own directory
+    elif resume.ckpt is not None and resume.ckpt.parent.name == "checkpoints":
+        out = resume.ckpt.parent.parent  # the resumed run's own directory
     else:
         out = Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    if resume is None and not cfg.eval_only and (out / "metrics.jsonl").is_file():
-        restart_unsaved(cfg, out)  # UserError unless it stopped before its first checkpoint
+    resume.validate(cfg, out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "config.yaml", "w") as f:
@@ -189,24 +190,6 @@ def load_tokenizer(model_path: str) -> Any:
                         f"({' '.join(str(e).split())[:200]})") from None
 
 
-def find_resume(cfg: TrainConfig) -> Path | None:
-    """The checkpoint --resume names (None without --resume)."""
-    if cfg.resume is None:
-        return None
-    if cfg.resume != "latest":
-        ckpt = Path(cfg.resume).expanduser()
-        read_state(ckpt)  # UserError unless it is a complete checkpoint
-        return ckpt
-    if not cfg.save_path and not cfg.output_dir:
-        raise UserError("--resume latest needs --output-dir (or --save-path) to look in")
-    root = checkpoint_root(cfg, Path(cfg.output_dir or "."))
-    ckpt = latest_checkpoint(root)
-    if ckpt is None:
-        raise UserError(f"--resume latest: no complete checkpoint under {root} (a run that "
-                        "stopped before its first checkpoint starts again without --resume)")
-    return ckpt
-
-
 @contextlib.contextmanager
 def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
     """Build a Run; everything started is stopped when the block exits.
@@ -224,30 +207,18 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
 
     clean_leftovers()  # shared memory of areno processes that were SIGKILLed
     device = resolve_device(cfg)
-    resume = find_resume(cfg)
-    state = read_state(resume) if resume else None
+    resume = Resume.find(cfg)
     out = make_output_dir(cfg, resume)
     logs.enter_context(third_party_to_log(out, cfg.verbose))
-    if resume:
-        # Checkpoints after the resumed one belong to the abandoned continuation
-        # (like its metrics.jsonl lines): `--resume latest` must not pick them later.
-        drop_after(checkpoint_root(cfg, out), int(state["step"]))
-    base_model = state["model_path"] if state else model_path_for(cfg)
-    model_path = str(resume) if resume else base_model
+    base_model = resume.base_model if resume.ckpt else model_path_for(cfg)
+    model_path = str(resume.ckpt) if resume.ckpt else base_model
     tokenizer = load_tokenizer(model_path)
-    if cfg.eval_only:
-        rows, prompts = None, None
-    else:
-        rows, prompts = load_data(cfg, tokenizer)
+    rows, prompts = (None, None) if cfg.eval_only else load_data(cfg, tokenizer)
     evalset = load_eval_data(cfg, tokenizer) if cfg.eval_dataset_path else None
     sampler = PromptSampler(len(prompts), cfg.batch_size, cfg.seed) if prompts else None
-    if sampler and state:
-        sampler.load_state_dict(state["sampler"])
+    resume.restore_sampler(sampler)  # a changed dataset is a UserError, before anything starts
     total = total_steps_for(cfg, sampler) if sampler else 0
-    start = int(state["step"]) if state else 0
-    nproc = cfg.nproc_per_node or (cfg.world_size // cfg.nnodes if cfg.world_size else
-                                   _default_world_size(device))
-    world_size = cfg.world_size or cfg.nnodes * nproc
+    nproc, world_size = ranks_for(cfg, device)
     longest = max(int(p.lengths.max()) for p in (prompts, evalset and evalset[1]) if p)
     check_context(model_path, longest, cfg.max_new_tokens)  # before any engine or rank starts
     with contextlib.ExitStack() as stack:
@@ -263,26 +234,40 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
             stack.callback(stop_ranks, ranks)
         backend = TorchBackend(bcfg)
         stack.callback(backend.close)
-        if resume:
-            backend.load_state(resume / "backend")
+        resume.restore_backend(backend)
         if engine is None:
             engine = RankEngines(backend, cfg.tensor_parallel_size)
         logger = stack.enter_context(RunLogger(out, total, cfg.report_to, config=cfg.to_dict(),
-                                               start_step=start))
-        what = "evaluating" if cfg.eval_only else (
-            f"{len(prompts)} prompts ({prompts.dropped_overlong} overlong dropped"
-            + (f", {rows.skipped} malformed rows skipped" if rows.skipped else "")
-            + f"), {total} steps of {cfg.batch_size}x{cfg.n_samples}")
-        logger.info(f"areno: {model_path} on {device} x{world_size}, {what}"
-                    + (f", resumed at step {start}" if resume else "") + f"; run dir {out}")
-        if resume:  # last: engine and backend start-up may reseed the global RNGs
-            restore_controller_rng(resume)
-        yield Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows,
+                                               start_step=resume.step))
+        run = Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows,
                   prompts=prompts, sampler=sampler, sampling=settings.sampling(cfg), scorer=scorer,
                   backend=backend, engine=engine, logger=logger, world_size=world_size,
-                  total_steps=total, step=start, evalset=evalset,
+                  total_steps=total, step=resume.step, evalset=evalset,
                   max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
+        logger.info(start_line(run, resume, device))
+        resume.restore_rng()  # last: engine and backend start-up may reseed the global RNGs
+        yield run
 
 
-def _default_world_size(device: str) -> int:
-    return visible_gpus() if device == "cuda" else 1
+def ranks_for(cfg: TrainConfig, device: str) -> tuple[int, int]:
+    """(ranks on this node, ranks in the run): --nproc-per-node and --world-size, or
+    what they default to (every visible GPU, 1 on CPU)."""
+    if cfg.nproc_per_node:
+        nproc = cfg.nproc_per_node
+    elif cfg.world_size:
+        nproc = cfg.world_size // cfg.nnodes
+    else:
+        nproc = visible_gpus() if device == "cuda" else 1
+    return nproc, cfg.world_size or cfg.nnodes * nproc
+
+
+def start_line(run: Run, resume: Resume, device: str) -> str:
+    """The run's first line: the policy, where it trains, on what, and the run dir."""
+    cfg, prompts = run.cfg, run.prompts
+    what = "evaluating" if cfg.eval_only else (
+        f"{len(prompts)} prompts ({prompts.dropped_overlong} overlong dropped"
+        + (f", {run.rows.skipped} malformed rows skipped" if run.rows.skipped else "")
+        + f"), {run.total_steps} steps of {cfg.batch_size}x{cfg.n_samples}")
+    model_path = str(resume.ckpt) if resume.ckpt else run.model_path
+    return (f"areno: {model_path} on {device} x{run.world_size}, {what}"
+            + (f", resumed at step {run.step}" if resume.ckpt else "") + f"; run dir {run.output_dir}")

@@ -221,16 +221,16 @@ def test_read_state_of_an_incomplete_checkpoint_is_a_user_error(tmp_path):
 
 
 def test_resume_latest_skips_temp_dirs_and_says_when_there_is_nothing(tmp_path):
-    from areno.run import find_resume
+    from areno.checkpoint import Resume
 
     cfg = TrainConfig(output_dir=str(tmp_path), resume="latest")
     with pytest.raises(UserError, match="no complete checkpoint under"):
-        find_resume(cfg)
+        Resume.find(cfg)
     good = make_ckpt(tmp_path / "checkpoints", "step_000003")
     make_ckpt(tmp_path / "checkpoints", ".tmp-step_000004-1")
     make_ckpt(tmp_path / "checkpoints", "step_000005", complete=False)
-    assert find_resume(cfg) == good
-    assert find_resume(TrainConfig(resume=str(good))) == good
+    assert Resume.find(cfg).ckpt == good
+    assert Resume.find(TrainConfig(resume=str(good))).ckpt == good
 
 
 def test_a_failed_save_on_a_full_disk_says_so(run, monkeypatch):
@@ -264,6 +264,7 @@ def test_resume_drops_checkpoints_of_the_abandoned_continuation(tmp_path):
 
 
 def test_a_fresh_run_refuses_an_output_dir_that_holds_a_run(tmp_path):
+    from areno.checkpoint import Resume
     from areno.config import TrainConfig
     from areno.run import make_output_dir
 
@@ -274,7 +275,7 @@ def test_a_fresh_run_refuses_an_output_dir_that_holds_a_run(tmp_path):
     cfg = TrainConfig.from_sources(None, {"output_dir": str(out)})
     with pytest.raises(UserError, match="already holds a run.*--resume latest"):
         make_output_dir(cfg)
-    assert make_output_dir(cfg, resume=out / "checkpoints" / "step_000001") == out
+    assert make_output_dir(cfg, Resume(out / "checkpoints" / "step_000001", {"step": 1})) == out
 
 
 def test_a_run_that_stopped_before_its_first_checkpoint_starts_again(tmp_path, capsys):
