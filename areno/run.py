@@ -14,8 +14,9 @@ from typing import Any, Iterator
 
 import yaml
 
+from areno import evaluate as evaluation
 from areno import settings
-from areno.checkpoint import Resume
+from areno.checkpoint import Resume, save_checkpoint
 from areno.config import TrainConfig
 from areno.prompts import PromptSet, tokenize_prompts
 from areno.rows import RowSet, load_rows, normalize_rows
@@ -60,19 +61,16 @@ class Run:
     workspace: Workspace = field(default_factory=Workspace)  # pack buffers reused every step
     max_tokens_per_micro: int = 8192  # --max-tokens-per-micro, or the device's default
 
-    def maybe_eval(self, step: int, force: bool = False) -> None:
+    def evaluate(self, step: int) -> None:
+        """Score the eval set (--eval-dataset-path; nothing without one) and log it at `step`."""
         cfg = self.cfg
         if self.evalset is None:
             return
-        if not force and not (cfg.eval_interval and step % cfg.eval_interval == 0):
-            return
-        from areno.evaluate import evaluate
-
         # mean@k samples with a seed of its own per step, so a resumed run evaluates as
         # an uninterrupted one would (the engine's own stream is not checkpointed).
         sampling = replace(self.sampling, seed=EVAL_SEED_BASE + cfg.seed * 1_000_003 + step)
-        m = evaluate(self.engine, self.tokenizer, self.scorer, *self.evalset, sampling,
-                     k=cfg.eval_n)
+        m = evaluation.evaluate(self.engine, self.tokenizer, self.scorer, *self.evalset, sampling,
+                                k=cfg.eval_n)
         self.logger.log(step, m, advance=False)
         self.logger.info(f"eval step {step}: " + " ".join(
             f"{k.split('/', 1)[1]} {v:.3f}" for k, v in m.items() if k != "eval/prompts"))
@@ -86,25 +84,11 @@ class Run:
             named, probe = self.backend.export_weights()
             self.engine.update_weights(named, probe)
 
-    def maybe_save(self, step: int) -> None:
-        cfg = self.cfg
-        if not cfg.no_save and cfg.save_interval and step % cfg.save_interval == 0:
-            self.save(step)
-
     def save(self, step: int) -> Path:
-        from areno.checkpoint import save_checkpoint
-
+        """Write a checkpoint of `step` (atomic; pruned to --keep-last)."""
         path = save_checkpoint(self, step)
         self.logger.info(f"saved checkpoint {path}")
         return path
-
-    def finish(self) -> None:
-        cfg = self.cfg
-        if not (cfg.eval_interval and self.step % cfg.eval_interval == 0):
-            self.maybe_eval(self.step, force=True)
-        if not cfg.no_save and (not cfg.save_interval or self.step % cfg.save_interval != 0):
-            self.save(self.step)
-        self.logger.info(f"done: {self.step} steps; metrics in {self.logger.metrics_path}")
 
 
 def visible_gpus() -> int:

@@ -59,10 +59,10 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
                                          visible_gpus() or 1, cfg.master_addr, cfg.master_port))
     with interrupts_raise(), open_run(cfg, engine) as run:
         if cfg.eval_only:
-            run.maybe_eval(0, force=True)
+            run.evaluate(0)
             return
-        if run.step == 0:
-            run.maybe_eval(0, force=True)
+        if run.step == 0:  # the starting point; a resumed run's is in its metrics already
+            run.evaluate(0)
         before = None
         try:
             for step in range(run.step + 1, run.total_steps + 1):
@@ -71,8 +71,10 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
                 run.step = step
                 run.logger.log(step, metrics)
                 release_interrupts()  # a Ctrl-C during the update lands here: the step is whole
-                run.maybe_save(step)
-                run.maybe_eval(step)
+                if not cfg.no_save and due(step, cfg.save_interval):
+                    run.save(step)
+                if due(step, cfg.eval_interval):
+                    run.evaluate(step)
         except (BackendError, WeightSyncError) as e:  # every process is stopped on the way out
             release_interrupts(raise_pending=False)
             stopped(run, e)
@@ -82,7 +84,17 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
                 stopped(run, run.backend.dead)
             settle_interrupted_step(run, before)
             interrupted(run)
-        run.finish()
+        # The end: the last step is evaluated and saved, unless the loop just did (or --no-save).
+        if not due(run.step, cfg.eval_interval):
+            run.evaluate(run.step)
+        if not cfg.no_save and not due(run.step, cfg.save_interval):
+            run.save(run.step)
+        run.logger.info(f"done: {run.step} steps; metrics in {run.logger.metrics_path}")
+
+
+def due(step: int, interval: int) -> bool:
+    """Whether something done every `interval` steps (0: never) falls on `step`."""
+    return bool(interval) and step % interval == 0
 
 
 def settle_interrupted_step(run: Run, before: tuple[int, dict, int] | None) -> None:
