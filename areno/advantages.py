@@ -19,11 +19,11 @@ A group of one, or one whose rewards are all equal, gets advantage 0 exactly.
 from __future__ import annotations
 
 import typing
-from typing import Literal
 
 import numpy as np
 
-AdvantageMode = Literal["grpo", "drgrpo", "rloo"]
+from areno.choices import AdvantageMode
+
 ADVANTAGE_MODES: tuple[str, ...] = typing.get_args(AdvantageMode)
 
 

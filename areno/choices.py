@@ -1,22 +1,24 @@
-"""Choice lists whose owners import torch: declared here so that config.py, which
-the CPU-only controller imports and validates before anything heavy, can name
-them without importing torch.
+"""Choice lists of TrainConfig whose owners are slow to import (torch, numpy, the
+reward workers): declared here so that config.py, which the CLI imports to
+validate before anything heavy, can name them without importing their owners.
 
 Each list is declared once, as a `Literal`; its owner imports it from here and
 derives its check with `typing.get_args`, as TrainConfig's flags and checks do:
 
+    AdvantageMode  group advantages (advantages.py)
     Algo, KLType   the policy loss (losses.py)
     LossAgg        how the loss is aggregated (split.aggregation_weights)
+    OnError        a reward that fails (rewards/pool.py)
     Device, DType, Strategy   the torch backend (backend/config.py)
 
-Lists whose owner is light stay with it: `advantages.AdvantageMode`,
-`rollout.factory.EngineKind`, `rewards.plugin.OnError`.
+A list whose owner is light stays with it: `rollout.factory.EngineKind`.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
+AdvantageMode = Literal["grpo", "drgrpo", "rloo"]
 Algo = Literal["grpo", "gspo"]
 KLType = Literal["k1", "k3"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -25,6 +27,8 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 # sequences of per-sequence token means (arXiv:2507.18071, eq. 5; verl always
 # aggregates GSPO this way); GRPO keeps the token mean.
 LOSS_AGG_BY_ALGO: dict[Algo, LossAgg] = {"grpo": "token-mean", "gspo": "seq-mean-token-mean"}
+
+OnError = Literal["fail", "zero", "skip"]  # --on-reward-error
 
 # In the order --help and the config's errors list them after "auto".
 Device = Literal["cuda", "cpu"]

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from areno.advantages import AdvantageMode
-from areno.choices import LOSS_AGG_BY_ALGO, Algo, Device, DType, KLType, LossAgg, Strategy
+from areno.choices import (
+    LOSS_AGG_BY_ALGO, AdvantageMode, Algo, Device, DType, KLType, LossAgg, OnError, Strategy,
+)
 from areno.errors import UserError
-from areno.rewards.plugin import OnError
 from areno.rollout.factory import EngineKind
 
 GROUPS = (

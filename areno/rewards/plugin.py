@@ -18,13 +18,13 @@ import math
 import numbers
 import typing
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import numpy as np
 
+from areno.choices import OnError
 from areno.errors import UserError, _one_line, import_user_file, user_frame
 
-OnError = Literal["fail", "zero", "skip"]  # --on-reward-error
 ON_ERROR: tuple[str, ...] = typing.get_args(OnError)
 FAILURE_KINDS = ("errors", "timeouts", "nan", "worker_crashes")
 _MAX_MESSAGES = 5  # failure messages kept in a RewardResult
