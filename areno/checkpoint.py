@@ -22,9 +22,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from areno.backend.errors import BackendError
 from areno.errors import UserError
 from areno.fileperms import OLD_PREFIX, honour_umask, replace_dir
+from areno.rng import rng_state, set_rng_state
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -159,10 +162,6 @@ def save_controller_rng(path: Path) -> None:
     """The controller's global RNGs (python, numpy, torch). The loop itself draws
     from none of them (data order is seeded per epoch, sampling per step), but an
     in-process reward plugin (--reward-workers 0) may."""
-    import torch
-
-    from areno.rng import rng_state
-
     with open(path, "wb") as f:
         torch.save(rng_state(), f)
         f.flush()
@@ -171,10 +170,6 @@ def save_controller_rng(path: Path) -> None:
 
 def restore_controller_rng(ckpt: Path) -> None:
     """Put back what save_controller_rng wrote (a no-op for older checkpoints)."""
-    import torch
-
-    from areno.rng import set_rng_state
-
     path = ckpt / CONTROLLER_RNG
     if path.is_file():
         set_rng_state(torch.load(path, weights_only=False))

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areno import hub
 from areno.errors import UserError, _one_line
 
 DATASET_ALIASES = {"gsm8k": "openai/gsm8k"}
@@ -112,8 +113,6 @@ def parse_dataset_spec(spec: str, split: str = "train") -> DatasetSpec:
 def _load_dataset(ds: DatasetSpec) -> Any:
     """Load through `datasets`; every failure becomes a UserError naming the source."""
     import datasets
-
-    from areno import hub
 
     # A missing id fails here; an unreachable hub switches to the cache at once.
     unreachable = hub.check_dataset_id(ds.name, ds.describe()) if ds.kind == "hub" else None

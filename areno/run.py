@@ -12,10 +12,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
+import torch
 import yaml
 
 from areno import evaluate as evaluation
 from areno import settings
+from areno.backend.rollout import RankEngines
 from areno.checkpoint import Resume, save_checkpoint
 from areno.config import TrainConfig
 from areno.prompts import PromptSet, tokenize_prompts
@@ -33,7 +35,8 @@ from areno.reporting import RunLogger
 from areno.rewards import RewardScorer
 from areno.rollout.engine import SamplingConfig
 from areno.runlog import third_party_to_log
-from areno.tasks import resolve_plugin_path
+from areno.tasks import arith, resolve_plugin_path
+from areno.tiny import tiny_model_path
 
 EVAL_SEED_BASE = 1 << 62  # eval sampling seeds never coincide with a training step's
 
@@ -94,9 +97,7 @@ class Run:
 def visible_gpus() -> int:
     """GPUs this process could use, counted through NVML: no CUDA context is made
     (the controller never holds one; ranks and engines own the GPUs)."""
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    import torch
-
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # torch reads it per call
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -129,8 +130,6 @@ def make_output_dir(cfg: TrainConfig, resume: Resume | None = None) -> Path:
 
 def load_data(cfg: TrainConfig, tokenizer: Any) -> tuple[RowSet, PromptSet]:
     if cfg.dataset_path is None:
-        from areno.tasks import arith
-
         rows = normalize_rows(arith.rows(), source="builtin:arith")
     else:
         rows = load_rows(cfg.dataset_path, split=cfg.dataset_split,
@@ -153,8 +152,6 @@ def load_eval_data(cfg: TrainConfig, tokenizer: Any) -> tuple[RowSet, PromptSet]
 def model_path_for(cfg: TrainConfig) -> str:
     if cfg.ckpt is not None:
         return cfg.ckpt
-    from areno.tiny import tiny_model_path
-
     return str(tiny_model_path("arith"))
 
 
@@ -164,7 +161,7 @@ def total_steps_for(cfg: TrainConfig, sampler: PromptSampler) -> int:
 
 
 def load_tokenizer(model_path: str) -> Any:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # seconds to import; worker nodes never need it
 
     check_model_id(model_path)  # a hub id with no network: one line now, not a minute of retries
     try:
@@ -186,8 +183,8 @@ def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
 
 @contextlib.contextmanager
 def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iterator[Run]:
+    # Looked up when called: tests replace it to show user mistakes come before any rank.
     from areno.backend.controller import TorchBackend
-    from areno.backend.rollout import RankEngines
 
     clean_leftovers()  # shared memory of areno processes that were SIGKILLed
     device = resolve_device(cfg)

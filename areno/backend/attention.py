@@ -24,6 +24,7 @@ no mask at all for them (and does not scan position_ids for restarts).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,8 +165,6 @@ def eager_per_sequence(module: nn.Module, q, k, v, attention_mask=None, *, scali
 def _varlen_flags() -> tuple[bool, bool]:
     """(takes window_size, takes enable_gqa): torch 2.10 had is_causal and no GQA
     flag; 2.13 has window_size=(-1, 0) for causal and enable_gqa."""
-    import inspect
-
     from torch.nn.attention.varlen import varlen_attn
 
     params = inspect.signature(varlen_attn).parameters

@@ -15,6 +15,7 @@ would miss.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -239,6 +240,4 @@ def autocast_ctx(cfg: BackendConfig, strategy: str):
     through autocast (fp32 weights, bf16 matmuls)."""
     if cfg.dtype != "float32" and strategy != "fsdp2":
         return torch.autocast(device_type=cfg.device, dtype=_DTYPES[cfg.dtype])
-    import contextlib
-
     return contextlib.nullcontext()

@@ -24,6 +24,7 @@ import numpy as np
 
 from areno.choices import OnError
 from areno.errors import UserError, _one_line, import_user_file, user_frame
+from areno.rollout.batch import FINISH_REASONS
 
 ON_ERROR: tuple[str, ...] = typing.get_args(OnError)
 FAILURE_KINDS = ("errors", "timeouts", "nan", "worker_crashes")
@@ -173,8 +174,6 @@ def reward_records(rows: Any, prompts: Any, prompt_idx: np.ndarray, batch: Any,
     """One RewardRecord per sample of `batch` (a RolloutBatch whose prompt p is
     prompts[prompt_idx[p]]): O(N) Python, the only per-sample objects of a step.
     index: [N] sample index in the step of each response (default 0..N-1)."""
-    from areno.rollout.batch import FINISH_REASONS
-
     row_of_prompt = prompts.row_index[prompt_idx].tolist()
     texts = prompts.texts
     lengths = batch.response_lengths.tolist()
