@@ -19,8 +19,9 @@ import typer
 from rich.markup import escape
 
 from areno import __version__
-from areno.config import DEMO_PRESET, TrainConfig, field_type, flag_name
+from areno.config import DEMO_PRESET, TrainConfig, field_type
 from areno.errors import UserError
+from areno.fieldcheck import flag_name
 
 app = typer.Typer(
     name="areno",

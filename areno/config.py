@@ -5,7 +5,8 @@ allowed values, what the default means) and its bounds. The CLI builds its
 flags from these fields and YAML (`--config run.yaml`) fills the same fields;
 flags override YAML. `TrainConfig.from_sources` validates everything before
 any heavy import or process start, raising `UserError` (one line, naming the
-flag) for a mistake.
+flag) for a mistake: each value against its type and bounds (fieldcheck.py),
+then the rules between options (`validate`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from areno.choices import (
     LOSS_AGG_BY_ALGO, AdvantageMode, Algo, Device, DType, KLType, LossAgg, OnError, Strategy,
 )
 from areno.errors import UserError
+from areno.fieldcheck import base_type, check_value
 from areno.multinode import check_authkey
 from areno.rollout.factory import EngineKind
 
@@ -248,8 +250,9 @@ class TrainConfig:
         return cfg
 
     def validate(self) -> None:
+        hints = _type_hints()
         for f in dataclasses.fields(self):
-            _check_field(f, getattr(self, f.name))
+            check_value(f, hints[f.name], getattr(self, f.name))
         if self.ckpt is not None and _looks_local(self.ckpt) and not Path(self.ckpt).is_dir():
             raise UserError(f"--ckpt: no model directory at {self.ckpt}")
         if self.eval_only and self.eval_dataset_path is None:
@@ -314,10 +317,6 @@ DEMO_PRESET: dict[str, Any] = {
 }
 
 
-def flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _looks_local(s: str) -> bool:
     return s.startswith((".", "/", "~")) or os.path.exists(s)
 
@@ -330,42 +329,6 @@ def _check_file(flag: str, path: str, suffix: str | None = None) -> None:
         raise UserError(f"{flag}: expected a {suffix} file, got {path}")
 
 
-def _check_field(f: dataclasses.Field, value: Any) -> None:
-    flag = flag_name(f.name)
-    hint = _type_hints()[f.name]
-    if value is None:
-        if type(None) not in typing.get_args(hint):
-            raise UserError(f"{flag}: a value is required")
-        return
-    base = _base_type(hint)
-    if typing.get_origin(base) is Literal:
-        choices = typing.get_args(base)
-        if value not in choices:
-            raise UserError(f"{flag}: expected one of {', '.join(map(str, choices))}; got {value!r}")
-        return
-    if base is bool:
-        if not isinstance(value, bool):
-            raise UserError(f"{flag}: expected true or false; got {value!r}")
-        return
-    if base in (int, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
-            base is int and not float(value).is_integer()
-        ):
-            raise UserError(f"{flag}: expected {'an integer' if base is int else 'a number'}; "
-                            f"got {value!r}")
-        if value != value or value in (float("inf"), float("-inf")):
-            raise UserError(f"{flag}: must be finite; got {value!r}")
-        m = f.metadata
-        for key, ok, word in (("ge", lambda a, b: a >= b, ">="), ("gt", lambda a, b: a > b, ">"),
-                              ("le", lambda a, b: a <= b, "<="), ("lt", lambda a, b: a < b, "<")):
-            bound = m.get(key)
-            if bound is not None and not ok(value, bound):
-                raise UserError(f"{flag} must be {word} {bound}; got {value!r}")
-        return
-    if base is str and not isinstance(value, str):
-        raise UserError(f"{flag}: expected a string; got {value!r}")
-
-
 _HINTS: dict[str, Any] = {}
 
 
@@ -375,17 +338,8 @@ def _type_hints() -> dict[str, Any]:
     return _HINTS
 
 
-def _base_type(hint: Any) -> Any:
-    """Strip Optional[...]."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)) \
-            and len(args) == 1:
-        return args[0]
-    return hint
-
-
 def field_type(name: str) -> Any:
-    return _base_type(_type_hints()[name])
+    return base_type(_type_hints()[name])
 
 
 def _read_yaml(path: str) -> dict[str, Any]:

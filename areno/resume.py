@@ -17,8 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from areno.checkpoint import Resume
-from areno.config import TrainConfig, _read_yaml, flag_name
+from areno.config import TrainConfig, _read_yaml
 from areno.errors import UserError
+from areno.fieldcheck import flag_name
 
 # Where the run lives: always this invocation's, never the checkpoint's.
 LOCATION: frozenset[str] = frozenset({"output_dir", "save_path", "resume"})

@@ -46,7 +46,8 @@ def _panels(text: str) -> dict[str, str]:
 
 
 def test_help_shows_every_flag_whole_with_its_default_at_100_columns():
-    from areno.config import DEMO_PRESET, TrainConfig, flag_name
+    from areno.config import DEMO_PRESET, TrainConfig
+    from areno.fieldcheck import flag_name
 
     text = _help(100)
     assert "…" not in text
