@@ -11,6 +11,9 @@ picked up (and is removed by the next save).
         trainer_state.json   step, data cursor, run config
         controller_rng.pt    the controller's python/numpy/torch RNG states
         backend/             optimizer, LR scheduler, RNG states of every rank
+
+`save_checkpoint` writes one; `Resume` finds the one --resume names and puts
+its state back (which options may change on resume is resume.py's).
 """
 
 from __future__ import annotations

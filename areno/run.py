@@ -1,7 +1,8 @@
 """Build everything a training step needs (`Run`), in the order that surfaces
 user mistakes first: run directory, tokenizer, data, reward plugin, then the
 expensive parts (backend ranks, rollout engine). Closing a Run shuts down every
-process it started, on every exit path."""
+process it started, on every exit path. The settings of those parts come from
+settings.py; what a resumed run takes from its checkpoint, from checkpoint.Resume."""
 
 from __future__ import annotations
 
