@@ -120,8 +120,9 @@ def wait_group_gone(pgid: int, seconds: float = 10.0) -> list[int]:
 
 
 # ---------------------------------------------------------------------------
-FLAGS = [*SMALL, "--world-size", "2", "--max-steps", "4", "--save-interval", "2", "--seed", "3",
-         "--eval-interval", "2", "--eval-n", "2"]
+# vLLM (the default outside the demo): its seeded sampling must survive a resume too
+FLAGS = [*SMALL, "--rollout-engine", "vllm", "--world-size", "2", "--max-steps", "4", "--save-interval", "2",
+         "--seed", "3", "--eval-interval", "2", "--eval-n", "2"]
 
 
 @pytest.fixture(scope="module")

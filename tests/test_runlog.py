@@ -56,9 +56,11 @@ def test_third_party_output_goes_to_run_log_unless_verbose(tmp_path, verbose):
 
 @pytest.mark.slow
 def test_default_startup_shows_areno_lines_only(tmp_path, areno_cache):
-    """The default engine (vLLM) and its notices, warnings and progress bars."""
+    """The default engine (vLLM; the demo's is transformers) and its notices,
+    warnings and progress bars."""
     out = tmp_path / "run"
-    res = ok(cli(["train", *SMALL, "--world-size", "1", "--max-steps", "1", "--output-dir", str(out)],
+    res = ok(cli(["train", *SMALL, "--rollout-engine", "vllm", "--world-size", "1", "--max-steps", "1",
+                  "--output-dir", str(out)],
                  areno_cache))
     lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
     ours = ("areno", "step 1/1 ", "saved checkpoint", "done:")
