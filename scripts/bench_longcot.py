@@ -164,7 +164,7 @@ def _install_rank_probes(out_dir: str, micro_limit: int) -> None:
 
     orig_train = step_mod.RankTrainer.train
 
-    def train(self, local):
+    def train(self, local, hooks=None):
         originals = {n: getattr(torch.Tensor, n) for n in READBACK_METHODS}
 
         def counting(name):
@@ -182,7 +182,7 @@ def _install_rank_probes(out_dir: str, micro_limit: int) -> None:
             setattr(torch.Tensor, n, counting(n))
         st["count"] = True
         try:
-            return orig_train(self, local)
+            return orig_train(self, local, hooks)
         finally:
             st["count"] = False
             for n, f in originals.items():
