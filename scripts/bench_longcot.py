@@ -402,7 +402,7 @@ class SyntheticEngine:
     def generate_lists(self, prompt_ids, prompt_offsets, n):
         """The reference's native rollout form (what a list-based engine returns):
         per-sample Python lists, after the same simulated generation time."""
-        from bench_materialize import ListRollouts
+        from listref import ListRollouts
 
         t0 = time.monotonic()
         ids, offsets = self._check(prompt_ids, prompt_offsets, n)
@@ -570,7 +570,7 @@ def ref_reward_records(run, prompt_idx, lr, texts, finish):
 
 
 def ref_advantages_list(rewards, group_of):
-    from bench_materialize import ref_advantages
+    from listref import ref_advantages
 
     return ref_advantages(rewards, group_of).tolist()
 
@@ -584,7 +584,7 @@ def ref_build_split(lr, adv, world_size: int, max_tokens: int):
 
     from areno.pack import PACKED_TOKEN_FIELDS, TrainPack
     from areno.split import SplitPack, plan_split
-    from bench_materialize import ref_pack
+    from listref import ref_pack
 
     used = [i for i, r in enumerate(lr.responses) if r]
     lengths = [len(lr.prompts[lr.group_of[i]]) + len(lr.responses[i]) - 1 for i in used]
@@ -604,12 +604,12 @@ def ref_pickled_handoff_s(lr, adv, split, order) -> dict:
     after the step, not sent)."""
     import pickle
 
-    from bench_materialize import _ref_sequence_lists
+    from listref import ref_sequence_lists
 
     per_rank = []
     for r in range(split.world_size):
         a, b = split.rank_seq_range(r)
-        per_rank.append(_ref_sequence_lists(lr, adv, order[a:b], seq_base=a)[0])
+        per_rank.append(ref_sequence_lists(lr, adv, order[a:b], seq_base=a)[0])
     t0 = time.monotonic()
     blobs = [pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL) for x in per_rank]
     dt = time.monotonic() - t0
@@ -621,7 +621,7 @@ def ref_train_step(run, step: int, rec: Recorder) -> dict:
     import numpy as np
 
     from areno.prompts import select
-    from bench_materialize import ref_decode, ref_stats
+    from listref import ref_decode, ref_stats
 
     cfg = run.cfg
     prompt_idx = run.sampler.next_batch()
@@ -1170,7 +1170,7 @@ def main(argv: list[str] | None = None) -> int:
     out = run_bench(args)
     print()
     print(format_report(out))
-    from bench_materialize import write_json
+    from benchlib import write_json
 
     write_json(args.out, out)
     print(f"wrote {args.out}")
