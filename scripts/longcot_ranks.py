@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from benchlib import ReadbackCounter
 
+from areno.backend.handoff import LocalPack
 from areno.backend.hooks import RankHooks
 from areno.pack import TrainPack
 
@@ -80,7 +81,7 @@ class LongcotRankHooks(RankHooks):
         k = self.micro_limit
         return [row[-k:] for row in micros] if k > 0 else micros
 
-    def train_end(self, rank: int, local, reply: dict) -> None:
+    def train_end(self, rank: int, local: LocalPack, reply: dict) -> None:
         self.counter.__exit__(None, None, None)
         rec, steps = self.rec, reply["steps"]
         if rec["first_arrive"] is None:  # no micro-batch reached the trainer
@@ -94,7 +95,7 @@ class LongcotRankHooks(RankHooks):
             f.write(json.dumps(rec) + "\n")
 
 
-def pack_record(local) -> dict:
+def pack_record(local: LocalPack) -> dict:
     """Digests of a rank's share (every TrainPack field, the micro-batch plan),
     each sequence's mean advantage over its loss tokens, and token counts."""
     p: TrainPack = local.pack

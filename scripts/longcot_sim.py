@@ -27,7 +27,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 from benchlib import sleep_until
@@ -85,7 +85,8 @@ class _Block:
 
     __slots__ = ("ids", "lengths", "logprobs", "finish", "finish_s")
 
-    def __init__(self, ids, lengths, logprobs, finish, finish_s):
+    def __init__(self, ids: np.ndarray, lengths: np.ndarray, logprobs: np.ndarray, finish: np.ndarray,
+                 finish_s: float) -> None:
         self.ids, self.lengths, self.logprobs, self.finish, self.finish_s = ids, lengths, logprobs, finish, finish_s
 
 
@@ -106,7 +107,7 @@ class SyntheticEngine:
         self.timings_source: Any = None  # has .last_timings (the backend); set once the Run is open
 
     # -- setup ------------------------------------------------------------
-    def prepare(self, prompts) -> int:
+    def prepare(self, prompts: Any) -> int:
         """Precompute n responses per prompt of the PromptSet; lengths: a per-prompt
         base uniform in [0.25, 1.75] x resp_len times a per-sample factor in
         [0.75, 1.25], scaled so the total is P x n x resp_len, capped at
@@ -142,10 +143,10 @@ class SyntheticEngine:
             )
         return int(lengths.sum())
 
-    def _keys(self, ids, offsets) -> list[bytes]:
+    def _keys(self, ids: np.ndarray, offsets: np.ndarray) -> list[bytes]:
         return [ids[offsets[p]:offsets[p + 1]].tobytes() for p in range(offsets.size - 1)]
 
-    def _assemble(self, ids, offsets, keys, pos):
+    def _assemble(self, ids: np.ndarray, offsets: np.ndarray, keys: list[bytes], pos: np.ndarray) -> RolloutBatch:
 
 
         blocks = [self.blocks[keys[p]] for p in pos.tolist()]
@@ -160,14 +161,14 @@ class SyntheticEngine:
             finish_reason=np.concatenate([b.finish for b in blocks]),
         )
 
-    def _check(self, ids, offsets, n):
+    def _check(self, ids: Any, offsets: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
 
         if n != self.n:
             raise ValueError(f"SyntheticEngine was prepared for n={self.n}, asked for {n}")
         return np.asarray(ids, dtype=np.int32), np.asarray(offsets, dtype=np.int64)
 
     # -- RolloutEngine -----------------------------------------------------
-    def generate(self, prompt_ids, prompt_offsets, n, sampling):
+    def generate(self, prompt_ids: Any, prompt_offsets: Any, n: int, sampling: Any) -> RolloutBatch:
 
         t0 = time.monotonic()
         ids, offsets = self._check(prompt_ids, prompt_offsets, n)
@@ -178,7 +179,8 @@ class SyntheticEngine:
         self.timeline = {"t_start": t0, "t_gen_end": t_end, "parts": 1, "late_s": time.monotonic() - t_end}
         return batch
 
-    def generate_stream(self, prompt_ids, prompt_offsets, n, sampling, min_groups=1):
+    def generate_stream(self, prompt_ids: Any, prompt_offsets: Any, n: int, sampling: Any,
+                        min_groups: int = 1) -> Iterator[tuple[np.ndarray, RolloutBatch]]:
 
         t0 = time.monotonic()
         ids, offsets = self._check(prompt_ids, prompt_offsets, n)
@@ -195,7 +197,7 @@ class SyntheticEngine:
             yield pos, part
         self.timeline["t_exhausted"] = time.monotonic()
 
-    def generate_lists(self, prompt_ids, prompt_offsets, n):
+    def generate_lists(self, prompt_ids: Any, prompt_offsets: Any, n: int) -> tuple[ListRollouts, list[int]]:
         """The reference's native rollout form (what a list-based engine returns):
         per-sample Python lists, after the same simulated generation time."""
 
@@ -218,11 +220,11 @@ class SyntheticEngine:
         self.timeline = {"t_start": t0, "t_gen_end": t_end, "parts": 1, "late_s": time.monotonic() - t_end}
         return ListRollouts(prompts, responses, logprobs, group_of, rewards=[]), finish
 
-    def update_weights(self, named_tensors, probe=None) -> None:
+    def update_weights(self, named_tensors: Any, probe: Any = None) -> None:
         """Ignores the weights and the probe (nothing to load, nothing checked)."""
         self.timeline.update(t_update_weights=time.monotonic(), export=self._source_timings())
 
-    def prompt_logprobs(self, ids):
+    def prompt_logprobs(self, ids: np.ndarray) -> np.ndarray:
 
         return np.zeros(max(0, len(ids) - 1), dtype=np.float32)
 
