@@ -19,9 +19,8 @@ import re
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 from torch.overrides import TorchFunctionMode
@@ -233,29 +232,21 @@ class ReadbackCounter(TorchFunctionMode):
     A torch function mode sees every tensor method call without patching
     torch.Tensor (on CPU there is no sync-debug mode to ask instead). Tensor.numpy
     is left out: it cannot read a device tensor (it raises on CUDA), and the ranks
-    call it on the CPU pack views, which is no readback."""
+    call it on the CPU pack views, which is no readback. Every torch call made
+    under the mode pays a Python dispatch (a few us), so keep it off code whose
+    time is being measured."""
 
     METHODS = frozenset(("item", "tolist", "cpu"))
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[str] = []
-        self.counting = True
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.counting and getattr(func, "__name__", "") in self.METHODS:
+        if getattr(func, "__name__", "") in self.METHODS:
             fr = sys._getframe(1)  # the caller: torch's dispatch adds no Python frame
             self.calls.append(f"{func.__name__}@{os.path.basename(fr.f_code.co_filename)}:{fr.f_lineno}")
         return func(*args, **(kwargs or {}))
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Calls made inside (the benchmark's own) are not counted."""
-        was, self.counting = self.counting, False
-        try:
-            yield
-        finally:
-            self.counting = was
 
 
 # -- fixtures ----------------------------------------------------------------------

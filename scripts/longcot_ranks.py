@@ -10,9 +10,14 @@ each rank appends one JSON record to PROBE_DIR/rank<r>.jsonl:
                collective's own latency with the ranks in step (second_s); the
                rank's work before it (map + device copies of every
                micro-batch) in wall and thread CPU time (prep_cpu_s).
-  readbacks    Tensor.item/tolist/cpu calls during the command, with call
-               sites (benchlib.ReadbackCounter, a torch function mode), the
-               probe's own calls excluded.
+  readbacks    Tensor.item/tolist/cpu calls from the first forward to the
+               reply, with call sites (benchlib.ReadbackCounter, a torch
+               function mode). It starts after the device copies: under the
+               mode every torch call pays a Python dispatch, which doubled the
+               map + copy time the prep figures measure (0.65 -> 1.24 ms for 10
+               micro-batches); those copies make no readback by design (host
+               ints from the pack), which tests/test_backend_units.py pins over
+               the whole command.
   compute      with MICRO_LIMIT_ENV = k > 0 each optimizer step trains only the
                last k micro-batches of its mini-batch (the smallest: the planner
                packs first-fit decreasing); the whole pack is still mapped and
@@ -60,31 +65,31 @@ class LongcotRankHooks(RankHooks):
         self.rec = {"rank": rank, "t_enter": time.monotonic(), "first_arrive": None}
         self.cpu_enter = time.thread_time()
         self.counter = ReadbackCounter()
-        self.counter.__enter__()
 
     def before_update(self, micros: list[list]) -> list[list]:
         rec = self.rec
-        with self.counter.paused():
-            rec["prep_cpu_s"] = time.thread_time() - self.cpu_enter
-            x = torch.zeros(1)
-            rec["first_arrive"] = time.monotonic()
-            second = (0.0, 0.0)
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(x)
-                rec["first_done"] = time.monotonic()
-                dist.all_reduce(x)  # baseline: the same collective with the ranks already in step
-                second = (rec["first_done"], time.monotonic())
-            else:
-                rec["first_done"] = time.monotonic()
-            rec["second_s"] = second[1] - second[0]
+        rec["prep_cpu_s"] = time.thread_time() - self.cpu_enter
+        x = torch.zeros(1)
+        rec["first_arrive"] = time.monotonic()
+        second = (0.0, 0.0)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(x)
+            rec["first_done"] = time.monotonic()
+            dist.all_reduce(x)  # baseline: the same collective with the ranks already in step
+            second = (rec["first_done"], time.monotonic())
+        else:
+            rec["first_done"] = time.monotonic()
+        rec["second_s"] = second[1] - second[0]
         rec["num_minibatches"], rec["num_micro"] = len(micros), len(micros[0]) if micros else 0
+        self.counter.__enter__()  # left in train_end
         k = self.micro_limit
         return [row[-k:] for row in micros] if k > 0 else micros
 
     def train_end(self, rank: int, local: LocalPack, reply: dict) -> None:
-        self.counter.__exit__(None, None, None)
         rec, steps = self.rec, reply["steps"]
-        if rec["first_arrive"] is None:  # no micro-batch reached the trainer
+        if rec["first_arrive"] is not None:  # before_update entered the counter
+            self.counter.__exit__(None, None, None)
+        else:  # no micro-batch reached the trainer
             rec.update(first_arrive=rec["t_enter"], first_done=rec["t_enter"], second_s=0.0, prep_cpu_s=0.0,
                        num_micro=0, num_minibatches=0)
         rec.update(map_s=reply["map_s"], train_s=reply["train_s"], readbacks=self.counter.calls,
