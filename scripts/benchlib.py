@@ -1,4 +1,4 @@
-"""Shared parts of the benchmark scripts: CLI defaults, fixtures, timing,
+"""Shared parts of the benchmark scripts: fixtures, timing,
 intervals, process figures, readback counting, tables and JSON output.
 
 Nothing here patches areno; what a benchmark needs from inside the package it
@@ -8,7 +8,6 @@ backend/hooks.py RankHooks).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
@@ -27,13 +26,6 @@ from torch.overrides import TorchFunctionMode
 
 
 # -- CLI and output -------------------------------------------------------------
-def fill_defaults(args: argparse.Namespace, quick: dict[str, Any], full: dict[str, Any]) -> None:
-    """Set every option still None to its --quick or full-size default."""
-    for k, v in (quick if args.quick else full).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-
-
 def write_json(path: Path, obj: Any) -> None:
     """Write to a temp file beside `path`, then rename (never half-written)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -145,20 +145,22 @@ def test_rank_pack_record_sees_every_field_and_the_advantages(bl) -> None:
 
 
 def test_identity_checks_catch_a_changed_field(bl) -> None:
+    from longcot_run import MODES, identity_checks
+
     def row(step, adv=0.5, ids="a"):
         return {"step": step, "_digests": {"rank0.input_ids": ids, "rank0.advantages": str(adv)},
                 "_seq_adv": [adv]}
 
-    same = {m: [row(1)] for m in bl.MODES}
-    assert all(c["pass"] for c in bl.identity_checks(same, 1).values())
+    same = {m: [row(1)] for m in MODES}
+    assert all(c["pass"] for c in identity_checks(same, 1).values())
     rows = {**same, "areno_plain_free": [row(1, ids="b")], "reference_free": [row(1, adv=0.5 + 1e-7)]}
-    checks = bl.identity_checks(rows, 1)
+    checks = identity_checks(rows, 1)
     bad = checks["identical:areno_overlap_free==areno_plain_free"]
     assert not bad["pass"] and bad["differences"] == [{"round": 1, "fields": ["rank0.input_ids"]}]
     ref = checks["reference_equals_areno (advantages to 1e-5)"]  # ids differ; advantages agree to 1e-5
     assert not ref["pass"] and ref["differences"][0]["fields"] == ["rank0.input_ids"]
     rows["reference_free"] = [row(1, adv=0.6, ids="b")]
-    ref = bl.identity_checks(rows, 1)["reference_equals_areno (advantages to 1e-5)"]
+    ref = identity_checks(rows, 1)["reference_equals_areno (advantages to 1e-5)"]
     assert ref["differences"][0]["fields"] == ["per-sequence advantages (beyond 1e-5)"]
 
 
