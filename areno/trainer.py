@@ -37,18 +37,41 @@ from areno.stats import StreamingStats
 
 
 class PhaseTimer:
-    """Wall time per phase of one step (seconds)."""
+    """Wall time per phase of one step: `times[phase]`, seconds summed over the
+    phase's intervals (the step's time/<phase> metrics).
 
-    def __init__(self) -> None:
+    The timing hook for benchmarks (scripts/bench_longcot.py): pass
+    `PhaseTimer(keep_spans=True)` to `train_step` and read `spans` afterwards,
+    one (phase, start, end, cpu_s) per interval, start/end on time.monotonic
+    (one clock for the controller and its child processes), cpu_s the calling
+    thread's CPU time in it. Spans include the sub-phases `span()` marks inside
+    a phase (advantages and pack in materialize, ...); those add nothing to
+    `times`, whose phases already hold their time."""
+
+    def __init__(self, keep_spans: bool = False) -> None:
         self.times: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float, float]] | None = [] if keep_spans else None
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         t0 = time.perf_counter()
         try:
-            yield
+            with self.span(phase):
+                yield
         finally:
             self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
+
+    @contextmanager
+    def span(self, phase: str) -> Iterator[None]:
+        """A sub-phase: kept in `spans` (when kept), not added to `times`."""
+        if self.spans is None:
+            yield
+            return
+        c0, t0 = time.thread_time(), time.monotonic()
+        try:
+            yield
+        finally:
+            self.spans.append((phase, t0, time.monotonic(), time.thread_time() - c0))
 
 
 def run_training(cfg: TrainConfig, engine: Any = None) -> None:
@@ -131,8 +154,9 @@ def stopped(run: Run, e: BackendError | WeightSyncError) -> None:
     raise SystemExit(1)
 
 
-def train_step(run: Run, step: int) -> dict[str, float]:
-    cfg, timer = run.cfg, PhaseTimer()
+def train_step(run: Run, step: int, timer: PhaseTimer | None = None) -> dict[str, float]:
+    """One step; timer: the caller's PhaseTimer (benchmarks keep its spans)."""
+    cfg, timer = run.cfg, timer or PhaseTimer()
     t_step = time.perf_counter()
     prompt_idx = run.sampler.next_batch()
     sampling = replace(run.sampling, seed=cfg.seed * 1_000_003 + step)
@@ -141,15 +165,17 @@ def train_step(run: Run, step: int) -> dict[str, float]:
     else:
         batch, scored = rollout_then_score(run, prompt_idx, sampling, timer)
     with timer("materialize"):
-        adv, keep, n_zero_var = advantages_and_keep(
-            scored.rewards, scored.valid, batch.group_index, batch.num_prompts, overlong_mask(batch),
-            mode=cfg.adv_mode, filter_zero_variance=cfg.filter_zero_variance_groups,
-            mask_overlong=cfg.mask_overlong)
-        split = build_split_pack(
-            batch, adv, world_size=run.world_size, max_tokens=run.max_tokens_per_micro,
-            num_minibatches=cfg.mini_batches, loss_agg=cfg.loss_agg,
-            norm_len=cfg.max_new_tokens, keep=keep, workspace=run.workspace,
-        )
+        with timer.span("advantages"):
+            adv, keep, n_zero_var = advantages_and_keep(
+                scored.rewards, scored.valid, batch.group_index, batch.num_prompts, overlong_mask(batch),
+                mode=cfg.adv_mode, filter_zero_variance=cfg.filter_zero_variance_groups,
+                mask_overlong=cfg.mask_overlong)
+        with timer.span("pack"):
+            split = build_split_pack(
+                batch, adv, world_size=run.world_size, max_tokens=run.max_tokens_per_micro,
+                num_minibatches=cfg.mini_batches, loss_agg=cfg.loss_agg,
+                norm_len=cfg.max_new_tokens, keep=keep, workspace=run.workspace,
+            )
     defer_interrupts()  # from the update on, an interrupt waits for the step to end
     with timer("train"):
         run.engine.sleep()
@@ -209,14 +235,16 @@ def rollout_overlapped(run: Run, prompt_idx: np.ndarray, sampling: SamplingConfi
             with timer("decode"):
                 completions = decode_completions(run.tokenizer, part)
             index = pos[part.group_index] * n + np.arange(part.num_responses) % n
-            tickets.append(run.scorer.submit(reward_records(
-                run.rows, run.prompts, prompt_idx[pos], part, completions, index=index)))
+            with timer.span("reward"):
+                tickets.append(run.scorer.submit(reward_records(
+                    run.rows, run.prompts, prompt_idx[pos], part, completions, index=index)))
             parts.append(part)
             positions.append(pos)
     with timer("reward"):
         results = [run.scorer.collect(t) for t in tickets]
-    batch, perm = RolloutBatch.merge_parts(parts, positions)  # one copy of the token arrays
-    merged = RewardResult.concat(results)
+    with timer.span("merge"):
+        batch, perm = RolloutBatch.merge_parts(parts, positions)  # one copy of the token arrays
+        merged = RewardResult.concat(results)
     return batch, replace(merged, rewards=merged.rewards[perm], valid=merged.valid[perm])
 
 

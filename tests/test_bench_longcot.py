@@ -71,7 +71,8 @@ def test_bench_longcot_quick(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def bl():
-    """scripts/bench_longcot.py imported as a module."""
+    """scripts/bench_longcot.py imported as a module (it puts scripts/ on sys.path,
+    so its helper modules import by name too)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_longcot", SCRIPT)
@@ -81,9 +82,86 @@ def bl():
 
 
 def test_union_in(bl) -> None:
-    assert bl.union_in([], 0, 1) == 0
-    assert bl.union_in([(0, 2), (1, 3), (5, 6)], 0.5, 5.5) == pytest.approx(3.0)
-    assert bl.union_in([(0, 1), (0.2, 0.4)], 0, 10) == pytest.approx(1.0)
+    from benchlib import union_in
+
+    assert union_in([], 0, 1) == 0
+    assert union_in([(0, 2), (1, 3), (5, 6)], 0.5, 5.5) == pytest.approx(3.0)
+    assert union_in([(0, 1), (0.2, 0.4)], 0, 10) == pytest.approx(1.0)
+
+
+def test_cpu_in_counts_outermost_spans_prorated(bl) -> None:
+    from benchlib import cpu_in
+
+    spans = [("reward", 0.2, 0.4, 0.1), ("decode", 0.0, 1.0, 0.8), ("pack", 2.0, 4.0, 1.0), ("other", 0, 9, 9)]
+    # reward is nested in decode (not counted twice); pack is half inside [0, 3]
+    assert cpu_in(spans, ("decode", "reward", "pack"), 0.0, 3.0) == pytest.approx(0.8 + 0.5)
+
+
+def test_readback_counter_sees_item_tolist_cpu_with_sites(bl) -> None:
+    import torch
+    from benchlib import ReadbackCounter
+
+    x = torch.arange(3.0)
+    with ReadbackCounter() as counter:
+        x.sum().item()
+        x.tolist()
+        x.numpy()  # a CPU view, not a readback
+        x.cpu()
+    name = Path(__file__).name
+    assert [c.split("@")[0] for c in counter.calls] == ["item", "tolist", "cpu"]
+    assert all(c.split("@")[1].startswith(name + ":") for c in counter.calls), counter.calls
+    x.sum().item()  # after the mode exits nothing is seen
+    assert len(counter.calls) == 3
+
+
+def test_rank_pack_record_sees_every_field_and_the_advantages(bl) -> None:
+    """The ranks' digests cover every field of their share, and the per-sequence
+    advantages are the per-sample ones, in the share's order."""
+    from helpers import random_batch
+    from longcot_ranks import pack_record
+
+    from areno.backend.handoff import LocalPack, PackWriter
+    from areno.split import build_split_pack
+
+    b = random_batch(seed=2, num_prompts=6, max_response=12, min_response=1)
+    adv = np.random.default_rng(2).standard_normal(b.num_responses).astype(np.float32)
+    split = build_split_pack(b, adv, world_size=2, max_tokens=32)
+    writer = PackWriter()
+    try:
+        recs = [pack_record(LocalPack(h)) for h in writer.write(split)]
+        changed = adv.copy()
+        changed[int(split.pack.sample_index[0])] += 1.0  # rank 0's first sequence
+        (h0, _) = writer.write(build_split_pack(b, changed, world_size=2, max_tokens=32))
+        other = pack_record(LocalPack(h0))
+    finally:
+        writer.close()
+    for r, rec in enumerate(recs):
+        assert len(rec["digests"]) == 11  # 10 TrainPack fields + the micro-batch plan
+        s0, s1 = split.rank_seq_range(r)
+        np.testing.assert_allclose(rec["seq_adv"], adv[split.pack.sample_index[s0:s1].numpy()], rtol=1e-6)
+    assert sum(rec["pack_tokens"] for rec in recs) == split.pack.num_tokens
+    assert {k for k, v in other["digests"].items() if v != recs[0]["digests"][k]} == {"advantages"}
+    assert other["seq_adv"][0] == pytest.approx(recs[0]["seq_adv"][0] + 1.0)
+
+
+def test_identity_checks_catch_a_changed_field(bl) -> None:
+    from longcot_run import MODES, identity_checks
+
+    def row(step, adv=0.5, ids="a"):
+        return {"step": step, "_digests": {"rank0.input_ids": ids, "rank0.advantages": str(adv)},
+                "_seq_adv": [adv]}
+
+    same = {m: [row(1)] for m in MODES}
+    assert all(c["pass"] for c in identity_checks(same, 1).values())
+    rows = {**same, "areno_plain_free": [row(1, ids="b")], "reference_free": [row(1, adv=0.5 + 1e-7)]}
+    checks = identity_checks(rows, 1)
+    bad = checks["identical:areno_overlap_free==areno_plain_free"]
+    assert not bad["pass"] and bad["differences"] == [{"round": 1, "fields": ["rank0.input_ids"]}]
+    ref = checks["reference_equals_areno (advantages to 1e-5)"]  # ids differ; advantages agree to 1e-5
+    assert not ref["pass"] and ref["differences"][0]["fields"] == ["rank0.input_ids"]
+    rows["reference_free"] = [row(1, adv=0.6, ids="b")]
+    ref = identity_checks(rows, 1)["reference_equals_areno (advantages to 1e-5)"]
+    assert ref["differences"][0]["fields"] == ["per-sequence advantages (beyond 1e-5)"]
 
 
 class _Prompts:
@@ -100,7 +178,9 @@ def test_synthetic_engine_stream_equals_generate(bl) -> None:
     from helpers import concat, take_prompts
 
     prompts = _Prompts([3, 5, 2, 7, 4, 6, 3])
-    eng = bl.SyntheticEngine(n=3, resp_len=20, max_new_tokens=30, vocab=(3, 100), gen_time_s=0.0, seed=1)
+    from longcot_sim import SyntheticEngine
+
+    eng = SyntheticEngine(n=3, resp_len=20, max_new_tokens=30, vocab=(3, 100), gen_time_s=0.0, seed=1)
     total = eng.prepare(prompts)
     assert total == 7 * 3 * 20
     order = np.array([4, 0, 6, 2, 1, 5, 3])

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from areno.backend.config import BackendConfig
 from areno.backend.handoff import LocalPack
+from areno.backend.hooks import RankHooks
 from areno.backend.model import Wrapped, autocast_ctx
 from areno.losses import LossInputs, compute_loss
 from areno.metrics import DEVICE_METRICS, DEVICE_SUMS, METRICS, finalize_step
@@ -124,9 +125,11 @@ class RankTrainer:
         self.step = 0          # optimizer steps taken
         self.nan_streak = 0    # consecutive skipped steps
 
-    def train(self, local: LocalPack) -> list[dict[str, float]]:
+    def train(self, local: LocalPack, hooks: RankHooks | None = None) -> list[dict[str, float]]:
         cfg, K, M = self.cfg, local.num_minibatches, local.num_micro
         micros = [[to_device(local.micro(k, m), self.device) for m in range(M)] for k in range(K)]
+        if hooks is not None:  # benchmarks (backend/hooks.py): probe the ranks, bound the compute
+            micros = hooks.before_update(micros)
         old = no_grad_logprobs(self.w, cfg, micros) if cfg.recompute_logprobs else None
         ref = no_grad_logprobs(self.ref, cfg, micros) if self.ref is not None else None
         results = []

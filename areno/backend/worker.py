@@ -25,6 +25,7 @@ from areno.backend.engine_host import (
     verify_probe_logprobs,
 )
 from areno.backend.handoff import LocalPack, RankHandoff, map_region
+from areno.backend.hooks import load_rank_hooks
 from areno.backend.model import PolicyModule, load_hf_model, resolve_attn_implementation, wrap_policy
 from areno.backend.step import RankTrainer
 from areno.backend.weights import (
@@ -76,6 +77,7 @@ class RankWorker:
             ref_hf.requires_grad_(False)
             ref = wrap_policy(PolicyModule(ref_hf, cfg.logprob_chunk_size), cfg, self.device, trainable=False)
         self.trainer = RankTrainer(cfg, self.wrapped, self.device, ref)
+        self.hooks = load_rank_hooks()  # no-ops unless ARENO_RANK_HOOKS names some (benchmarks)
         self.emit = None  # set by serve(): sends one ("part", ...) message mid-command
         self.engine, self.engine_kind = None, None
         if cfg.engine is not None:
@@ -101,12 +103,13 @@ class RankWorker:
 
     # -- commands ------------------------------------------------------------
     def cmd_train(self, handoff: RankHandoff, payload: bytearray | None = None) -> dict:
+        self.hooks.train_begin(self.rank)
         t0 = time.perf_counter()
         local = LocalPack(handoff, payload)
         if self.engine is not None:  # its KV cache (and, on GPU, weights) make room for training
             self.engine.sleep()
         t1 = time.perf_counter()
-        steps = self.trainer.train(local)
+        steps = self.trainer.train(local, self.hooks)
         t2 = time.perf_counter()
         if self.engine is not None:
             self.engine.wake_up()
@@ -114,6 +117,7 @@ class RankWorker:
         if self.device.type == "cuda":  # allocator counters: host-side, no device sync
             out["peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             out["peak_reserved_gb"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+        self.hooks.train_end(self.rank, local, out)
         return out
 
     def cmd_generate(self, ids: np.ndarray, offsets: np.ndarray, n: int, sampling,

@@ -1,0 +1,62 @@
+"""RankHooks: an optional observer of a rank's train command, for benchmarks.
+
+A normal run uses the base class, whose methods do nothing. Set
+`ARENO_RANK_HOOKS=module:attr` in the controller's environment and every rank
+builds its hooks once at startup by calling `attr()` from `module` (a
+RankHooks subclass); spawned ranks inherit the controller's environment and
+sys.path, so a module beside the benchmark script imports there.
+scripts/longcot_ranks.py is the user: it times the ranks' arrival at the first
+collective, counts device-to-host readbacks, and bounds the compute of a
+1M-token step on CPU ranks, without patching areno.
+
+Calls per train command, in order, on every rank:
+  train_begin(rank)        the command started; the pack is not mapped yet
+  before_update(micros)    every micro-batch is on the device, nothing has run
+                           forward (RankTrainer.train)
+  train_end(rank, local, reply)
+                           the reply is ready; not called if the command raised
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from areno.backend.handoff import LocalPack
+    from areno.backend.step import Micro
+
+RANK_HOOKS_ENV = "ARENO_RANK_HOOKS"
+
+
+class RankHooks:
+    """No-op base: subclass and name it in ARENO_RANK_HOOKS (see the module docstring)."""
+
+    def train_begin(self, rank: int) -> None:
+        """The train command started (before the pack is mapped)."""
+
+    def before_update(self, micros: list[list[Micro]]) -> list[list[Micro]]:
+        """Every micro-batch is on the device, [mini-batch][micro]; nothing has run
+        forward yet. Every rank reaches this point in every train command, so a
+        hook may run a collective here. Returns the micro-batches to train: a
+        benchmark may keep a subset of each mini-batch to bound compute (the
+        metrics then cover that subset); the base keeps them all."""
+        return micros
+
+    def train_end(self, rank: int, local: LocalPack, reply: dict) -> None:
+        """The command's reply ({"steps", "map_s", "train_s", ...}) is about to be sent."""
+
+
+def load_rank_hooks() -> RankHooks:
+    """The hooks ARENO_RANK_HOOKS names, built here; the no-op base when unset."""
+    spec = os.environ.get(RANK_HOOKS_ENV, "")
+    if not spec:
+        return RankHooks()
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"{RANK_HOOKS_ENV}={spec!r}: expected 'module:attr'")
+    hooks = getattr(importlib.import_module(module), attr)()
+    if not isinstance(hooks, RankHooks):
+        raise TypeError(f"{RANK_HOOKS_ENV}={spec!r} built a {type(hooks).__name__}, not a RankHooks")
+    return hooks

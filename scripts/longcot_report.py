@@ -1,0 +1,100 @@
+"""The reading of bench_longcot's results: pass/fail targets over the modes'
+rounds, and the printed report (two tables of per-mode medians, the targets
+and the checks). Ratios are medians of same-round ratios: the two steps of a
+round ran minutes apart at most, under the same load.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from benchlib import table, target, target_lines
+
+
+def paired_ratio(out: dict, num: str, den: str, key_num: str, key_den: str | None = None) -> float:
+    """Median over rounds of steps[num][key_num] / steps[den][key_den] (same round,
+    so the two steps ran minutes apart at most under the same load)."""
+    rows_n, rows_d = out["modes"][num]["steps"], out["modes"][den]["steps"]
+    ratios = [rn[key_num] / rd[key_den or key_num] for rn, rd in zip(rows_n, rows_d) if rd[key_den or key_num] > 0]
+    return float(np.median(ratios)) if ratios else float("nan")
+
+
+def evaluate_targets(out: dict) -> list[dict]:
+    a = out["modes"]["areno_overlap_free"]["median"]
+    waits = [s["first_wait_s"] for v in out["modes"].values() for s in v["steps"]]
+    base = [s["collective_baseline_s"] for v in out["modes"].values() for s in v["steps"]]
+    return [
+        target("host critical path, areno (overlap, free reward) [s]", a["critical_s"], "<=", 0.5, note=""),
+        target("reference / areno host critical path",
+               paired_ratio(out, "reference_free", "areno_overlap_free", "critical_s"), ">=", 20.0,
+               note="reference hands off by the same shm write (conservative)"),
+        target("hand-off ready (last rank mapped) [s]", a["handoff_ready_s"], "<=", 0.05, note=""),
+        target("first rank's wait at the first collective, all steps [s]", float(np.median(waits)), "<=", 0.01,
+               note=f"'near 0': <= 10 ms; median of {len(waits)} steps (every mode uses the same shm hand-off); "
+                    f"p90 {np.percentile(waits, 90) * 1e3:.1f} ms; the same collective right after: median "
+                    f"{np.median(base) * 1e3:.1f} ms"),
+        target("device-to-host readbacks per optimizer step", a["readbacks_per_opt_step"], "==", 1.0, note=""),
+        target("critical reward time, overlap / no overlap (R ms reward)",
+               paired_ratio(out, "areno_overlap_5ms", "areno_plain_5ms", "crit_reward_s"), "<=", 0.10, note=""),
+        # informational
+        target("reference with pickled hand-off / areno host critical path",
+               paired_ratio(out, "reference_free", "areno_overlap_free", "critical_pickled_s", "critical_s"),
+               ">=", 20.0, note="info: the reference's shm write replaced by pickling its nested lists"),
+        target("reference / areno critical-path CPU time (main thread)",
+               paired_ratio(out, "reference_free", "areno_overlap_free", "crit_cpu_s"), ">=", 20.0,
+               note="info: load-insensitive; excludes the hand-off write"),
+    ]
+
+
+# -- report --------------------------------------------------------------------------
+CRIT_COLS = [("critical", "critical_s"), ("decode", "crit_decode_s"), ("reward", "crit_reward_s"),
+             ("adv", "crit_advantages_s"), ("pack", "crit_pack_s"), ("merge", "crit_merge_s"),
+             ("handoff", "crit_handoff_s"), ("other", "crit_other_s"), ("cpu", "crit_cpu_s")]
+# (title, key, scale, format): ms unless marked
+OTHER_COLS = [
+    ("h-write", "handoff_write_s", 1e3, "7.1f"), ("h-ready", "handoff_ready_s", 1e3, "7.1f"),
+    ("1st-wait", "first_wait_s", 1e3, "8.2f"), ("base", "collective_baseline_s", 1e3, "5.1f"),
+    ("skew", "rank_arrival_skew_s", 1e3, "6.1f"), ("prep", "rank_prep_s", 1e3, "6.1f"),
+    ("p-cpu", "rank_prep_cpu_s", 1e3, "6.1f"), ("rb/opt", "readbacks_per_opt_step", 1, "6.2f"),
+    ("RSS MB", "rss_peak_mb", 1, "7.0f"), ("+MB", "rss_growth_mb", 1, "5.0f"), ("gen s", "gen_time_s", 1, "5.1f"),
+    ("late", "rollout_late_s", 1e3, "6.1f"), ("train s", "train_s", 1, "7.1f"), ("export", "export_s", 1, "6.2f"),
+    ("outside", "host_outside_s", 1e3, "7.1f"), ("step s", "step_s", 1, "6.1f"), ("load", "loadavg_1m", 1, "5.1f"),
+]
+
+
+def format_report(out: dict) -> str:
+    modes = out["modes"].values()
+    w = max(len(v["label"]) for v in modes) + 1
+    lines = ["host critical path (end of generation -> hand-off written) by phase, ms; "
+             "cpu = controller main-thread CPU in it (no hand-off)"]
+    lines += table("mode", w, [(t, "8.1f") for t, _ in CRIT_COLS],
+                   [(v["label"], [v["median"][k] * 1e3 for _, k in CRIT_COLS]) for v in modes])
+    lines += ["", "other figures (ms unless marked): hand-off write / ready (last rank mapped), first-collective "
+              "wait, the same collective right after (base), rank arrival skew, rank work before it (wall, CPU: map "
+              "+ device copies of every micro-batch), readbacks per optimizer step, controller peak RSS in the step "
+              "and its growth, simulated generation, host work after generation ended on the stream, train, weight "
+              "export, host work outside the window, step wall, load average"]
+    lines += table("mode", w, [(t, spec) for t, _, _, spec in OTHER_COLS],
+                   [(v["label"], [v["median"][k] * sc for _, k, sc, _ in OTHER_COLS]) for v in modes])
+    ref = out["modes"].get("reference_free", {}).get("median")
+    if ref:
+        lines.append(f"reference: pickling its per-rank nested lists instead of the shm write would cost "
+                     f"{ref['pickle_s'] * 1e3:.0f} ms ({ref['pickle_bytes'] / 1e6:.0f} MB) on the controller: "
+                     f"critical path {ref['critical_pickled_s'] * 1e3:.0f} ms")
+    a, m = out["modes"]["areno_overlap_free"]["median"], out["meta"]
+    lines.append(f"areno overlap: decode total (incl. overlapped) {a['decode_total_s'] * 1e3:.0f} ms over "
+                 f"{a['stream_parts']:.0f} parts; pack {a['pack_tokens']:,.0f} tokens; train: "
+                 f"{m['args']['train_micro'] or 'all'} of {a['micro_batches_per_rank']:.0f} micro-batches "
+                 f"per rank per optimizer step ({a['rank_train_s']:.1f} s rank compute)")
+    sites = a.get("readback_sites") or []
+    lines += [f"readback call sites on the ranks: {', '.join(sites) or 'none'}", ""]
+    lines.append("targets (ratios: median over rounds of same-round ratios):"
+                 + ("  (quick sizes: not meaningful, shown as n/a)" if m["quick"] else ""))
+    lines += target_lines(out["targets"], m["quick"], 62, "10.4g")
+    lines.append("checks:")
+    for name, c in out["checks"].items():
+        lines.append(f"  {'PASS' if c['pass'] else 'FAIL'}  {name}" + (f"  {c['differences']}" if c["differences"] else ""))
+    lines += ["", f"world size {m['world_size']} ({m['strategy']}), {m['response_tokens_per_step']:,} response "
+              f"tokens per step, {m['args']['steps']} rounds; load average (1 min) {m['loadavg_start'][0]:.2f} at "
+              f"start, {m['loadavg_end'][0]:.2f} at end, {m['cpu_count']} CPUs; controller peak RSS (max over "
+              f"steps) {m['controller_lifetime_peak_rss_mb']:.0f} MB; runtime {m['runtime_s']:.0f} s"]
+    return "\n".join(lines)

@@ -1,0 +1,245 @@
+"""bench_longcot's run: the modes, one measured step, the rounds, the checks.
+scripts/bench_longcot.py (the CLI, and what is measured) calls `run_bench`.
+
+Imported only by the bench's main process: the ranks and reward workers are
+spawned, and spawn imports the main script in every child, so bench_longcot.py
+itself stays light (no torch for the reward workers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from benchlib import cpu_in, loadavg, proc_kb, reset_peak_rss, union_in
+from longcot_ranks import HOOKS_SPEC, MICRO_LIMIT_ENV, PROBE_DIR_ENV, RankLog, rank_figures
+from longcot_ref import ref_train_step
+from longcot_report import evaluate_targets
+from longcot_sim import REWARD_COST_ENV, REWARD_PLUGIN, SyntheticEngine, set_reward_cost, write_dataset
+
+from areno.backend.hooks import RANK_HOOKS_ENV
+from areno.run import open_run
+from areno.trainer import PhaseTimer, train_step
+
+MODES = {
+    # key: (label, kind, overlap, reward cost)
+    "areno_overlap_free": ("areno, overlap, free reward", "areno", True, "free"),
+    "reference_free": ("list reference, free reward", "reference", False, "free"),
+    "areno_plain_free": ("areno, no overlap, free reward", "areno", False, "free"),
+    "areno_overlap_5ms": ("areno, overlap, R ms reward", "areno", True, "cost"),
+    "areno_plain_5ms": ("areno, no overlap, R ms reward", "areno", False, "cost"),
+}
+WARMUP = ("areno_overlap_free", "reference_free")
+# (a, b): advantages and pack must be identical between modes a and b, same round.
+IDENTICAL = (("areno_overlap_free", "areno_plain_free"), ("areno_overlap_5ms", "areno_plain_5ms"))
+# The controller's own phases on the critical path (the hand-off is the backend's).
+HOST_PHASES = ("decode", "reward", "advantages", "pack", "merge")
+
+
+# -- one step ------------------------------------------------------------------------
+def measure_step(run: Any, mode: str, step: int, ranks: RankLog) -> dict:
+    """Run one step of `mode` and return its figures (see the module docstring)."""
+    kind = MODES[mode][1]
+    gc.collect()
+    peak_ok = reset_peak_rss()
+    rss0, load = proc_kb("VmRSS"), os.getloadavg()[0]
+    timer = PhaseTimer(keep_spans=True)
+    t_step = time.monotonic()
+    if kind == "areno":
+        m = train_step(run, step, timer)
+    else:
+        pickled = ref_train_step(run, timer)
+    t_end = time.monotonic()
+    hwm = proc_kb("VmHWM") if peak_ok else 0
+    extra = {"train_time_metric_s": m.get("time/train", float("nan"))} if kind == "areno" else pickled()
+    row = {"step": step, **controller_figures(timer.spans, run.engine.timeline, t_step, t_end)}
+    row.update(rss_peak_mb=hwm / 1024 if peak_ok else float("nan"), rss_start_mb=rss0 / 1024,
+               rss_growth_mb=(hwm - rss0) / 1024 if peak_ok else float("nan"), loadavg_1m=load)
+    recs = ranks.new()
+    if [len(r) for r in recs] != [1] * run.world_size:
+        raise RuntimeError(f"rank probes: expected one record per rank for the step, got {[len(r) for r in recs]} "
+                           f"(is ARENO_RANK_HOOKS reaching the ranks?)")
+    row.update(rank_figures([r[0] for r in recs], run.engine.timeline["t_sleep"]), **extra)
+    if kind == "reference":
+        row["critical_pickled_s"] = row["critical_s"] - row["crit_handoff_s"] + extra["pickle_s"]
+    return row
+
+
+def controller_figures(spans: list, eng: dict, t_step: float, t_end: float) -> dict:
+    """The controller's figures of one step from its PhaseTimer spans and the
+    engine's timeline (generation; sleep/wake around backend.train; their timings)."""
+    lt = eng["train"]
+    t_gen_end, t_enter = eng["t_gen_end"], eng["t_sleep"]
+    check = max(0.0, (eng["t_wake"] - t_enter) - lt["total_s"])  # the input check before the write
+    t_hand = t_enter + check + lt["handoff_write_s"]
+    crit = t_hand - t_gen_end
+
+    def phase(name: str, lo: float = t_gen_end, hi: float = t_hand) -> float:
+        return union_in([(a, z) for p, a, z, _ in spans if p == name], lo, hi)
+
+    row = {"critical_s": crit, **{f"crit_{p}_s": phase(p) for p in HOST_PHASES}}
+    row["crit_handoff_s"] = union_in([(t_enter, t_hand)], t_gen_end, t_hand)
+    row["crit_other_s"] = max(0.0, crit - sum(row[f"crit_{p}_s"] for p in (*HOST_PHASES, "handoff")))
+    row.update(
+        crit_cpu_s=cpu_in(spans, HOST_PHASES, t_gen_end, t_hand),
+        decode_total_s=sum(z - a for p, a, z, _ in spans if p == "decode"),
+        reward_total_s=phase("reward", t_step, t_end),
+        gen_time_s=t_gen_end - eng["t_start"],
+        rollout_late_s=max(0.0, eng.get("t_exhausted", t_gen_end) - t_gen_end),
+        stream_parts=eng.get("parts", 1),
+        handoff_write_s=lt["handoff_write_s"], handoff_check_s=check,
+        train_s=lt["total_s"] - lt["handoff_write_s"], rank_train_s=lt["train_s"],
+        export_s=eng["export"].get("export_s", 0.0),
+        host_outside_s=max(0.0, eng["t_start"] - t_step) + max(0.0, t_end - eng["t_update_weights"]),
+        step_s=t_end - t_step,
+    )
+    return row
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Median of every numeric field over the rounds."""
+    out = {}
+    for k in rows[0]:
+        vals = [r[k] for r in rows]
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            out[k] = float(np.median(np.asarray(vals, dtype=np.float64)))
+    return out
+
+
+# -- the run -------------------------------------------------------------------------
+def bench_config(args: argparse.Namespace, tmp: Path) -> tuple[Any, Path]:
+    """The Run's TrainConfig (dataset, reward plugin and probe dirs in tmp) and the
+    reward cost file; sets the environment the reward workers and ranks read."""
+    from areno.config import TrainConfig
+    from areno.tiny import tiny_model_path
+
+    probe_dir = tmp / "probes"
+    probe_dir.mkdir()
+    cost_file = tmp / "reward_cost"
+    set_reward_cost(cost_file, 0.0, args.reward_busy)
+    os.environ.update({PROBE_DIR_ENV: str(probe_dir), MICRO_LIMIT_ENV: str(args.train_micro),
+                       REWARD_COST_ENV: str(cost_file), RANK_HOOKS_ENV: HOOKS_SPEC})
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as open_run's engine setup does
+    plugin, data = tmp / "longcot_reward.py", tmp / "prompts.jsonl"
+    plugin.write_text(REWARD_PLUGIN)
+    write_dataset(data, args.prompts, args.prompt_words, args.seed)
+    cfg = TrainConfig.from_sources(overrides=dict(
+        ckpt=str(tiny_model_path("chat")), dataset_path=str(data), reward_fn_path=str(plugin),
+        chat_template=True, max_prompt_len=1024, max_new_tokens=args.max_new_tokens, batch_size=args.prompts,
+        n_samples=args.samples, world_size=args.world_size, device="cpu",
+        reward_workers=args.reward_workers, reward_timeout=120.0, max_steps=10_000, epochs=10_000,
+        output_dir=str(tmp / "run"), no_save=True, lr=1e-6, max_tokens_per_micro=args.max_tokens_per_micro,
+        overlap_rewards=True, seed=args.seed,
+    ))
+    return cfg, cost_file
+
+
+def run_rounds(run: Any, args: argparse.Namespace, cost_file: Path) -> tuple[dict, dict]:
+    """Round 0 (warm-up: WARMUP modes), then args.steps rounds of every mode, each
+    round replaying the same prompts in every mode. -> (rows per mode, warm-up rows)."""
+    ranks = RankLog(Path(os.environ[PROBE_DIR_ENV]), run.world_size)
+    rows: dict[str, list[dict]] = {m: [] for m in MODES}
+    warm: dict[str, dict] = {}
+    state = run.sampler.state_dict()
+    for rnd in range(args.steps + 1):
+        for mode in [m for m in MODES if m in WARMUP] if rnd == 0 else MODES:
+            _, _, overlap, cost = MODES[mode]
+            run.sampler.load_state_dict(state)
+            run.cfg.overlap_rewards = overlap
+            set_reward_cost(cost_file, args.reward_ms if cost == "cost" else 0.0, args.reward_busy)
+            row = measure_step(run, mode, rnd, ranks)
+            if rnd:
+                rows[mode].append(row)
+            else:
+                warm[mode] = row
+            print(f"  round {rnd}{' (warm-up)' if not rnd else ''} {mode:<20} critical "
+                  f"{row['critical_s'] * 1e3:8.1f} ms  reward {row['crit_reward_s'] * 1e3:7.1f} ms  "
+                  f"handoff {row['handoff_ready_s'] * 1e3:6.1f} ms  wait {row['first_wait_s'] * 1e3:6.2f} ms"
+                  f"  train {row['train_s']:6.1f} s  step {row['step_s']:6.1f} s  load {row['loadavg_1m']:.1f}",
+                  flush=True)
+        state = run.sampler.state_dict()
+    return rows, warm
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    """Every round of every mode in one Run -> the JSON (meta, modes, warm-up, checks, targets)."""
+    t_start, load_start = time.monotonic(), loadavg()
+    cfg, cost_file = bench_config(args, Path(tempfile.mkdtemp(prefix="bench_longcot_")))
+    engine = SyntheticEngine(n=args.samples, resp_len=args.resp_len, max_new_tokens=args.max_new_tokens,
+                             vocab=(3, 0), gen_time_s=args.gen_time, seed=args.seed)
+    with open_run(cfg, engine=engine) as run:
+        t_setup = time.monotonic() - t_start
+        engine.vocab = (3, min(len(run.tokenizer), run.backend.vocab_size))  # 0..2: special tokens
+        engine.timings_source = run.backend
+        total_tokens = engine.prepare(run.prompts)
+        gc.collect()
+        gc.freeze()  # startup objects out of the collector's view (favours the reference)
+        print(f"setup {t_setup:.1f} s: {args.prompts} prompts x {args.samples} samples, {total_tokens:,} "
+              f"response tokens per step, world size {run.world_size}, gen time {args.gen_time:g} s, "
+              f"reward {args.reward_ms:g} ms/sample ({'busy' if args.reward_busy else 'sleep'}) "
+              f"x {args.reward_workers} workers, train micro-batches per rank per optimizer step: "
+              f"{args.train_micro or 'all'}", flush=True)
+        rows, warm = run_rounds(run, args, cost_file)
+        # ru_maxrss is reset with VmHWM by clear_refs: take the max over the steps too
+        lifetime_peak_mb = max([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]
+                               + [r["rss_peak_mb"] for rs in [*rows.values(), list(warm.values())] for r in rs])
+        meta = {"world_size": run.world_size, "strategy": run.backend.strategy, "model": cfg.ckpt,
+                "response_tokens_per_step": total_tokens, "setup_s": t_setup}
+    gc.unfreeze()
+    checks = identity_checks(rows, args.steps)
+    summary = {m: summarize(rows[m]) for m in MODES}
+    for m in MODES:
+        summary[m]["readback_sites"] = sorted({s for r in rows[m] for s in r.get("readback_sites", [])})
+    for r in [r for rs in rows.values() for r in rs] + list(warm.values()):
+        r.pop("_digests", None)
+        r.pop("_seq_adv", None)
+    meta.update(
+        command=" ".join([os.path.basename(sys.executable)] + sys.argv), quick=bool(args.quick),
+        args={k: v for k, v in vars(args).items() if k != "out"}, runtime_s=time.monotonic() - t_start,
+        loadavg_start=load_start, loadavg_end=loadavg(), controller_lifetime_peak_rss_mb=lifetime_peak_mb,
+        python=platform.python_version(), torch=torch.__version__, numpy=np.__version__,
+        cpu_count=os.cpu_count(), machine=platform.machine(),
+        tokenizers_parallelism=os.environ.get("TOKENIZERS_PARALLELISM"),
+        gc="enabled; gc.collect() before each step; startup objects frozen (gc.freeze)",
+        aggregate="median over the measured rounds (round 0 is a warm-up, reported separately)",
+    )
+    out = {"meta": meta,
+           "modes": {m: {"label": MODES[m][0].replace("R ms", f"{args.reward_ms:g} ms"),
+                         "median": summary[m], "steps": rows[m]} for m in MODES},
+           "warmup": warm, "checks": checks}
+    out["targets"] = evaluate_targets(out)
+    return out
+
+
+# -- checks --------------------------------------------------------------
+def identity_checks(rows: dict[str, list[dict]], steps: int) -> dict:
+    """Same-round comparisons of the packs the ranks received (see the docstring)."""
+    out: dict = {}
+
+    def differ(ra: dict, rb: dict, skip: str | None = None) -> list[str]:
+        return [f for f, h in ra["_digests"].items()
+                if rb["_digests"].get(f) != h and not (skip and f.endswith(skip))]
+
+    for a, b in IDENTICAL:
+        diffs = [{"round": ra["step"], "fields": d} for ra, rb in zip(rows[a], rows[b]) if (d := differ(ra, rb))]
+        out[f"identical:{a}=={b}"] = {"pass": not diffs and len(rows[a]) == steps, "differences": diffs}
+    diffs = []
+    for ra, rr in zip(rows["areno_plain_free"], rows["reference_free"]):
+        d = differ(ra, rr, skip=".advantages")
+        if len(ra["_seq_adv"]) != len(rr["_seq_adv"]) or not np.allclose(ra["_seq_adv"], rr["_seq_adv"],
+                                                                         rtol=1e-5, atol=1e-5):
+            d.append("per-sequence advantages (beyond 1e-5)")
+        if d:
+            diffs.append({"round": ra["step"], "fields": d})
+    out["reference_equals_areno (advantages to 1e-5)"] = {"pass": not diffs, "differences": diffs}
+    return out
