@@ -32,7 +32,7 @@ MAY_CHANGE: frozenset[str] = frozenset({
     "eval_interval", "eval_n", "eval_max_prompts", "verbose",
     # resources (same math): engine, memory, parallelism of the update
     "rollout_engine", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_gb",
-    "max_tokens_per_micro", "grad_checkpointing", "world_size", "max_nan_steps",
+    "max_tokens_per_micro", "grad_checkpointing", "world_size", "cpu_threads", "max_nan_steps",
     # how rewards run (a fixed plugin or a longer timeout, say)
     "reward_fn_path", "reward_workers", "reward_timeout", "overlap_rewards", "on_reward_error",
 })

@@ -49,6 +49,16 @@ def test_clip_ratio_c_is_off_by_default_and_reaches_the_loss(files):
     assert backend_config(cfg, "m", "m", 1, "cpu", 10).loss.clip_ratio_c == 3.0
 
 
+def test_cpu_threads_reach_the_ranks_unset_by_default(files):
+    """Unset: each rank picks rank_cpu_threads (tests/test_backend_procs.py checks it)."""
+    from areno.settings import backend_config
+
+    cfg = TrainConfig.from_sources(None, files)
+    assert backend_config(cfg, "m", "m", 1, "cpu", 10).cpu_threads is None
+    cfg = TrainConfig.from_sources(None, {**files, "cpu_threads": 2})
+    assert backend_config(cfg, "m", "m", 1, "cpu", 10).cpu_threads == 2
+
+
 @pytest.mark.parametrize("value", ["1", "0.5"])
 def test_clip_ratio_c_must_exceed_one(value, capsys):
     assert main(["train", "--clip-ratio-c", value]) == 2
