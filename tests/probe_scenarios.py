@@ -1,6 +1,7 @@
 """Weight-sync scenarios on one in-process rank (run as a script by
 tests/test_engines.py, so its process group and engine stay out of pytest's
-process). Prints one JSON object: scenario -> "ok" | the error message.
+process). Prints one JSON object: scenario -> "ok" | the error message, and
+"probed": whether each successful sync ran the probe.
 
 usage: python tests/probe_scenarios.py MODEL_DIR ENGINE DTYPE PORT
 """
@@ -26,12 +27,13 @@ def main(model: str, kind: str, dtype: str, port: str) -> dict[str, str]:
     w = RankWorker(cfg)
     ids = probe_ids(w.vocab_size)
     load = w.engine.load_weights
-    out: dict[str, str] = {}
+    out: dict = {"probed": []}  # per successful sync: did it run the probe?
 
     def attempt(name: str) -> None:
         try:
-            w.cmd_sync_weights(ids)
+            reply = w.cmd_sync_weights(ids)
             out[name] = "ok"
+            out["probed"].append("probe_diff" in reply)
         except Exception as e:  # noqa: BLE001 - reported to the test
             out[name] = f"{type(e).__name__}: {e}"
 

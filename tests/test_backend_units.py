@@ -407,3 +407,10 @@ def test_cpu_ranks_leave_one_core_to_the_controller() -> None:
 
     assert [rank_cpu_threads(2, 1), rank_cpu_threads(2, 2), rank_cpu_threads(16, 1), rank_cpu_threads(16, 8),
             rank_cpu_threads(1, 1)] == [1, 1, 15, 1, 1]
+
+
+def test_probe_runs_every_sync_unless_a_fingerprint_checks_the_weights() -> None:
+    from areno.backend.engine_host import PROBE_EVERY_FINGERPRINTED as K, probe_due
+
+    assert all(probe_due(i, fingerprinted=False) for i in range(2 * K + 1))
+    assert [i for i in range(2 * K + 1) if probe_due(i, fingerprinted=True)] == [0, K, 2 * K]

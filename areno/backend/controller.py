@@ -198,7 +198,8 @@ class TorchBackend:
 
     def sync_weights(self) -> dict[str, float]:
         """Every rank loads the current weights into its own engine (on its device)
-        and checks it with the probe; returns timings and the worst probe diff."""
+        and checks it (fingerprint, probe when due); returns timings and the worst
+        probe diff of the ranks that probed."""
         self._check_open()
         t0 = time.perf_counter()
         self._broadcast("sync_weights", probe_ids=self._probe_ids)
@@ -206,8 +207,10 @@ class TorchBackend:
         replies = self._gather("sync_weights", self.config.command_timeout_s, drain_s=5.0)
         self.last_timings = {"sync_load_s": max(r["load_s"] for r in replies),
                              "sync_probe_s": max(r["probe_s"] for r in replies),
-                             "probe_diff": max(r["probe_diff"] for r in replies),
                              "sync_s": time.perf_counter() - t0}
+        probed = [r["probe_diff"] for r in replies if "probe_diff" in r]
+        if probed:
+            self.last_timings["probe_diff"] = max(probed)
         return self.last_timings
 
     def save_pretrained(self, path: str | os.PathLike) -> Path:

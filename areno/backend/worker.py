@@ -17,6 +17,7 @@ from areno.rng import rng_state, set_rng_state
 from areno.rollout.factory import make_engine
 from areno.backend.engine_host import (
     PROBE_TOLERANCE,
+    probe_due,
     OutRegion,
     check_engine_names,
     WeightStream,
@@ -27,7 +28,7 @@ from areno.backend.engine_host import (
 from areno.backend.handoff import LocalPack, RankHandoff, map_region
 from areno.backend.hooks import load_rank_hooks
 from areno.backend.model import PolicyModule, load_hf_model, resolve_attn_implementation, wrap_policy
-from areno.backend.step import RankTrainer
+from areno.backend.step import RankTrainer, autocast_ctx
 from areno.backend.weights import (
     WeightLayout,
     cpu_skeleton,
@@ -80,6 +81,7 @@ class RankWorker:
         self.hooks = load_rank_hooks()  # no-ops unless ARENO_RANK_HOOKS names some (benchmarks)
         self.emit = None  # set by serve(): sends one ("part", ...) message mid-command
         self.engine, self.engine_kind = None, None
+        self.syncs = 0  # weight syncs done (the probe runs when probe_due)
         if cfg.engine is not None:
             self.engine, self.engine_kind = make_engine(cfg.engine, cfg.model_path, self.device, in_rank=True)
             check_engine_names(self.engine, self.export_names)
@@ -134,17 +136,25 @@ class RankWorker:
     @torch.no_grad()
     def cmd_sync_weights(self, probe_ids: np.ndarray) -> dict:
         """Every rank gathers the full weights tensor by tensor straight into its own
-        engine (same device), then checks the engine against this rank's trainer on
-        the probe, in the dtype both compute in."""
+        engine (same device), then checks what the engine holds (fingerprint) and
+        computes (probe, when due) against this rank's trainer, in the dtype both
+        compute in."""
         t0 = time.perf_counter()
         dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
         stream = WeightStream(iter_full_state(self.hf, self.export_names), dtype)
         self.engine.load_weights(stream)
-        verify_fingerprint(self.engine, stream, self.rank)
+        fingerprinted = verify_fingerprint(self.engine, stream, self.rank)
         t1 = time.perf_counter()
-        ids = torch.from_numpy(probe_ids.astype(np.int64)).to(self.device)
-        from areno.backend.step import autocast_ctx
+        out = {"load_s": t1 - t0, "probe_s": 0.0}
+        if probe_due(self.syncs, fingerprinted):
+            out["probe_diff"] = self._probe(probe_ids)
+            out["probe_s"] = time.perf_counter() - t1
+        self.syncs += 1
+        return out
 
+    def _probe(self, probe_ids: np.ndarray) -> float:
+        """max |engine - trainer| log-prob on the probe; WeightSyncError beyond tolerance."""
+        ids = torch.from_numpy(probe_ids.astype(np.int64)).to(self.device)
         with autocast_ctx(self.cfg, self.wrapped.strategy):
             ref, _ = self.wrapped.root(ids[None, :-1], torch.arange(ids.numel() - 1, device=self.device)[None],
                                        ids[None, 1:])
@@ -153,9 +163,8 @@ class RankWorker:
             # there is no backward here, and the state walk (save, export) wants shards.
             self.wrapped.root.reshard()
         got = self.engine.prompt_logprobs(probe_ids)
-        worst = verify_probe_logprobs(got, ref[0].float().cpu().numpy(), PROBE_TOLERANCE[self.cfg.dtype],
-                                      self.rank)
-        return {"load_s": t1 - t0, "probe_s": time.perf_counter() - t1, "probe_diff": worst}
+        return verify_probe_logprobs(got, ref[0].float().cpu().numpy(), PROBE_TOLERANCE[self.cfg.dtype],
+                                     self.rank)
 
     def cmd_export(self, segment: str | None, layout: WeightLayout, probe_ids: np.ndarray,
                    probe_tolerance: float) -> dict | None:
