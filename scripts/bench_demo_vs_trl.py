@@ -7,7 +7,9 @@ Both run in their own subprocess, one after the other (areno first), on CPU:
          i.e. `areno train` with no model: the demo preset (tiny "arith" model,
          16 prompts x 8 samples, 3 new tokens, lr 3e-4 cosine to 0.1x, token-mean,
          transformers' generate in the rank).
-  areno-vllm  (--also-vllm) the same with `--rollout-engine vllm`.
+  variants   (--variant NAME="FLAGS", repeatable) areno's demo with more flags,
+             e.g. --variant areno-vllm="--rollout-engine vllm"
+                  --variant areno-2t="--cpu-threads 2" (TRL's thread count)
   trl    GRPOTrainer (HF generate, no vLLM) on the same model, prompts
          (`areno.tasks.arith.rows()`, plain text, no chat template) and reward
          (`areno.tasks.arith.reward_fn`; "stop" = the completion ended with an EOS
@@ -43,6 +45,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -197,11 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the table here as JSON")
     p.add_argument("--require-trl", action="store_true", help="exit 2 if trl is not importable")
-    p.add_argument("--also-vllm", action="store_true", help="add a row: areno's demo with --rollout-engine vllm")
+    p.add_argument("--variant", action="append", default=[], metavar='NAME="FLAGS"',
+                   help="add a row: areno's demo with these flags (repeatable)")
     p.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)  # internal: run TRL here
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error("--steps must be >= 1")
+    variants = []
+    for v in a.variant:
+        name, sep, flags = v.partition("=")
+        if not sep or not name or name in ("areno", "trl"):
+            p.error(f"--variant {v!r}: expected NAME=FLAGS with a new NAME")
+        variants.append((name, shlex.split(flags)))
     if a.trl_child is not None:
         sys.path.insert(0, str(REPO))
         trl_child(a.steps, a.seed, a.trl_child)
@@ -214,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
         d = Path(tmp)
         rows = []
-        for name, extra in [("areno", [])] + [("areno-vllm", ["--rollout-engine", "vllm"])] * a.also_vllm:
+        for name, extra in [("areno", [])] + variants:
             print(f"{name}: {a.steps} steps, seed {a.seed} ...", flush=True)
             rows.append(run_child(name, [sys.executable, "-m", "areno.cli", "train", "--max-steps", str(a.steps),
                                          "--seed", str(a.seed), "--output-dir", str(d / name), "--no-save", *extra],

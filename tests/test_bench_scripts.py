@@ -180,11 +180,11 @@ VS_TRL = REPO / "scripts" / "bench_demo_vs_trl.py"
                     reason="trl is installed: this covers the run without it")
 def test_demo_vs_trl_without_trl_runs_areno_alone(tmp_path: Path):
     """No trl: the install hint, then areno's demo alone (and through vLLM with
-    --also-vllm), with its rows in the table and JSON."""
+    a --variant), with its rows in the table and JSON."""
     out = tmp_path / "vs_trl.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, str(VS_TRL), "--steps", "3", "--also-vllm", "--json", str(out)],
+        [sys.executable, str(VS_TRL), "--steps", "3", "--variant", "areno-vllm=--rollout-engine vllm", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
