@@ -65,3 +65,16 @@ def test_make_engine_falls_back_to_hf_without_vllm(tiny_chat_path, monkeypatch):
     assert isinstance(eng, HFEngine) and kind == "hf"
     with pytest.raises(ValueError, match="valid: vllm, hf"):
         EngineSpec(kind="sglang")
+
+
+def test_a_groups_samples_share_its_prompt_prefill(tiny_chat_path, make_prompts, monkeypatch):
+    """The n samples of a prompt reuse one prefill (a KV cache repeated n times):
+    the same tokens and log-probs as generating from n copies of the prompt."""
+    ids, off = make_prompts(PROMPTS)
+    engine = HFEngine(tiny_chat_path, dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN)
+    s = SamplingConfig(max_tokens=6, ignore_eos=True, seed=11)
+    shared = engine.generate(ids, off, 4, s)
+    monkeypatch.setattr(engine, "_shared_prefix", lambda x, n: (None, x.repeat_interleave(n, dim=0)))
+    rows = engine.generate(ids, off, 4, s)
+    np.testing.assert_array_equal(shared.response_ids, rows.response_ids)
+    np.testing.assert_allclose(shared.response_logprobs, rows.response_logprobs, atol=1e-5)

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
+from transformers.cache_utils import DynamicCache
 
 from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch, csr_take, offsets_from_lengths
 from areno.rollout.engine import (
@@ -129,7 +130,6 @@ class HFEngine:
         gc = GenerationConfig(
             max_new_tokens=max_new,
             do_sample=not greedy,
-            num_return_sequences=n,
             # [] (not None): None would be filled in from the model's generation_config.
             eos_token_id=list(stop_ids),
             pad_token_id=self.pad_token_id,
@@ -143,12 +143,28 @@ class HFEngine:
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
-            out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=gc)
+            cache, x = self._shared_prefix(x, n)
+            out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), past_key_values=cache,
+                                      generation_config=gc)
         new = out.sequences[:, x.shape[1]:]  # [G*n, S]
         # scores[t]: processed logits of step t -> log-softmax in fp32 -> sampled token.
         scores = torch.stack(out.scores, dim=1).float()  # [G*n, S, V]
         lp = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None])[..., 0]
         return new.to(torch.int32).cpu().numpy(), lp.cpu().numpy().astype(np.float32, copy=False)
+
+    def _shared_prefix(self, x: torch.Tensor, n: int) -> tuple[DynamicCache | None, torch.Tensor]:
+        """[G, L] prompts -> (KV cache of each prompt but its last token, computed
+        once and repeated n times; [G*n, L] rows). generate() then runs only the
+        last prompt token and the new ones: the n samples of a group share their
+        prompt's prefill instead of computing it n times (the same tokens and
+        scores as n-fold rows, to float rounding; 30% of the demo's rollout)."""
+        rows = x.repeat_interleave(n, dim=0)
+        if x.shape[1] < 2:
+            return None, rows
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=x[:, :-1], past_key_values=cache, use_cache=True)
+        cache.batch_repeat_interleave(n)
+        return cache, rows
 
     def prompt_logprobs(self, ids: np.ndarray) -> np.ndarray:
         self._check_awake()
