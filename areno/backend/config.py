@@ -182,9 +182,10 @@ class BackendConfig:
 
 
 def rank_cpu_threads(cpus: int, local_ranks: int) -> int:
-    """torch threads for each of `local_ranks` CPU ranks on `cpus` cores: one core
-    stays with the controller (rewards, packing, the progress bar). OpenMP threads
-    spin while they wait for each other, so a rank that shares a core with another
-    busy process stalls: measured on the demo with 2 cores, 2 rank threads took
-    0.74-0.83 s a step under load and 1 thread 0.06 s."""
-    return max(1, (cpus - 1) // max(1, local_ranks))
+    """torch threads for each of `local_ranks` CPU ranks on `cpus` cores: the
+    node's cores split among its ranks (torch's own default is every core). The
+    controller mostly waits while the ranks compute, so it needs no core of its
+    own; but an OpenMP thread that shares a core with another busy process
+    spins: the demo's step took 0.25-0.83 s next to other work with 2 threads
+    on 2 cores, 0.06 s with 1 (`--cpu-threads 1` on a shared machine)."""
+    return max(1, cpus // max(1, local_ranks))
