@@ -414,3 +414,15 @@ def test_probe_runs_every_sync_unless_a_fingerprint_checks_the_weights() -> None
 
     assert all(probe_due(i, fingerprinted=False) for i in range(2 * K + 1))
     assert [i for i in range(2 * K + 1) if probe_due(i, fingerprinted=True)] == [0, K, 2 * K]
+
+
+def test_weight_stream_copies_in_the_engine_dtype_and_sums_squares_only_when_asked() -> None:
+    from areno.backend.engine_host import WeightStream
+
+    named = [("a", torch.tensor([1.0, 2.0])), ("b", torch.tensor([[3.0]]))]
+    s = WeightStream(iter(named), torch.bfloat16)
+    got = list(s)
+    assert [n for n, _ in got] == s.names == ["a", "b"] and got[0][1].dtype == torch.bfloat16
+    assert got[0][1].data_ptr() != named[0][1].data_ptr() and s.fingerprint() == 14.0
+    off = WeightStream(iter(named), torch.float32, fingerprint=False)
+    assert len(list(off)) == 2 and off.fingerprint() == 0.0

@@ -127,18 +127,21 @@ class WeightStream:
     """The trainer's gathered full tensors as fresh copies in the engine's dtype on
     their device, one at a time (an engine may keep what it is given: vLLM's
     in-place reload on CPU does), with a running fp64 sum of squares per name
-    kept on the device (`fingerprint`, read once after the load)."""
+    kept on the device when `fingerprint` is on (read once after the load; an
+    engine that cannot report its own has no use for it)."""
 
-    def __init__(self, named: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype) -> None:
-        self._named, self._dtype = named, dtype
+    def __init__(self, named: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                 fingerprint: bool = True) -> None:
+        self._named, self._dtype, self._fingerprint = named, dtype, fingerprint
         self.names: list[str] = []
         self._sumsq: torch.Tensor | None = None
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self._named:
             c = t.detach().to(self._dtype, copy=True)
-            s = c.double().square().sum()
-            self._sumsq = s if self._sumsq is None else self._sumsq + s
+            if self._fingerprint:
+                s = c.double().square().sum()
+                self._sumsq = s if self._sumsq is None else self._sumsq + s
             self.names.append(name)
             yield name, c
 

@@ -141,7 +141,8 @@ class RankWorker:
         compute in."""
         t0 = time.perf_counter()
         dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
-        stream = WeightStream(iter_full_state(self.hf, self.export_names), dtype)
+        stream = WeightStream(iter_full_state(self.hf, self.export_names), dtype,
+                              fingerprint=hasattr(self.engine, "weights_fingerprint"))
         self.engine.load_weights(stream)
         fingerprinted = verify_fingerprint(self.engine, stream, self.rank)
         t1 = time.perf_counter()
