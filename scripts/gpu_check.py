@@ -123,31 +123,67 @@ def rewards_of(batch) -> np.ndarray:
 
 
 def run(args: argparse.Namespace, rep: Report, work: Path) -> None:
-    import torch
-    import transformers
-
-    from areno.advantages import group_advantages
-    from areno.backend import BackendConfig, TorchBackend
-    from areno.losses import LossConfig
-    from areno.rollout.engine import SamplingConfig
+    from areno.backend import TorchBackend
     from areno.rollout.hf import HFEngine
-    from areno.split import build_split_pack
 
     smoke = args.cpu_smoke
     device = "cpu" if smoke else "cuda"
+    if not _header(rep, smoke):
+        return
+    shape = TINY if smoke else QWEN3_06B
+    rep.add(f"model shape: {json.dumps(shape)}")
+    _attention_checks(rep, device)
+    t = time.perf_counter()
+    model_dir = work / "model"
+    build_model_dir(shape, device, model_dir)
+    rep.add(f"built random model in {time.perf_counter() - t:.1f}s -> {model_dir}")
+    cfg = _backend_config(args, model_dir, device)
+    engine_dtype = "float32" if smoke else "bfloat16"
+    t = time.perf_counter()
+    backend = TorchBackend(cfg)
+    rep.add(f"backend up in {time.perf_counter() - t:.1f}s (strategy {backend.strategy}, "
+            f"{cfg.dist_backend}, {cfg.dtype})")
+    try:
+        t = time.perf_counter()
+        engine = HFEngine(model_dir, dtype=engine_dtype, device=device,
+                          max_model_len=args.prompt_len + args.new_tokens + 8)
+        rep.add(f"HF engine up in {time.perf_counter() - t:.1f}s ({engine_dtype})")
+        rep.add("")
+        rep.add(f"{'step':>4} {'rollout':>8} {'host':>6} {'handoff':>8} {'train':>7} {'wsync':>7} "
+                f"{'total':>7} {'tokens':>7} {'train tok/s':>11} {'loss':>9} {'gnorm':>8} {'peak GiB':>8}")
+        rows = []
+        for step in range(args.steps):
+            r = _one_step(args, step, shape, engine, backend, tolerance=1e-3 if smoke else 0.1)  # bf16 engine
+            rows.append(r)
+            rep.add(f"{step:>4} {r['rollout_s']:>8.2f} {r['host_s']:>6.3f} {r['handoff_s']:>8.4f} "
+                    f"{r['train_s']:>7.2f} {r['weight_sync_s']:>7.2f} {r['total_s']:>7.2f} {r['tokens']:>7} "
+                    f"{r['train_tok_s']:>11.0f} {r['loss']:>9.4f} {r['grad_norm']:>8.3f} {r['peak_gib']:>8.2f}")
+        _summary(args, rep, rows, backend, smoke)
+        engine.shutdown()
+    finally:
+        backend.close()
+
+
+def _header(rep: Report, smoke: bool) -> bool:
+    """Versions, the GPU and /dev/shm into the report; False if CUDA is missing."""
+    import torch
+    import transformers
+
     rep.add(f"areno gpu_check ({'CPU smoke, tiny shape' if smoke else 'GPU, Qwen3-0.6B shape'})")
     rep.add(f"python {platform.python_version()}  torch {torch.__version__}  transformers {transformers.__version__}")
     if not smoke:
         if not torch.cuda.is_available():
             rep.check("cuda available", False, "torch.cuda.is_available() is False")
-            return
+            return False
         rep.add(f"gpu: {torch.cuda.get_device_name(0)} ({torch.cuda.device_count()} visible); "
                 f"cuda {torch.version.cuda}; nccl {torch.cuda.nccl.version()}")
     st = os.statvfs("/dev/shm")
     rep.add(f"/dev/shm: {st.f_bavail * st.f_frsize / 2**30:.1f} GiB free")
-    shape = TINY if smoke else QWEN3_06B
-    rep.add(f"model shape: {json.dumps(shape)}")
+    return True
 
+
+def _attention_checks(rep: Report, device: str) -> None:
+    """packed == padded log-probs for every attention kernel the device has."""
     from areno.backend.attention import has_flash_attn, has_torch_varlen
 
     impls = ["sdpa"] + (["flex"] + ["varlen"] * has_torch_varlen() + ["flash_attention_2"] * has_flash_attn()
@@ -158,12 +194,14 @@ def run(args: argparse.Namespace, rep: Report, work: Path) -> None:
         tol = 3e-2 if impl in ("varlen", "flash_attention_2") else 1e-3  # bf16 vs fp32
         rep.check(f"packed == padded log-probs ({impl}, cu_seqlens)", diff < tol, f"max diff {diff:.2e}")
 
-    t = time.perf_counter()
-    model_dir = work / "model"
-    build_model_dir(shape, device, model_dir)
-    rep.add(f"built random model in {time.perf_counter() - t:.1f}s -> {model_dir}")
 
-    cfg = BackendConfig(
+def _backend_config(args: argparse.Namespace, model_dir: Path, device: str):
+    """FSDP2 at one rank on purpose: the GPU code path multi-GPU runs take."""
+    from areno.backend import BackendConfig
+    from areno.losses import LossConfig
+
+    smoke = device == "cpu"
+    return BackendConfig(
         model_path=str(model_dir), world_size=1, device=device,
         dtype="float32" if smoke else "bfloat16", strategy="fsdp2",
         lr=1e-6, warmup_steps=1, total_steps=args.steps * 2, max_grad_norm=1.0,
@@ -172,73 +210,65 @@ def run(args: argparse.Namespace, rep: Report, work: Path) -> None:
         export_dtype=None if smoke else "bfloat16",  # what a bf16 engine loads; half the bytes
         attn_implementation=args.attn,
     )
-    engine_dtype = "float32" if smoke else "bfloat16"
-    tolerance = 1e-3 if smoke else 0.1  # bf16 engine vs fp32 probe
-    t = time.perf_counter()
-    backend = TorchBackend(cfg)
-    rep.add(f"backend up in {time.perf_counter() - t:.1f}s (strategy {backend.strategy}, "
-            f"{cfg.dist_backend}, {cfg.dtype})")
-    try:
-        t = time.perf_counter()
-        engine = HFEngine(model_dir, dtype=engine_dtype, device=device,
-                          max_model_len=args.prompt_len + args.new_tokens + 8)
-        rep.add(f"HF engine up in {time.perf_counter() - t:.1f}s ({engine_dtype})")
-        sampling = SamplingConfig(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True)
-        rep.add("")
-        rep.add(f"{'step':>4} {'rollout':>8} {'host':>6} {'handoff':>8} {'train':>7} {'wsync':>7} "
-                f"{'total':>7} {'tokens':>7} {'train tok/s':>11} {'loss':>9} {'gnorm':>8} {'peak GiB':>8}")
-        rows = []
-        for step in range(args.steps):
-            t0 = time.perf_counter()
-            ids, offs = make_prompts(args.prompts, args.prompt_len, shape["vocab_size"], seed=step)
-            batch = engine.generate(ids, offs, args.samples, sampling)
-            t1 = time.perf_counter()
-            adv = group_advantages(rewards_of(batch), batch.group_index, mode="grpo")
-            split = build_split_pack(batch, adv, world_size=cfg.world_size, max_tokens=args.micro_tokens,
-                                     num_minibatches=args.minibatches)
-            t2 = time.perf_counter()
-            metrics = backend.train(split)
-            t3 = time.perf_counter()
-            tim = dict(backend.last_timings)
-            named, probe = backend.export_weights(probe_tolerance=tolerance)
-            engine.update_weights(named, probe)
-            t4 = time.perf_counter()
-            handoff = tim["handoff_write_s"] + tim["handoff_map_s"]
-            r = dict(step=step, rollout_s=t1 - t0, host_s=t2 - t1, handoff_s=handoff, train_s=t3 - t2 - handoff,
-                     weight_sync_s=t4 - t3, total_s=t4 - t0, tokens=split.pack.num_tokens,
-                     loss=metrics[-1]["loss"], grad_norm=metrics[-1]["grad_norm"],
-                     nan_skipped=sum(m["nan_skipped"] for m in metrics),
-                     peak_gib=tim.get("peak_gpu_mem_gb", float("nan")),
-                     export_gather_s=backend.last_timings.get("export_gather_s"),
-                     export_probe_s=backend.last_timings.get("export_probe_s"))
-            r["train_tok_s"] = r["tokens"] / max(r["train_s"], 1e-9)
-            rows.append(r)
-            rep.add(f"{step:>4} {r['rollout_s']:>8.2f} {r['host_s']:>6.3f} {r['handoff_s']:>8.4f} "
-                    f"{r['train_s']:>7.2f} {r['weight_sync_s']:>7.2f} {r['total_s']:>7.2f} {r['tokens']:>7} "
-                    f"{r['train_tok_s']:>11.0f} {r['loss']:>9.4f} {r['grad_norm']:>8.3f} {r['peak_gib']:>8.2f}")
-        steady = rows[1:] or rows
-        mean = {k: float(np.mean([r[k] for r in steady])) for k in
-                ("rollout_s", "host_s", "handoff_s", "train_s", "weight_sync_s", "total_s", "train_tok_s",
-                 "export_gather_s", "export_probe_s")}
-        rep.add("")
-        rep.add(f"mean of steps 1..{len(rows) - 1} (step 0 is warm-up): " + ", ".join(
-            f"{k} {v:.3f}" for k, v in mean.items()))
-        rep.add(f"trained tokens/s {mean['train_tok_s']:.0f}; end-to-end tokens/s "
-                f"{np.mean([r['tokens'] / r['total_s'] for r in steady]):.0f}")
-        if not smoke:
-            free, total = torch.cuda.mem_get_info()
-            rep.add(f"peak GPU memory (backend rank, allocated): {max(r['peak_gib'] for r in rows):.2f} GiB; "
-                    f"device now {(total - free) / 2**30:.1f} / {total / 2**30:.1f} GiB used")
-        rep.check("all losses and grad norms finite", all(np.isfinite([r["loss"], r["grad_norm"]]).all()
-                                                          for r in rows))
-        rep.check("no skipped steps", all(r["nan_skipped"] == 0 for r in rows))
-        rep.check("weight sync probe accepted by the engine every step", True)
-        rep.check(f"backend optimizer steps == {args.steps * args.minibatches}",
-                  backend.step == args.steps * args.minibatches, f"got {backend.step}")
-        rep.path.with_suffix(".json").write_text(json.dumps({"rows": rows, "mean": mean}, indent=1) + "\n")
-        engine.shutdown()
-    finally:
-        backend.close()
+
+
+def _one_step(args: argparse.Namespace, step: int, shape: dict, engine, backend, tolerance: float) -> dict:
+    """Rollout, advantages + pack, train, weight sync through export; its timings."""
+    from areno.advantages import group_advantages
+    from areno.rollout.engine import SamplingConfig
+    from areno.split import build_split_pack
+
+    sampling = SamplingConfig(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    ids, offs = make_prompts(args.prompts, args.prompt_len, shape["vocab_size"], seed=step)
+    batch = engine.generate(ids, offs, args.samples, sampling)
+    t1 = time.perf_counter()
+    adv = group_advantages(rewards_of(batch), batch.group_index, mode="grpo")
+    split = build_split_pack(batch, adv, world_size=1, max_tokens=args.micro_tokens,
+                             num_minibatches=args.minibatches)
+    t2 = time.perf_counter()
+    metrics = backend.train(split)
+    t3 = time.perf_counter()
+    tim = dict(backend.last_timings)
+    named, probe = backend.export_weights(probe_tolerance=tolerance)
+    engine.update_weights(named, probe)
+    t4 = time.perf_counter()
+    handoff = tim["handoff_write_s"] + tim["handoff_map_s"]
+    r = dict(step=step, rollout_s=t1 - t0, host_s=t2 - t1, handoff_s=handoff, train_s=t3 - t2 - handoff,
+             weight_sync_s=t4 - t3, total_s=t4 - t0, tokens=split.pack.num_tokens,
+             loss=metrics[-1]["loss"], grad_norm=metrics[-1]["grad_norm"],
+             nan_skipped=sum(m["nan_skipped"] for m in metrics),
+             peak_gib=tim.get("peak_gpu_mem_gb", float("nan")),
+             export_gather_s=backend.last_timings.get("export_gather_s"),
+             export_probe_s=backend.last_timings.get("export_probe_s"))
+    r["train_tok_s"] = r["tokens"] / max(r["train_s"], 1e-9)
+    return r
+
+
+def _summary(args: argparse.Namespace, rep: Report, rows: list[dict], backend, smoke: bool) -> None:
+    """Means over the steady steps, the checks, and the JSON beside the report."""
+    import torch
+
+    steady = rows[1:] or rows
+    mean = {k: float(np.mean([r[k] for r in steady])) for k in
+            ("rollout_s", "host_s", "handoff_s", "train_s", "weight_sync_s", "total_s", "train_tok_s",
+             "export_gather_s", "export_probe_s")}
+    rep.add("")
+    rep.add(f"mean of steps 1..{len(rows) - 1} (step 0 is warm-up): " + ", ".join(
+        f"{k} {v:.3f}" for k, v in mean.items()))
+    rep.add(f"trained tokens/s {mean['train_tok_s']:.0f}; end-to-end tokens/s "
+            f"{np.mean([r['tokens'] / r['total_s'] for r in steady]):.0f}")
+    if not smoke:
+        free, total = torch.cuda.mem_get_info()
+        rep.add(f"peak GPU memory (backend rank, allocated): {max(r['peak_gib'] for r in rows):.2f} GiB; "
+                f"device now {(total - free) / 2**30:.1f} / {total / 2**30:.1f} GiB used")
+    rep.check("all losses and grad norms finite", all(np.isfinite([r["loss"], r["grad_norm"]]).all()
+                                                      for r in rows))
+    rep.check("no skipped steps", all(r["nan_skipped"] == 0 for r in rows))
+    rep.check("weight sync probe accepted by the engine every step", True)
+    rep.check(f"backend optimizer steps == {args.steps * args.minibatches}",
+              backend.step == args.steps * args.minibatches, f"got {backend.step}")
+    rep.path.with_suffix(".json").write_text(json.dumps({"rows": rows, "mean": mean}, indent=1) + "\n")
 
 
 def _on_sigterm(signum, frame) -> None:
