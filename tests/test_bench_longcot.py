@@ -5,7 +5,6 @@ field finite, and overlapped rewards give identical advantages and packs."""
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -27,27 +26,15 @@ MODES = ("areno_overlap_free", "reference_free", "areno_plain_free", "areno_over
          "areno_plain_5ms")
 
 
-def _finite(obj, path=""):
-    bad = []
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            bad += _finite(v, f"{path}.{k}")
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            bad += _finite(v, f"{path}[{i}]")
-    elif isinstance(obj, float) and not math.isfinite(obj):
-        bad.append(path)
-    return bad
-
-
-@pytest.mark.slow
-def test_bench_longcot_quick(tmp_path: Path) -> None:
+def test_bench_longcot_quick(tmp_path: Path, bl) -> None:
     out = tmp_path / "longcot.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    assert _finite(data) == []
+    from benchlib import check_finite
+
+    assert check_finite(data) == []
     assert data["meta"]["quick"] is True and data["meta"]["world_size"] == 2
     for mode in MODES:
         med = data["modes"][mode]["median"]
