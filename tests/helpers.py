@@ -171,3 +171,12 @@ def split_pack(pack: TrainPack, world_size: int, max_tokens: int, *, num_minibat
     plan = plan_split(pack.seq_lengths, world_size, max_tokens, num_minibatches=num_minibatches)
     weights = aggregation_weights(loss_tokens_per_seq(pack)[plan.seq_order], plan, loss_agg, norm_len)
     return SplitPack(gather_seqs(pack, plan.seq_order).with_seq_weights(torch.from_numpy(weights)), plan)
+
+
+def rank_debug(be, actions: dict[int, str] | str, seconds: float = 0.0) -> None:
+    """Run a test action ('sleep', 'raise', 'barrier', 'noop': RankWorker.cmd_debug)
+    on every rank of a TorchBackend, or {rank: action} (others: 'noop')."""
+    for r in range(be.world_size):
+        action = actions if isinstance(actions, str) else actions.get(r, "noop")
+        be._send(r, "debug", action=action, seconds=seconds)
+    be._gather("debug", be.config.command_timeout_s)

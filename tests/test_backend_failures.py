@@ -16,6 +16,7 @@ import pytest
 from areno.backend import BackendError, TorchBackend
 from test_backend_procs import assert_clean, config
 from test_backend_units import make_split
+from helpers import rank_debug
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +26,7 @@ def test_rank_exception_raises_backend_error_fast_and_cleans_up(tiny_chat_path) 
     pids = be.rank_pids
     t0 = time.monotonic()
     with pytest.raises(BackendError, match="rank 1 failed: RuntimeError: debug failure") as info:
-        be.debug({0: "barrier", 1: "raise"})  # rank 0 blocks in a collective rank 1 never joins
+        rank_debug(be, {0: "barrier", 1: "raise"})  # rank 0 blocks in a collective rank 1 never joins
     assert time.monotonic() - t0 < 10
     assert info.value.rank == 1 and "cmd_debug" in info.value.remote_traceback
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
@@ -72,7 +73,7 @@ def test_ctrl_c_in_the_controller_stops_every_rank(tiny_chat_path) -> None:
     threading.Timer(1.0, _thread.interrupt_main).start()
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        be.debug("sleep", seconds=60)
+        rank_debug(be, "sleep", seconds=60)
     assert time.monotonic() - t0 < 10
     assert_clean()
 

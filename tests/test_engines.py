@@ -15,6 +15,7 @@ import pytest
 from areno.backend.errors import BackendError
 from areno.backend.launch import free_port
 from areno.backend.rollout import assign_groups
+from helpers import rank_debug
 
 TESTS = Path(__file__).parent
 
@@ -125,13 +126,13 @@ def test_an_interrupt_during_a_draining_command_leaves_the_backend_usable(tiny_c
         with pytest.raises(KeyboardInterrupt):
             be._gather("debug", 30, drain_s=5.0)
         assert time.monotonic() - t0 < 5
-        be.debug("noop")  # still usable: the sleep's reply was drained
+        rank_debug(be, "noop")  # still usable: the sleep's reply was drained
         be._broadcast("debug", action="sleep", seconds=1.5)
         interrupt_soon()
         with pytest.raises(KeyboardInterrupt):
             be._gather("debug", 30)
         with pytest.raises(BackendError):
-            be.debug("noop")
+            rank_debug(be, "noop")
 
 
 def test_an_interrupted_step_counts_only_if_its_update_was_applied():
@@ -170,5 +171,33 @@ def test_a_rollout_left_suspended_is_settled_before_the_next_command(tiny_arith_
         next(stream)  # a part taken; the engine's final reply not yet read
         path = be.save_pretrained(tmp_path / "model")
         assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
-        be.debug("noop")
+        rank_debug(be, "noop")
         del stream
+
+
+def test_an_interrupt_between_a_rollouts_sends_and_its_first_read_is_drained(tiny_arith_path, tmp_path,
+                                                                              monkeypatch):
+    """The reply stream is open before the sends: an interrupt before the first
+    read (here: raised as the read starts) leaves replies that the next command
+    must not take for its own (the clean-clone failure of the SIGINT test)."""
+    from areno.backend.config import BackendConfig
+    from areno.backend.controller import TorchBackend
+    from areno.backend.rollout import RankEngines
+    from areno.rollout.engine import SamplingConfig
+    from areno.rollout.factory import EngineSpec
+
+    cfg = BackendConfig(model_path=str(tiny_arith_path), world_size=1,
+                        engine=EngineSpec(kind="hf", max_model_len=64))
+    with TorchBackend(cfg) as be:
+        def interrupted(*a, **k):
+            raise KeyboardInterrupt
+            yield  # a generator, as _events is
+
+        monkeypatch.setattr(be, "_events", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            list(RankEngines(be).generate_stream(np.array([5, 12, 3, 13], np.int32), np.array([0, 2, 4]), 2,
+                                                 SamplingConfig(max_tokens=3, seed=1)))
+        monkeypatch.undo()
+        path = be.save_pretrained(tmp_path / "model")  # the rollout's replies are drained first
+        assert (path / "config.json").is_file() and (path / "model.safetensors").is_file()
+        rank_debug(be, "noop")

@@ -12,6 +12,7 @@ shared-memory segment unlinked. Nothing blocks forever on a recv.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -20,6 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -28,7 +30,7 @@ import torch
 
 from areno.backend.config import BackendConfig
 from areno.backend.errors import BackendError
-from areno.backend.handoff import PackWriter, RankHandoff, ShmSegment
+from areno.backend.handoff import PackWriter, ShmSegment
 from areno.backend.launch import accept_ranks, free_port, spawn_ranks  # noqa: F401 (free_port re-exported)
 from areno.backend.weights import WeightLayout, probe_ids
 from areno.fileperms import replace_dir
@@ -83,12 +85,9 @@ class TorchBackend:
         if self._closed:
             return
         self._closed = True
-        for c in self._conns:
-            try:
-                if c is not None:
-                    c.send(("shutdown", {}))
-            except (OSError, ValueError):
-                pass
+        for c in filter(None, self._conns):
+            with contextlib.suppress(OSError, ValueError):
+                c.send(("shutdown", {}))
         deadline = time.monotonic() + self.config.shutdown_grace_s
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -153,7 +152,7 @@ class TorchBackend:
             if self._hellos[r]["same_host"]:
                 self._send(r, "train", handoff=h)
             else:
-                self._send(r, "train", handoff=_remote(h), payload=True)
+                self._send(r, "train", handoff=replace(h, segment=None, offset=0), payload=True)
                 self._conns[r].send_bytes(self._pack.region_bytes(h))
         replies = self._gather("train", self.config.command_timeout_s)
         steps = replies[0]["steps"]
@@ -202,15 +201,15 @@ class TorchBackend:
         probe diff of the ranks that probed."""
         self._check_open()
         t0 = time.perf_counter()
-        self._broadcast("sync_weights", probe_ids=self._probe_ids)
         # An interrupt here leaves the trained weights intact: let the load finish.
-        replies = self._gather("sync_weights", self.config.command_timeout_s, drain_s=5.0)
+        stream = self._start("sync_weights", drain_s=5.0)
+        self._broadcast("sync_weights", stream=stream, probe_ids=self._probe_ids)
+        replies = self._gather("sync_weights", self.config.command_timeout_s, stream=stream)
         self.last_timings = {"sync_load_s": max(r["load_s"] for r in replies),
                              "sync_probe_s": max(r["probe_s"] for r in replies),
                              "sync_s": time.perf_counter() - t0}
         probed = [r["probe_diff"] for r in replies if "probe_diff" in r]
-        if probed:
-            self.last_timings["probe_diff"] = max(probed)
+        self.last_timings.update({"probe_diff": max(probed)} if probed else {})
         return self.last_timings
 
     def save_pretrained(self, path: str | os.PathLike) -> Path:
@@ -234,14 +233,6 @@ class TorchBackend:
         self._broadcast("full_state")
         return self._gather("full_state", self.config.command_timeout_s)[0]
 
-    def debug(self, actions: dict[int, str] | str, seconds: float = 0.0) -> None:
-        """Test hook: run an action ('sleep', 'raise', 'barrier', 'noop') on every
-        rank, or {rank: action} (others: 'noop')."""
-        for r in range(self.world_size):
-            action = actions if isinstance(actions, str) else actions.get(r, "noop")
-            self._send(r, "debug", action=action, seconds=seconds)
-        self._gather("debug", self.config.command_timeout_s)
-
     # -- plumbing --------------------------------------------------------------
     def _atomic_dir(self, path: str | os.PathLike, cmd: str) -> Path:
         final = Path(path).absolute()
@@ -260,10 +251,13 @@ class TorchBackend:
         if self._closed:
             raise BackendError("backend is closed (a rank failed or close() was called)")
 
-    def _send(self, rank: int, cmd: str, **kwargs) -> None:
-        if self._open_stream is not None:  # replies of an abandoned command come first
+    def _send(self, rank: int, cmd: str, *, stream: dict | None = None, **kwargs) -> None:
+        """stream: the send's own reply stream (`_start`); another open one was abandoned."""
+        if self._open_stream is not None and self._open_stream is not stream:
             self._settle(self._open_stream)
         self._check_open()
+        if stream is not None:
+            stream["pending"].add(rank)
         try:
             self._conns[rank].send((cmd, kwargs))
         except (OSError, ValueError) as e:
@@ -273,22 +267,30 @@ class TorchBackend:
             self._abort()
             raise err from None
 
-    def _broadcast(self, cmd: str, **kwargs) -> None:
+    def _broadcast(self, cmd: str, *, stream: dict | None = None, **kwargs) -> None:
         for r in range(self.world_size):
-            self._send(r, cmd, **kwargs)
+            self._send(r, cmd, stream=stream, **kwargs)
 
-    def _gather(self, what: str, timeout_s: float, drain_s: float = 0.0) -> list:
+    def _gather(self, what: str, timeout_s: float, drain_s: float = 0.0, stream: dict | None = None) -> list:
         """One reply per rank; any error, death or timeout aborts the backend
         (an interrupt too, unless drain_s > 0: see _events)."""
         results: list = [None] * self.world_size
-        for r, kind, payload in self._events(what, timeout_s, drain_s):
+        for r, kind, payload in self._events(what, timeout_s, drain_s, stream):
             if kind == "part":
                 self._abort()
                 raise BackendError(f"{what}: rank {r} sent a streamed part to a plain command", rank=r)
             results[r] = payload
         return results
 
-    def _events(self, what: str, timeout_s: float, drain_s: float = 0.0,
+    def _start(self, what: str, drain_s: float) -> dict:
+        """A command's reply stream, opened before its sends: an interrupt between a
+        send and the first read still finds the ranks that owe replies (_settle)."""
+        if self._open_stream is not None:
+            self._settle(self._open_stream)
+        self._open_stream = {"what": what, "pending": set(), "drain_s": drain_s}
+        return self._open_stream
+
+    def _events(self, what: str, timeout_s: float, drain_s: float = 0.0, stream: dict | None = None,
                 ) -> Iterator[tuple[int, str, Any]]:
         """Yield (rank, "part" | "ok", payload) as replies arrive, until every rank
         has sent its final "ok". Any error, death or timeout aborts the backend.
@@ -296,8 +298,9 @@ class TorchBackend:
         unless drain_s > 0 (commands that leave the trained weights as they were):
         then the rest of the replies are read for up to drain_s seconds and, if
         all come, the backend stays usable (e.g. to save the last finished step)."""
-        stream = {"what": what, "pending": set(range(self.world_size)), "drain_s": drain_s}
-        self._open_stream = stream
+        if stream is None:
+            stream = {"what": what, "pending": set(range(self.world_size)), "drain_s": drain_s}
+            self._open_stream = stream
         try:
             deadline = time.monotonic() + timeout_s
             while stream["pending"]:
@@ -393,8 +396,3 @@ class TorchBackend:
             raise BackendError(f"{what}: rank {rank} failed: {message}", rank=rank, remote_traceback=tb)
         return msg
 
-
-def _remote(h: RankHandoff) -> RankHandoff:
-    from dataclasses import replace
-
-    return replace(h, segment=None, offset=0)

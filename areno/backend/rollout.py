@@ -82,17 +82,18 @@ class RankEngines:
         seg = be.rollout_segment
         seg.ensure(max(starts[-1], 1))
         seeds = prompt_seeds(sampling.seed, self.num_engines) if sampling.seed is not None else None
+        # An interrupt mid-rollout (even between two sends) waits a few seconds for
+        # the engines to finish, so the run can still save its last finished step.
+        stream = be._start("generate", drain_s=DRAIN_S)
         for r in range(be.world_size):
             g = r // self.tp
             sub_ids, sub_off = csr_take(ids, offsets, members[g])
             out = OutRegion(None if self._remote[r] else seg.name, starts[g], caps[g])
             s = sampling if seeds is None else replace(sampling, seed=int(seeds[g]))
-            be._send(r, "generate", ids=sub_ids, offsets=sub_off, n=n, sampling=s, out=out,
+            be._send(r, "generate", stream=stream, ids=sub_ids, offsets=sub_off, n=n, sampling=s, out=out,
                      leader=r % self.tp == 0)
         self.last_tokens = [0] * self.num_engines
-        # An interrupt mid-rollout waits a few seconds for the engines to finish, so
-        # the run can still save its last finished step.
-        for r, kind, meta in be._events("generate", be.config.command_timeout_s, drain_s=DRAIN_S):
+        for r, kind, meta in be._events("generate", be.config.command_timeout_s, stream=stream):
             if kind == "ok":
                 self.last_tokens[r // self.tp] = max(self.last_tokens[r // self.tp], meta["tokens"])
             else:
