@@ -120,17 +120,17 @@ def test_an_interrupt_during_a_draining_command_leaves_the_backend_usable(tiny_c
         threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
 
     with TorchBackend(BackendConfig(model_path=str(tiny_chat_path), world_size=1)) as be:
-        be._broadcast("debug", action="sleep", seconds=1.5)
+        stream = be._broadcast("debug", drain_s=5.0, action="sleep", seconds=1.5)
         interrupt_soon()
         t0 = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
-            be._gather("debug", 30, drain_s=5.0)
+            be._gather(stream, 30)
         assert time.monotonic() - t0 < 5
         rank_debug(be, "noop")  # still usable: the sleep's reply was drained
-        be._broadcast("debug", action="sleep", seconds=1.5)
+        stream = be._broadcast("debug", action="sleep", seconds=1.5)
         interrupt_soon()
         with pytest.raises(KeyboardInterrupt):
-            be._gather("debug", 30)
+            be._gather(stream, 30)
         with pytest.raises(BackendError):
             rank_debug(be, "noop")
 

@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -55,6 +55,7 @@ class TorchBackend:
         self.step = 0
         self.last_timings: dict[str, float] = {}
         self.last_perf: dict[str, float] = {}  # perf/train_tokens_per_s, perf/mfu of the last train()
+        self._open_stream: dict | None = None  # a command whose replies are still coming (_start)
         self._finalizer = weakref.finalize(
             self, stop_processes, self._procs, self._conns, [self._pack.segment, self._weights, self._marker, self.rollout_segment],
             config.shutdown_grace_s,
@@ -64,13 +65,13 @@ class TorchBackend:
                 self._procs.extend(spawn_ranks(config, self._conns))
             else:
                 accept_ranks(config, self._conns, self._marker)
-            self._hellos = self._gather("startup", config.startup_timeout_s)
+            self._hellos = self._gather(self._start("startup", pending=range(self.world_size)),
+                                        config.startup_timeout_s)
         except BaseException:
             self._abort()
             raise
         self.dead: BackendError | None = None  # set by the watchdog
         self._busy = False  # the main thread is waiting on the ranks: it sees a death itself
-        self._open_stream: dict | None = None  # a command whose replies are still coming (_events)
         if self._procs:
             threading.Thread(target=self._watch, name="areno-rank-watchdog", daemon=True).start()
         h0 = self._hellos[0]
@@ -148,13 +149,14 @@ class TorchBackend:
         t0 = time.perf_counter()
         handoffs = self._pack.write(split)
         t1 = time.perf_counter()
+        stream = self._start("train")
         for r, h in enumerate(handoffs):
             if self._hellos[r]["same_host"]:
-                self._send(r, "train", handoff=h)
+                self._send(r, "train", stream=stream, handoff=h)
             else:
-                self._send(r, "train", handoff=replace(h, segment=None, offset=0), payload=True)
+                self._send(r, "train", stream=stream, handoff=replace(h, segment=None, offset=0), payload=True)
                 self._conns[r].send_bytes(self._pack.region_bytes(h))
-        replies = self._gather("train", self.config.command_timeout_s)
+        replies = self._gather(stream, self.config.command_timeout_s)
         steps = replies[0]["steps"]
         if steps:
             self.step = int(steps[-1]["step"])
@@ -184,11 +186,11 @@ class TorchBackend:
         remote0 = not self._hellos[0]["same_host"]
         self._weights.ensure(self._layout.nbytes, headroom=0.0)
         t0 = time.perf_counter()
-        self._broadcast(
+        stream = self._broadcast(
             "export", segment=None if remote0 else self._weights.name, layout=self._layout,
             probe_ids=self._probe_ids, probe_tolerance=probe_tolerance,
         )
-        out = self._gather("export", self.config.command_timeout_s)[0]
+        out = self._gather(stream, self.config.command_timeout_s)[0]
         if remote0:
             self._weights.buf[: self._layout.nbytes] = out["payload"]
         self.last_timings = {"export_gather_s": out["gather_s"], "export_probe_s": out["probe_s"],
@@ -202,9 +204,8 @@ class TorchBackend:
         self._check_open()
         t0 = time.perf_counter()
         # An interrupt here leaves the trained weights intact: let the load finish.
-        stream = self._start("sync_weights", drain_s=5.0)
-        self._broadcast("sync_weights", stream=stream, probe_ids=self._probe_ids)
-        replies = self._gather("sync_weights", self.config.command_timeout_s, stream=stream)
+        stream = self._broadcast("sync_weights", drain_s=5.0, probe_ids=self._probe_ids)
+        replies = self._gather(stream, self.config.command_timeout_s)
         self.last_timings = {"sync_load_s": max(r["load_s"] for r in replies),
                              "sync_probe_s": max(r["probe_s"] for r in replies),
                              "sync_s": time.perf_counter() - t0}
@@ -224,14 +225,12 @@ class TorchBackend:
         path = Path(path)
         if not (path / "trainer.pt").is_file():
             raise FileNotFoundError(f"{path}: not a backend state directory (no trainer.pt)")
-        self._broadcast("load_state", path=str(path))
-        self._gather("load_state", self.config.command_timeout_s)
+        self._gather(self._broadcast("load_state", path=str(path)), self.config.command_timeout_s)
         self.step = int(torch.load(path / "trainer.pt", weights_only=False)["step"])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every exported tensor, gathered and pickled from rank 0 (tests/debugging only)."""
-        self._broadcast("full_state")
-        return self._gather("full_state", self.config.command_timeout_s)[0]
+        return self._gather(self._broadcast("full_state"), self.config.command_timeout_s)[0]
 
     # -- plumbing --------------------------------------------------------------
     def _atomic_dir(self, path: str | os.PathLike, cmd: str) -> Path:
@@ -240,8 +239,7 @@ class TorchBackend:
         tmp = final.parent / f".{final.name}.tmp-{secrets.token_hex(4)}"
         tmp.mkdir()
         try:
-            self._broadcast(cmd, path=str(tmp))
-            self._gather(cmd, self.config.command_timeout_s)
+            self._gather(self._broadcast(cmd, path=str(tmp)), self.config.command_timeout_s)
             replace_dir(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -251,13 +249,12 @@ class TorchBackend:
         if self._closed:
             raise BackendError("backend is closed (a rank failed or close() was called)")
 
-    def _send(self, rank: int, cmd: str, *, stream: dict | None = None, **kwargs) -> None:
-        """stream: the send's own reply stream (`_start`); another open one was abandoned."""
-        if self._open_stream is not None and self._open_stream is not stream:
-            self._settle(self._open_stream)
+    def _send(self, rank: int, cmd: str, *, stream: dict, **kwargs) -> None:
+        """stream: the command's reply stream (`_start`), which now owes this rank's reply."""
+        if self._open_stream is not stream:  # opened by _start: an abandoned one was settled there
+            raise RuntimeError(f"{cmd!r} sent on a stream that is not open")
         self._check_open()
-        if stream is not None:
-            stream["pending"].add(rank)
+        stream["pending"].add(rank)
         try:
             self._conns[rank].send((cmd, kwargs))
         except (OSError, ValueError) as e:
@@ -267,40 +264,42 @@ class TorchBackend:
             self._abort()
             raise err from None
 
-    def _broadcast(self, cmd: str, *, stream: dict | None = None, **kwargs) -> None:
+    def _broadcast(self, cmd: str, *, drain_s: float = 0.0, **kwargs) -> dict:
+        """Send `cmd` to every rank -> its reply stream (for _gather)."""
+        stream = self._start(cmd, drain_s)
         for r in range(self.world_size):
             self._send(r, cmd, stream=stream, **kwargs)
+        return stream
 
-    def _gather(self, what: str, timeout_s: float, drain_s: float = 0.0, stream: dict | None = None) -> list:
+    def _gather(self, stream: dict, timeout_s: float) -> list:
         """One reply per rank; any error, death or timeout aborts the backend
-        (an interrupt too, unless drain_s > 0: see _events)."""
+        (an interrupt too, unless the stream's drain_s > 0: see _events)."""
         results: list = [None] * self.world_size
-        for r, kind, payload in self._events(what, timeout_s, drain_s, stream):
+        for r, kind, payload in self._events(stream, timeout_s):
             if kind == "part":
                 self._abort()
-                raise BackendError(f"{what}: rank {r} sent a streamed part to a plain command", rank=r)
+                raise BackendError(f"{stream['what']}: rank {r} sent a streamed part to a plain command", rank=r)
             results[r] = payload
         return results
 
-    def _start(self, what: str, drain_s: float) -> dict:
-        """A command's reply stream, opened before its sends: an interrupt between a
-        send and the first read still finds the ranks that owe replies (_settle)."""
+    def _start(self, what: str, drain_s: float = 0.0, pending: Iterable[int] = ()) -> dict:
+        """A command's reply stream, opened before its sends (each adds its rank to
+        `pending`), so an interrupt between a send and the first read still finds
+        the ranks that owe replies (_settle). The replies of an abandoned command
+        (a caller left its stream unread or suspended) are settled first."""
         if self._open_stream is not None:
             self._settle(self._open_stream)
-        self._open_stream = {"what": what, "pending": set(), "drain_s": drain_s}
+        self._open_stream = {"what": what, "pending": set(pending), "drain_s": drain_s}
         return self._open_stream
 
-    def _events(self, what: str, timeout_s: float, drain_s: float = 0.0, stream: dict | None = None,
-                ) -> Iterator[tuple[int, str, Any]]:
+    def _events(self, stream: dict, timeout_s: float) -> Iterator[tuple[int, str, Any]]:
         """Yield (rank, "part" | "ok", payload) as replies arrive, until every rank
         has sent its final "ok". Any error, death or timeout aborts the backend.
         So does a consumer that stops early (Ctrl-C while scoring a part, say),
         unless drain_s > 0 (commands that leave the trained weights as they were):
         then the rest of the replies are read for up to drain_s seconds and, if
         all come, the backend stays usable (e.g. to save the last finished step)."""
-        if stream is None:
-            stream = {"what": what, "pending": set(range(self.world_size)), "drain_s": drain_s}
-            self._open_stream = stream
+        what = stream["what"]
         try:
             deadline = time.monotonic() + timeout_s
             while stream["pending"]:

@@ -93,7 +93,7 @@ class RankEngines:
             be._send(r, "generate", stream=stream, ids=sub_ids, offsets=sub_off, n=n, sampling=s, out=out,
                      leader=r % self.tp == 0)
         self.last_tokens = [0] * self.num_engines
-        for r, kind, meta in be._events("generate", be.config.command_timeout_s, stream=stream):
+        for r, kind, meta in be._events(stream, be.config.command_timeout_s):
             if kind == "ok":
                 self.last_tokens[r // self.tp] = max(self.last_tokens[r // self.tp], meta["tokens"])
             else:
