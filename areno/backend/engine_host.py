@@ -149,16 +149,13 @@ class WeightStream:
         return float(self._sumsq) if self._sumsq is not None else 0.0
 
 
-def verify_fingerprint(engine: Any, stream: WeightStream, rank: int) -> bool:
-    """Exact check where the engine can report what it holds: the fp64 sum of
-    squares of every loaded tensor must equal the trainer's (same bf16/fp32 bytes).
-    Returns whether the engine could be checked."""
-    if not hasattr(engine, "weights_fingerprint"):
-        return False
+def verify_fingerprint(engine: Any, stream: WeightStream, rank: int) -> None:
+    """Exact check for an engine that can report what it holds (`weights_fingerprint`):
+    the fp64 sum of squares of every loaded tensor must equal the trainer's (same
+    bf16/fp32 bytes)."""
     got, want = engine.weights_fingerprint(stream.names), stream.fingerprint()
     if not abs(got - want) <= 1e-9 * max(abs(want), 1.0):
         raise WeightSyncError(
             f"weight sync check failed on rank {rank}: the engine's weights (sum of squares "
             f"{got:.9g}) are not the trainer's ({want:.9g}); the engine is not serving the "
             "trained weights")
-    return True
