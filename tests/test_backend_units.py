@@ -113,49 +113,6 @@ def test_packed_without_cu_seqlens_derives_them(tiny_chat_path) -> None:
     torch.testing.assert_close(lp, lp_pad, atol=2e-5, rtol=1e-5)
 
 
-def _varlen_stand_in(calls: list):
-    """torch 2.13's varlen_attn signature over a per-sequence sdpa (CPU)."""
-    import torch.nn.functional as F
-
-    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-        assert q.dim() == 3 and window_size == (-1, 0) and cu_q is cu_k and max_q == max_k
-        assert cu_q.dtype == torch.int32
-        calls.append(max_q)
-        cu = cu_q.tolist()
-        outs = [F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
-                                               v[a:b].transpose(0, 1), is_causal=True, scale=scale,
-                                               enable_gqa=enable_gqa).transpose(0, 1)
-                for a, b in zip(cu[:-1], cu[1:])]
-        return torch.cat(outs)
-
-    def old_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None, scale=None):
-        """torch 2.10's: is_causal, no GQA flag (K/V must have the query's heads)."""
-        assert is_causal and q.shape[1] == k.shape[1]
-        return stand_in(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0))
-
-    return stand_in, old_stand_in
-
-
-@pytest.mark.parametrize("version", ["2.13", "2.10"])
-def test_varlen_adapter_layout_with_a_cpu_stand_in(tiny_chat_path, monkeypatch, version: str) -> None:
-    """torch's varlen_attn has no CPU kernel; a per-sequence sdpa with its
-    signature stands in, so the adapter's [L, H, D] layout, causal flag, GQA
-    handling and cu_seqlens/max_seqlen plumbing are checked here, for both
-    signatures the adapter knows."""
-    import torch.nn.attention.varlen as tv
-
-    from areno.backend import attention
-
-    calls: list = []
-    new, old = _varlen_stand_in(calls)
-    monkeypatch.setattr(tv, "varlen_attn", new if version == "2.13" else old)
-    monkeypatch.setattr(attention, "_VARLEN_FLAGS", [])
-    (lp, _), (lp_pad, _), alone = _packed_padded_alone(_policy(tiny_chat_path, "varlen"))
-    torch.testing.assert_close(lp, lp_pad, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(lp, alone, atol=2e-5, rtol=1e-5)
-    assert calls and calls[0] == max(calls)
-
-
 def test_auto_attention_is_per_sequence_sdpa_on_cpu() -> None:
     assert resolve_attn_implementation(BackendConfig(model_path="x")) == "sdpa"
     for impl in ("varlen", "flex", "flash_attention_2"):
@@ -399,7 +356,9 @@ def test_auto_attention_on_cuda_prefers_flash_attn_then_varlen_then_flex(monkeyp
     for fa, vl, want in ((True, True, "flash_attention_2"), (False, True, "varlen"), (False, False, "flex")):
         monkeypatch.setattr(attention, "has_flash_attn", lambda fa=fa: fa)
         monkeypatch.setattr(attention, "has_torch_varlen", lambda vl=vl: vl)
-        assert attention.auto_impl("cuda") == want
+        assert attention.auto_impl("cuda", "bfloat16") == want
+        # both flash kernels take fp16/bf16 only: fp32 compute gets flex
+        assert attention.auto_impl("cuda", "float32") == "flex"
 
 
 def test_cpu_ranks_split_the_nodes_cores() -> None:

@@ -8,7 +8,7 @@ The kernels here see the boundaries instead:
 
 | name (`attn_implementation`) | kernel | where |
 | --- | --- | --- |
-| `varlen` | `torch.nn.attention.varlen.varlen_attn` (flash, cu_seqlens) | CUDA, torch >= 2.10 |
+| `varlen` | `torch.nn.attention.varlen.varlen_attn` (flash, cu_seqlens) | CUDA, torch >= 2.10, bf16/fp16 |
 | `flash_attention_2` | flash-attn's varlen, through transformers' own path | CUDA, flash-attn installed |
 | `flex` | FlexAttention with a document-causal block mask (compiled on CUDA) | anywhere |
 | `sdpa` | one causal sdpa call per distinct sequence length | CPU default (fastest measured there) |
@@ -24,7 +24,9 @@ no mask at all for them (and does not scan position_ids for restarts).
 
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,9 +60,12 @@ def has_flash_attn() -> bool:
     return True
 
 
-def auto_impl(device: str) -> str:
-    """CUDA: flash-attn's varlen if installed, else torch's varlen, else flex.
-    CPU: sdpa by length groups (measured fastest on CPU; docs/BACKEND.md)."""
+def auto_impl(device: str, dtype: str) -> str:
+    """CUDA: flash-attn's varlen if installed, else torch's varlen, else flex;
+    flex in float32 (both flash kernels take fp16/bf16 only). CPU: sdpa by
+    length groups (measured fastest on CPU; docs/BACKEND.md)."""
+    if device == "cuda" and dtype == "float32":
+        return "flex"
     if device == "cuda":
         if has_flash_attn():
             return "flash_attention_2"
@@ -162,39 +167,72 @@ def eager_per_sequence(module: nn.Module, q, k, v, attention_mask=None, *, scali
     return torch.cat(out, dim=1), None
 
 
-def _varlen_flags() -> tuple[bool, bool]:
-    """(takes window_size, takes enable_gqa): torch 2.10 had is_causal and no GQA
-    flag; 2.13 has window_size=(-1, 0) for causal and enable_gqa."""
-    from torch.nn.attention.varlen import varlen_attn
+@dataclass(frozen=True)
+class VarlenSignature:
+    """What the installed `varlen_attn` takes (tests/varlen_signatures.py holds
+    the three as released): torch 2.10 `is_causal` and no `scale`; 2.11
+    keyword-only `scale` and `window_size` ((-1, 0) = causal); 2.13 adds
+    `enable_gqa` (K/V with fewer heads than Q, without a copy)."""
 
-    params = inspect.signature(varlen_attn).parameters
-    return "window_size" in params, "enable_gqa" in params
+    causal_by_window: bool
+    has_scale: bool
+    has_gqa: bool
+
+
+@functools.lru_cache(maxsize=4)
+def varlen_signature(fn) -> VarlenSignature:
+    """Read once per function object (not once per layer call)."""
+    params = inspect.signature(fn).parameters
+    return VarlenSignature("window_size" in params, "scale" in params, "enable_gqa" in params)
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def flash_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.dtype:
+    """The one dtype torch's flash kernels take for q, k and v (fp16/bf16: they
+    have no autocast rule). Under autocast (`single`/DDP in bf16, fp32 masters)
+    Llama/Qwen3 RMSNorm returns `weight * h.to(input_dtype)`, so q and k arrive
+    fp32 and v bf16: autocast's dtype, as transformers' flash path picks
+    (`integrations/flash_attention.get_target_dtype`). Without autocast (FSDP2's
+    bf16 params) they already share a half dtype."""
+    dev = q.device.type
+    if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) in _HALF:
+        return torch.get_autocast_dtype(dev)
+    half = [x.dtype for x in (q, k, v) if x.dtype in _HALF]
+    if not half:
+        raise ValueError(f"varlen attention needs fp16/bf16 inputs, got {q.dtype} (fp32 compute: use flex or sdpa)")
+    return half[0]
 
 
 def varlen(module: nn.Module, q, k, v, attention_mask=None, *, scaling=None,
            cu_seq_lens_q=None, max_length_q=None, **kw):
-    """torch's flash varlen: q/k/v as [L, H, D], causal."""
+    """torch's flash varlen: q [1, Hq, L, D], k/v [1, Hkv, L, D] -> [1, L, Hq, D],
+    causal, adapted to the installed signature (`varlen_signature`): `scale` where
+    it exists, else q pre-scaled when the model's scale is not 1/sqrt(D);
+    `enable_gqa` where it exists, else each KV head repeated for its group."""
     if cu_seq_lens_q is None:
         return _padded_fallback(module, q, k, v, attention_mask, scaling)
     from torch.nn.attention import varlen as tv
 
-    if not _VARLEN_FLAGS:
-        _VARLEN_FLAGS.extend(_varlen_flags())
-    window, gqa_flag = _VARLEN_FLAGS
-    qt, kt, vt = (x[0].transpose(0, 1) for x in (q, k, v))  # [L, H, D]
-    opts: dict = {"scale": scaling}
-    opts.update({"window_size": (-1, 0)} if window else {"is_causal": True})
+    fn = tv.varlen_attn
+    sig = varlen_signature(fn)
+    dt, d = flash_dtype(q, k, v), q.shape[-1]
+    scale = d ** -0.5 if scaling is None else float(scaling)
+    opts: dict = {"window_size": (-1, 0)} if sig.causal_by_window else {"is_causal": True}
+    if sig.has_scale:
+        opts["scale"] = scale
+    elif not math.isclose(scale, d ** -0.5, rel_tol=1e-6):
+        q = q * (scale * d ** 0.5)  # the kernel's fixed 1/sqrt(D) then gives the model's scale
+    qt, kt, vt = (x[0].transpose(0, 1).to(dt) for x in (q, k, v))  # [L, H, D]
     if q.shape[1] != k.shape[1]:
-        if gqa_flag:
+        if sig.has_gqa:
             opts["enable_gqa"] = True
-        else:  # no GQA in the kernel: repeat each KV head for its query group
+        else:
             rep = q.shape[1] // k.shape[1]
             kt, vt = kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1)
-    out = tv.varlen_attn(qt, kt, vt, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, **opts)
+    out = fn(qt, kt, vt, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, **opts)
     return out[None], None
-
-
-_VARLEN_FLAGS: list[bool] = []  # filled once by the first varlen call
 
 
 _compiled_flex = None

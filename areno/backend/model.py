@@ -39,8 +39,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_attn_implementation(cfg: BackendConfig) -> str:
-    """'auto' -> the packed kernel for the device (see attention.auto_impl)."""
-    return auto_impl(cfg.device) if cfg.attn_implementation == "auto" else cfg.attn_implementation
+    """'auto' -> the packed kernel for the device and dtype (see attention.auto_impl)."""
+    return auto_impl(cfg.device, cfg.dtype) if cfg.attn_implementation == "auto" else cfg.attn_implementation
 
 
 def load_hf_model(path: str | os.PathLike, attn_implementation: str, device: torch.device) -> nn.Module:
