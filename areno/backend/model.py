@@ -69,6 +69,12 @@ class ChunkedLogProbs(torch.autograd.Function):
     Backward per chunk, with g / e the incoming grads of logp / entropy:
         dz = g (onehot - p) - e p (z - E_p[z]),   E_p[z] = lse - entropy
     then dh = dz W, dW += dz^T h (accumulated in fp32).
+
+    The GEMMs run in the compute dtype (`compute_dtype`), chosen in forward and
+    kept for backward: `.backward()` runs outside autocast, so under `single`/DDP
+    bf16 a backward that followed the weights' dtype would do its three N x H x V
+    GEMMs in fp32 and recompute logits that differ from those whose logsumexp
+    forward saved (issue 17, 2c).
     """
 
     @staticmethod
@@ -81,16 +87,18 @@ class ChunkedLogProbs(torch.autograd.Function):
         h_all, t_all = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
         lp_flat, ent_flat = logp.view(-1), ent.view(-1)
         lse_all = torch.empty(t_all.shape[0], dtype=torch.float32, device=dev)
+        cd = compute_dtype(hidden, weight)
+        w_c = weight.to(cd)
         for a in range(0, t_all.shape[0], chunk_size):
             b = min(a + chunk_size, t_all.shape[0])
-            z = F.linear(h_all[a:b], weight).float()
+            z = F.linear(h_all[a:b].to(cd), w_c).float()
             lse = torch.logsumexp(z, dim=-1)
             p = torch.exp(z - lse[:, None])
             lp_flat[a:b] = z.gather(1, t_all[a:b, None])[:, 0] - lse
             ent_flat[a:b] = lse - (p * z).sum(-1)
             lse_all[a:b] = lse
         ctx.save_for_backward(hidden, weight, targets, lse_all, ent)
-        ctx.chunk_size = chunk_size
+        ctx.chunk_size, ctx.compute_dtype = chunk_size, cd
         ctx.set_materialize_grads(False)
         return logp, ent
 
@@ -106,10 +114,12 @@ class ChunkedLogProbs(torch.autograd.Function):
         n = t_all.shape[0]
         grad_h = torch.empty_like(h_all) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        cd = ctx.compute_dtype
+        w_c = weight.to(cd)  # one cast per backward, as autocast's weight cache gives forward
         for a in range(0, n, ctx.chunk_size):
             b = min(a + ctx.chunk_size, n)
-            h = h_all[a:b]
-            z = F.linear(h, weight).float()
+            h = h_all[a:b].to(cd)
+            z = F.linear(h, w_c).float()  # the very logits forward's lse came from
             p = torch.exp(z - lse_all[a:b, None])
             dz = torch.zeros_like(z)
             if g_logp is not None:
@@ -118,16 +128,25 @@ class ChunkedLogProbs(torch.autograd.Function):
             if g_ent is not None:
                 mean_z = (lse_all[a:b] - ent[a:b])[:, None]
                 dz.sub_(g_ent[a:b, None] * p * (z - mean_z))
-            dz = dz.to(weight.dtype)
+            dz = dz.to(cd)
             if need_h:
-                grad_h[a:b] = (dz @ weight).to(hidden.dtype)
+                grad_h[a:b] = (dz @ w_c).to(hidden.dtype)
             if need_w:
-                grad_w.add_(dz.t() @ h.to(weight.dtype))
+                grad_w.add_(dz.t() @ h)
         if grad_h is not None:
             grad_h = grad_h.view(hidden.shape)
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None
+
+
+def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The lm_head GEMMs' dtype: autocast's where it is on for this device (it
+    would cast F.linear to it), else the weight's (FSDP2 gathers bf16 params)."""
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return weight.dtype
 
 
 def chunked_logprobs(
