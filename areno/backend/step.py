@@ -102,8 +102,14 @@ def forward_logprobs(w: Wrapped, cfg: BackendConfig, mb: Micro) -> tuple[torch.T
 
 @torch.no_grad()
 def no_grad_logprobs(w: Wrapped, cfg: BackendConfig, micros: list[list[Micro]]) -> list[list[torch.Tensor]]:
-    """Log-probs of every micro-batch under the current weights (old / reference)."""
-    return [[forward_logprobs(w, cfg, mb)[0] for mb in row] for row in micros]
+    """Log-probs of every micro-batch under the current weights (old / reference).
+    FSDP2 leaves a root unsharded after its forward (for the backward that would
+    follow); none follows here, so the root is resharded: otherwise the reference
+    model's embeddings and lm_head stay gathered for the whole update (issue 17, 2g)."""
+    out = [[forward_logprobs(w, cfg, mb)[0] for mb in row] for row in micros]
+    if w.strategy == "fsdp2":
+        w.root.reshard()
+    return out
 
 
 class RankTrainer:
