@@ -82,3 +82,23 @@ def test_without_autocast_the_lm_head_runs_in_the_weights_dtype(dtype) -> None:
         lp, _ = chunked_logprobs(h, w, t, 64)
         torch.autograd.grad((lp * a).sum(), [h, w])
     assert set(mode.seen) == {(dtype, dtype)}
+
+
+def test_lm_head_benchmark_smoke_run_times_both_paths(tmp_path) -> None:
+    """scripts/bench_lm_head.py --smoke: both backwards timed, the same gradient."""
+    import importlib.util
+    import json
+    import math
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_lm_head.py"
+    spec = importlib.util.spec_from_file_location("bench_lm_head", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "lm_head.json"
+    bench.main(["--smoke", "--repeats", "1", "--min-run-time", "0", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert set(res["timings"]) == {"fp32 (before)", "bf16 (now)"}
+    assert all(math.isfinite(t["median_s"]) and t["median_s"] > 0 for t in res["timings"].values())
+    assert math.isfinite(res["ratio"]) and res["ratio"] > 0
+    assert max(res["grad_rel_err"].values()) < 5e-2  # the two paths compute one gradient
