@@ -42,8 +42,10 @@ def _unsharded_after_ref_forward(rank: int, path: str, port: int, out: str) -> N
         micros = [[to_device(split.micro(rank, 0, m), torch.device("cpu")) for m in range(split.num_micro)]]
         lps = no_grad_logprobs(ref, cfg, micros)
         names = [n for n, p in ref.policy.named_parameters() if not isinstance(p, DTensor)]
+        again = no_grad_logprobs(ref, cfg, micros)  # gathers afresh from the shards
+        same = all(torch.equal(a, b) for ra, rb in zip(lps, again) for a, b in zip(ra, rb))
         finite = all(bool(lp.isfinite().all()) for row in lps for lp in row)
-        Path(out, f"{rank}.json").write_text(json.dumps({"unsharded": names, "finite": finite}))
+        Path(out, f"{rank}.json").write_text(json.dumps({"unsharded": names, "finite": finite, "same": same}))
     finally:
         dist.destroy_process_group()
 
@@ -53,5 +55,5 @@ def test_reference_model_is_sharded_again_after_its_no_grad_forward(tiny_chat_pa
              nprocs=WORLD, join=True)
     for r in range(WORLD):
         got = json.loads((tmp_path / f"{r}.json").read_text())
-        assert got["finite"]
+        assert got["finite"] and got["same"]
         assert got["unsharded"] == [], f"rank {r}: {got['unsharded']} still gathered after the ref forward"

@@ -130,7 +130,7 @@ class ChunkedLogProbs(torch.autograd.Function):
                 dz.sub_(g_ent[a:b, None] * p * (z - mean_z))
             dz = dz.to(cd)
             if need_h:
-                grad_h[a:b] = (dz @ w_c).to(hidden.dtype)
+                grad_h[a:b] = _dz_at_w(dz, w_c).to(hidden.dtype)
             if need_w:
                 grad_w.add_(dz.t() @ h)
         if grad_h is not None:
@@ -138,6 +138,16 @@ class ChunkedLogProbs(torch.autograd.Function):
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None
+
+
+def _dz_at_w(dz: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """dz [n, V] @ w [V, H] in their dtype. On CPU a bf16 GEMM of this layout
+    (inner dimension V, both operands row-major) is ~15x slower than the same
+    product as w^T @ (dz^T contiguous) (2.6 s vs 0.18 s at n=256, H=576, V=4K,
+    one AVX2 thread); on CUDA the plain product is the fast one."""
+    if dz.device.type == "cpu" and dz.dtype == torch.bfloat16:
+        return (w.t() @ dz.t().contiguous()).t()
+    return dz @ w
 
 
 def compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
