@@ -184,6 +184,7 @@ def test_lr_schedule_warmup_then_cosine_to_floor() -> None:
     ({"world_size": 3, "engine": EngineSpec(tensor_parallel_size=2)}, "must divide world_size 3"),
     ({"max_nan_steps": 0}, "backend.max_nan_steps"),
     ({"betas": (0.9, 1.5)}, "backend.betas"),
+    ({"device": "cuda", "attn_implementation": "varlen"}, "varlen needs dtype='bfloat16'"),
 ])
 def test_config_errors_name_the_field(kw, msg) -> None:
     with pytest.raises(ValueError, match=msg.replace("(", r"\(")):

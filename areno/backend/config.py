@@ -165,6 +165,10 @@ class BackendConfig:
         if self.device == "cpu" and self.attn_implementation in ("flash_attention_2", "varlen", "flex"):
             # flex runs forward on CPU, but torch 2.13 has no CPU backward for it
             bad("attn_implementation", self.attn_implementation, f"{self.attn_implementation} needs device='cuda'")
+        if self.dtype == "float32" and self.attn_implementation in ("flash_attention_2", "varlen"):
+            # flash kernels take fp16/bf16 only; auto picks flex for fp32 on CUDA
+            bad("attn_implementation", self.attn_implementation,
+                f"{self.attn_implementation} needs dtype='bfloat16' (flash kernels have no fp32)")
 
     def strategy_for(self, world_size: int) -> str:
         """'auto' -> 'fsdp2' on several ranks, 'single' (no wrapper) on one."""
