@@ -6,6 +6,7 @@ same run, interleaved.
     python scripts/bench_lm_head.py                  # CPU: 1K tokens, hidden 256, vocab 4K
     python scripts/bench_lm_head.py --smoke          # CI: a tiny shape, seconds
     python scripts/bench_lm_head.py --device cuda    # Qwen3-0.6B's lm_head, 16K tokens
+    python scripts/bench_lm_head.py --shape smollm2   # SmolLM2-135M's lm_head, 256 tokens (CPU)
 
 Each path runs its forward once, then times `torch.autograd.grad` of
 (logp * a + entropy * b) over its graph (retain_graph), with a device sync per
@@ -34,6 +35,7 @@ SHAPES = {  # tokens N, hidden H, vocab V, positions per lm_head chunk
     "smoke": dict(tokens=256, hidden=64, vocab=1024, chunk=128),
     "cpu": dict(tokens=1024, hidden=256, vocab=4096, chunk=512),  # CPUs without bf16 GEMMs emulate them: slow
     "cuda": dict(tokens=16384, hidden=1024, vocab=151936, chunk=4096),  # Qwen3-0.6B, logprob_chunk_size 4096
+    "smollm2": dict(tokens=256, hidden=576, vocab=49152, chunk=4096),  # the suite's real model, one CPU step
 }
 
 
@@ -96,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--smoke", action="store_true", help="a tiny shape (CI)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: smoke, else the device's")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--min-run-time", type=float, default=0.2, help="seconds per timed run (several calls if short)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU; default: torch's)")
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    name = "smoke" if args.smoke else args.device
+    name = args.shape or ("smoke" if args.smoke else args.device)
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
     res = run(name, device, args.repeats, args.min_run_time)
     rows = [(k, [v["median_s"] * 1e3, v["min_s"] * 1e3]) for k, v in res["timings"].items()]
