@@ -47,28 +47,34 @@ def test_the_adapter_reads_each_signature() -> None:
     }
 
 
-def _packed(policy, pack):
-    return policy(pack.input_ids.long()[None], pack.position_ids.long()[None], pack.targets.long()[None],
-                  cu_seqlens=pack.cu_seqlens, max_seqlen=pack.max_seqlen)
+def _bf16_forward_backward(tiny_chat_path, impl: str, pack):
+    """(logp, grads) of one packed pass under bf16 autocast, backward outside it
+    (as the train step), over fp32 master weights."""
+    policy = _policy(tiny_chat_path, impl)
+    with BF16:
+        lp, ent = policy(pack.input_ids.long()[None], pack.position_ids.long()[None], pack.targets.long()[None],
+                         cu_seqlens=pack.cu_seqlens, max_seqlen=pack.max_seqlen)
+    (lp.sum() + ent.sum()).backward()
+    return lp, {n: p.grad for n, p in policy.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def sdpa_bf16(tiny_chat_path):
+    """The pack and the sdpa path's (logp, grads) under bf16 autocast."""
+    b = random_batch(seed=3, vocab=VOCAB, max_response=12)
+    pack = build_train_pack(b, np.zeros(b.num_responses, np.float32))
+    return pack, *_bf16_forward_backward(tiny_chat_path, "sdpa", pack)
 
 
 @pytest.mark.parametrize("version", vs.VERSIONS)
-def test_bf16_autocast_reaches_the_kernel_in_one_half_dtype(tiny_chat_path, monkeypatch, version) -> None:
+def test_bf16_autocast_reaches_the_kernel_in_one_half_dtype(tiny_chat_path, sdpa_bf16, monkeypatch, version) -> None:
     """fp32 masters under bf16 autocast: RMSNorm hands q, k over fp32 and v bf16;
     the kernel gets all three bf16, K/V repeated only where the signature has no
     enable_gqa, and log-probs and gradients agree with the sdpa path."""
     calls: list = []
     monkeypatch.setattr(tv, "varlen_attn", vs.make(version, calls))
-    b = random_batch(seed=3, vocab=VOCAB, max_response=12)
-    pack = build_train_pack(b, np.zeros(b.num_responses, np.float32))
-    results = []
-    for impl in ("varlen", "sdpa"):
-        policy = _policy(tiny_chat_path, impl)
-        with BF16:
-            lp, ent = _packed(policy, pack)
-        (lp.sum() + ent.sum()).backward()  # outside autocast, as the train step
-        results.append((lp, {n: p.grad for n, p in policy.named_parameters()}))
-    (lp_v, g_v), (lp_s, g_s) = results
+    pack, lp_s, g_s = sdpa_bf16
+    lp_v, g_v = _bf16_forward_backward(tiny_chat_path, "varlen", pack)
     heads = (4, 2) if version == "2.13" else (4, 4)
     assert calls and all(c["dtype"] == torch.bfloat16 and c["heads"] == heads for c in calls)
     torch.testing.assert_close(lp_v, lp_s, atol=2e-2, rtol=0)
