@@ -37,7 +37,9 @@ class HFEngine:
 
     model: HF directory or hub id. dtype: "auto" (the checkpoint's), "float32",
     "bfloat16", "float16". device: None picks cuda if available. max_model_len:
-    prompt + response limit (None: config.max_position_embeddings).
+    prompt + response limit (None: config.max_position_embeddings). sleep:
+    whether sleep() frees the weights (None: on CUDA only, where the trainer
+    needs the memory; tests turn it on for CPU to run the same branch).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class HFEngine:
         seed: int = 0,
         max_model_len: int | None = None,
         device: str | torch.device | None = None,
+        sleep: bool | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -70,12 +73,16 @@ class HFEngine:
         self.pad_token_id: int = int(pad if pad is not None else (self.eos_token_ids or (0,))[0])
         self.seed = seed
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
-        self.supports_sleep: bool = self.device.type == "cuda"
+        self.supports_sleep: bool = self.device.type == "cuda" if sleep is None else sleep
         self._asleep = False
+        self._discarded = False  # sleep freed the weights; the next full load restores them
         self._weight_names = set(self.model.state_dict().keys())
         tied = bool(getattr(cfg.get_text_config(), "tie_word_embeddings", False))
         self._optional_names = {"lm_head.weight"} if tied else set()
         self._weight_names -= self._optional_names
+        # Each parameter once (a tied lm_head is the embedding's) with its shape,
+        # for sleep()/wake_up() to free and reallocate (buffers are small and kept).
+        self._params = [(p, p.shape) for p in self.model.parameters()]
 
     # -- sampling ------------------------------------------------------------
     def generate(
@@ -186,17 +193,18 @@ class HFEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], probe: Probe | None = None) -> None:
         """Strict by name (unknown -> ValueError, missing -> WeightSyncError),
         copied into the existing parameters, then the probe is checked."""
-        self._check_awake()
+        self._check_awake(loading=True)
         weights = named_tensor_dict(named_tensors)
         check_weight_names(weights, self._weight_names, self._optional_names)
         self._push(weights)
+        self._discarded = False
         if probe is not None:
             verify_probe(self, probe)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (any device/dtype) into the live parameters one at a
         time (no full state dict is ever built); every expected name must come."""
-        self._check_awake()
+        self._check_awake(loading=True)
         live = self.model.state_dict(keep_vars=True)
         seen: set[str] = set()
         with torch.no_grad():
@@ -211,6 +219,7 @@ class HFEngine:
         missing = self._weight_names - seen
         if missing:
             raise WeightSyncError(f"weight update is missing {len(missing)} tensors, e.g. {min(missing)}")
+        self._discarded = False
 
     @torch.no_grad()
     def weights_fingerprint(self, names: Iterable[str]) -> float:
@@ -231,15 +240,22 @@ class HFEngine:
 
     # -- lifecycle -----------------------------------------------------------
     def sleep(self) -> None:
-        """Move the model to host memory (GPU); a no-op on CPU."""
+        """Free the weights' memory (GPU; see `sleep` in __init__) while the
+        trainer runs. They are not copied to the host and back: the weight sync
+        after training overwrites every one of them, so wake_up() only
+        reallocates and generating needs a full load first (as vLLM level 2)."""
         if self.supports_sleep and not self._asleep:
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
-            self._asleep = True
+            for p, _ in self._params:  # a new empty tensor: loaded (mmap) storages cannot shrink
+                p.data = p.data.new_empty(0)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._asleep = self._discarded = True
 
     def wake_up(self) -> None:
+        """Reallocate what sleep() freed (uninitialised until the next load)."""
         if self._asleep:
-            self.model.to(self.device)
+            for p, shape in self._params:
+                p.data = p.data.new_empty(shape)
         self._asleep = False
 
     def shutdown(self) -> None:
@@ -247,11 +263,13 @@ class HFEngine:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def _check_awake(self) -> None:
+    def _check_awake(self, loading: bool = False) -> None:
         if self.model is None:
             raise RuntimeError("HFEngine: used after shutdown()")
         if self._asleep:
             raise RuntimeError("HFEngine: asleep; call wake_up() first")
+        if self._discarded and not loading:
+            raise RuntimeError("HFEngine: sleep() freed the weights; load a full set before sampling")
 
 
 def _left_pad(ids: np.ndarray, offsets: np.ndarray, members: np.ndarray, pad: int,
