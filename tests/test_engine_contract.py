@@ -312,3 +312,28 @@ def test_vllm_asks_for_flat_logprobs_and_reads_them(engine, make_prompts, monkey
     engine.prompt_logprobs(PROBE_IDS)
     params, outs = seen[-1]
     assert params.flat_logprobs and isinstance(outs[0].prompt_logprobs, FlatLogprobs)
+
+
+@pytest.mark.parametrize("engine", ["vllm"], indirect=True)
+def test_vllm_sleeps_at_level_2_and_wakes_weights_then_loads_then_kv_cache(engine, original_state, make_prompts,
+                                                                            monkeypatch):
+    """The GPU branch on the real engine object (CPU vLLM has no sleep mode, so
+    only its LLM's sleep/wake_up are recorded instead of run): level 2 frees the
+    weights, wake_up brings back only the weights, the load then reloads them
+    and wakes the KV cache, and sampling refuses in between."""
+    calls = []
+    llm = engine.llm
+    monkeypatch.setattr(engine, "supports_sleep", True)
+    monkeypatch.setattr(llm, "sleep", lambda level: calls.append(("sleep", level)))
+    monkeypatch.setattr(llm, "wake_up", lambda tags=None: calls.append(("wake_up", tags)))
+    real_rpc = llm.collective_rpc
+    monkeypatch.setattr(llm, "collective_rpc",
+                        lambda method, **kw: calls.append((method,)) or real_rpc(method, **kw))
+    ids, off = make_prompts(PROMPTS)
+    engine.sleep()
+    engine.wake_up()
+    with pytest.raises(RuntimeError, match="load a full set"):
+        engine.generate(ids, off, 1, SamplingConfig(max_tokens=2))
+    engine.load_weights(original_state.items())
+    assert calls == [("sleep", 2), ("wake_up", ["weights"]), ("reload_weights",), ("wake_up", ["kv_cache"])]
+    assert engine.generate(ids, off, 1, SamplingConfig(max_tokens=2)).num_responses == len(PROMPTS)
