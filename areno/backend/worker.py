@@ -113,6 +113,8 @@ class RankWorker:
         self.hooks.train_begin(self.rank)
         t0 = time.perf_counter()
         local = LocalPack(handoff, payload)
+        if self.device.type == "cuda":  # perf/peak_gpu_mem_gb is this train phase's, not the run's
+            torch.cuda.reset_peak_memory_stats(self.device)
         if self.engine is not None:  # its KV cache (and, on GPU, weights) make room for training
             self.engine.sleep()
         t1 = time.perf_counter()
