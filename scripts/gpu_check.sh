@@ -46,7 +46,7 @@ KILL_AFTER=5
 SCALE=1; [[ $SMOKE == 1 ]] && SCALE=4  # CI's shared CPUs, not the GPU budget, set the smoke's pace
 
 # step NAME LIMIT_S CMD...: CMD under timeout (SIGTERM at LIMIT_S, SIGKILL KILL_AFTER s later),
-# its exit code and seconds appended to steps.jsonl. GPU limits: 40+110+55+150+55 (+5 each) = 435 s.
+# its exit code and seconds appended to steps.jsonl. GPU limits: 40+130+45+150+55 (+5 each) = 445 s.
 step() {
   local name=$1 limit=$(($2 * SCALE)); shift 2
   local t0=$SECONDS rc=0
@@ -63,7 +63,7 @@ if [[ $SMOKE == 1 ]]; then
   # The GPU machine has no vLLM, datasets or math-verify: the smoke run proves the CLI path needs none.
   export PYTHONPATH="$PWD/scripts/gpu_check_blocked${PYTHONPATH:+:$PYTHONPATH}"
 else
-  DEV=(--device cuda --dtype bfloat16); DEMO_STEPS=30; BIG_STEPS=3
+  DEV=(--device cuda --dtype bfloat16); DEMO_STEPS=20; BIG_STEPS=2
   BIG=(--max-new-tokens 1024 --batch-size 4 --n-samples 4); LMHEAD=(--device cuda --repeats 3)
 fi
 : >"$OUTDIR/steps.jsonl"
@@ -73,14 +73,14 @@ step build 40 "$PY" scripts/gpu_check_cli.py build "$WORK/big" $([[ $SMOKE == 1 
   >"$OUTDIR/build.log" 2>&1 || { echo "FAIL build (see build.log)"; tail -5 "$OUTDIR/build.log"; }
 
 # 1. attention kernels and the transformers engine's peak memory at 1024 new tokens
-step engine 110 "$PY" scripts/gpu_check.py --model-dir "$WORK/big/model" --out "$OUTDIR/gpu_check.txt" \
+step engine 130 "$PY" scripts/gpu_check.py --model-dir "$WORK/big/model" --out "$OUTDIR/gpu_check.txt" \
   $([[ $SMOKE == 1 ]] && echo --cpu-smoke)
 
 # 2. the real CLI, default strategy, transformers engine, bf16
 {
   status=0  # this block's own verdict (it runs in a subshell, under tee)
   echo "areno gpu_check: the CLI ($([[ $SMOKE == 1 ]] && echo 'CPU smoke' || echo GPU))"
-  step cli_demo 55 "${AR[@]}" train "${DEV[@]}" --rollout-engine hf --max-steps $DEMO_STEPS --no-save \
+  step cli_demo 45 "${AR[@]}" train "${DEV[@]}" --rollout-engine hf --max-steps $DEMO_STEPS --no-save \
       --output-dir "$OUTDIR/runs/demo" >"$OUTDIR/runs/demo.log" 2>&1
   "$PY" scripts/gpu_check_cli.py summary "$OUTDIR/runs/demo" --title "demo, bf16, hf engine" \
       --log "$OUTDIR/runs/demo.log" --steps $DEMO_STEPS --json "$OUTDIR/cli_demo.json" \

@@ -53,3 +53,15 @@ def test_a_failed_sync_check_in_the_runs_output_fails_the_summary(tmp_path: Path
                    "weight sync probe failed on rank 0: engine log-probs differ\n")
     bad = sync_check(steps[:1], log, 2)
     assert not bad["passed"] and "WeightSyncError" in bad["verdict"]
+
+
+def test_every_gpu_step_has_a_limit_and_they_fit_one_450s_call() -> None:
+    """Each step runs under `timeout --kill-after` (the `step` function), and the
+    GPU limits plus their kill-after grace add up to at most 450 s."""
+    import re
+
+    text = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    kill_after = int(re.search(r"^KILL_AFTER=(\d+)$", text, re.M).group(1))
+    limits = [int(n) for n in re.findall(r"^\s*step [a-z0-9_]+ (\d+) ", text, re.M)]
+    assert len(limits) == 5 and sum(limits) + kill_after * len(limits) <= 450, limits
+    assert 'timeout --signal=TERM --kill-after=$KILL_AFTER "$limit"' in text
