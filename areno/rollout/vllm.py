@@ -292,16 +292,14 @@ class VLLMEngine:
             self._asleep = self._discarded = True
 
     def wake_up(self) -> None:
-        """Reallocate the weights only (uninitialised): the next full load fills
-        them and then wakes the KV cache (`_finish_wake`), so the sync's gather
-        never has the KV cache beside it (vLLM: wake weights, load, wake kv_cache)."""
+        """Reallocate the weights only (uninitialised); the next full load fills
+        them, then wakes the KV cache (`_finish_wake`): vLLM's order for updates."""
         if self.supports_sleep and self._asleep:
             self.llm.wake_up(tags=["weights"])
         self._asleep = False
 
     def _finish_wake(self) -> None:
-        """After a full load: the KV cache back; vLLM resumes scheduling once
-        every allocation is resident."""
+        """After a full load: the KV cache back (vLLM then resumes scheduling)."""
         if self._discarded:
             self.llm.wake_up(tags=["kv_cache"])
             self._discarded = False
