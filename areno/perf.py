@@ -20,12 +20,17 @@ from dataclasses import dataclass
 import numpy as np
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no 2:4 sparsity), NVIDIA datasheets.
-# Matched by substring of torch.cuda.get_device_name(), first match wins.
+# Matched by substring of torch.cuda.get_device_name(), first match wins, so a
+# variant comes before its family. The NVL (PCIe, NVLink bridge) boards list
+# 1,671 TFLOPS bf16 "with sparsity", i.e. 835.5 dense, for both H100 NVL and
+# H200 NVL (https://www.nvidia.com/en-us/data-center/h100/ and .../h200/).
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
     ("A100", 312.0),
+    ("H100 NVL", 835.5),
     ("H100 PCIe", 756.0),
     ("H100", 989.0),   # SXM / HBM3
-    ("H200", 989.0),
+    ("H200 NVL", 835.5),
+    ("H200", 989.0),   # SXM
     ("B200", 2250.0),
 )
 

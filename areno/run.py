@@ -27,7 +27,7 @@ from areno.sampler import PromptSampler
 from areno.errors import UserError
 from areno.hub import check_model_id
 from areno.leftovers import clean_leftovers
-from areno.modelinfo import check_context
+from areno.modelinfo import check_model
 from areno.multinode import controller_port, start_local_ranks
 from areno.multinode import stop as stop_ranks
 from areno.pack import Workspace
@@ -202,7 +202,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
     total = total_steps_for(cfg, sampler) if sampler else 0
     nproc, world_size = ranks_for(cfg, device)
     longest = max(int(p.lengths.max()) for p in (prompts, evalset and evalset[1]) if p)
-    check_context(model_path, longest, cfg.max_new_tokens)  # before any engine or rank starts
+    check_model(model_path, longest, cfg.max_new_tokens)  # before any engine or rank starts
     with contextlib.ExitStack() as stack:
         scorer = stack.enter_context(RewardScorer(
             resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,

@@ -1,15 +1,18 @@
-"""GPU check of the torch backend: FSDP2 over NCCL, bf16, on a Qwen3-0.6B-shaped
-model built locally (random weights, no download), with the transformers
-rollout engine (no vLLM needed). A few GRPO steps; reports the step-time
-breakdown (rollout, host, hand-off, train, weight sync), tokens/s and peak GPU
-memory into a results file.
+"""GPU check, the parts the CLI runs cannot show (scripts/gpu_check.sh runs
+the CLI itself on the default path):
 
-    python scripts/gpu_check.py --out gpu_check.txt          # needs one NVIDIA GPU
-    python scripts/gpu_check.py --cpu-smoke --out smoke.txt   # same logic, tiny shape, CPU
+  1. packed == padded log-probs for every attention kernel the device has;
+  2. the transformers engine's peak GPU memory while sampling --new-tokens
+     (default 1024) tokens for --rows rows on the Qwen3-0.6B-shaped model that
+     gpu_check_cli.py built, against what the old path (every step's scores
+     kept, then stacked and log-softmaxed: 3 x rows x steps x vocab x 4 bytes)
+     would have added.
 
-It drives TorchBackend and HFEngine directly (not the `areno train` CLI). The
-reward is synthetic (fraction of even token ids), so the run measures the
-machinery, not learning. Exit code 0 when every check line says PASS.
+    python scripts/gpu_check.py --model-dir DIR --out gpu_check.txt              # one NVIDIA GPU
+    python scripts/gpu_check.py --model-dir DIR --cpu-smoke --out smoke.txt      # same logic, CPU
+
+Writes the report and, beside it, gpu_check.json. Exit code 0 when every check
+line says PASS.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import platform
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -34,7 +36,7 @@ QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                  head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
                  max_position_embeddings=4096, rope_theta=1_000_000.0)
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            intermediate_size=128, vocab_size=1000, tie_word_embeddings=True, max_position_embeddings=512,
+            intermediate_size=128, vocab_size=1000, tie_word_embeddings=True, max_position_embeddings=2048,
             rope_theta=10000.0)
 
 
@@ -107,61 +109,56 @@ def packed_attention_check(device: str, impl: str = "sdpa") -> float:
     return float((lp[0] - lpp[pad.attention_mask.to(d)]).abs().max().cpu())
 
 
-def make_prompts(n: int, length: int, vocab: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """n prompts of equal length (HFEngine samples equal lengths together)."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(3, min(vocab, 400), n * length).astype(np.int32)
-    return ids, np.arange(0, n * length + 1, length, dtype=np.int64)
+def engine_peak(model_dir: Path, device: str, rows: int, prompt_len: int, new_tokens: int) -> dict:
+    """Sample `rows` rows of `new_tokens` tokens (EOS ignored) with the bf16
+    transformers engine; its peak allocated memory above the loaded weights."""
+    import torch
 
-
-def rewards_of(batch) -> np.ndarray:
-    """Fraction of even token ids per response (vectorized; synthetic)."""
-    even = (batch.response_ids % 2 == 0).astype(np.float64)
-    lens = np.diff(batch.response_offsets)
-    sums = np.add.reduceat(even, batch.response_offsets[:-1]) if even.size else np.zeros(lens.size)
-    return (np.where(lens > 0, sums, 0.0) / np.maximum(lens, 1)).astype(np.float32)
-
-
-def run(args: argparse.Namespace, rep: Report, work: Path) -> None:
-    from areno.backend import TorchBackend
+    from areno.rollout.engine import SamplingConfig
     from areno.rollout.hf import HFEngine
 
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    engine = HFEngine(model_dir, dtype=dtype, device=device, max_model_len=prompt_len + new_tokens)
+    rng = np.random.default_rng(0)
+    groups = max(rows // 4, 1)
+    ids = rng.integers(3, min(engine.vocab_size, 400), groups * prompt_len).astype(np.int32)
+    offsets = np.arange(0, ids.size + 1, prompt_len, dtype=np.int64)
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    t = time.perf_counter()
+    batch = engine.generate(ids, offsets, rows // groups, SamplingConfig(max_tokens=new_tokens, ignore_eos=True))
+    seconds = time.perf_counter() - t
+    peak = (torch.cuda.max_memory_allocated() - base) if cuda else None
+    n = batch.num_responses
+    old_scores = 3 * n * new_tokens * engine.vocab_size * 4  # stacked scores, fp32 copy, log-softmax
+    engine.shutdown()
+    return dict(rows=int(n), new_tokens=new_tokens, vocab=engine.vocab_size, seconds=seconds,
+                tokens=int(batch.num_response_tokens), peak_above_weights_gib=None if peak is None else peak / 2**30,
+                old_path_scores_gib=old_scores / 2**30)
+
+
+def run(args: argparse.Namespace, rep: Report) -> dict:
     smoke = args.cpu_smoke
     device = "cpu" if smoke else "cuda"
     if not _header(rep, smoke):
-        return
-    shape = TINY if smoke else QWEN3_06B
-    rep.add(f"model shape: {json.dumps(shape)}")
+        return {}
     _attention_checks(rep, device)
-    t = time.perf_counter()
-    model_dir = work / "model"
-    build_model_dir(shape, device, model_dir)
-    rep.add(f"built random model in {time.perf_counter() - t:.1f}s -> {model_dir}")
-    cfg = _backend_config(args, model_dir, device)
-    engine_dtype = "float32" if smoke else "bfloat16"
-    t = time.perf_counter()
-    backend = TorchBackend(cfg)
-    rep.add(f"backend up in {time.perf_counter() - t:.1f}s (strategy {backend.strategy}, "
-            f"{cfg.dist_backend}, {cfg.dtype})")
-    try:
-        t = time.perf_counter()
-        engine = HFEngine(model_dir, dtype=engine_dtype, device=device,
-                          max_model_len=args.prompt_len + args.new_tokens + 8)
-        rep.add(f"HF engine up in {time.perf_counter() - t:.1f}s ({engine_dtype})")
-        rep.add("")
-        rep.add(f"{'step':>4} {'rollout':>8} {'host':>6} {'handoff':>8} {'train':>7} {'wsync':>7} "
-                f"{'total':>7} {'tokens':>7} {'train tok/s':>11} {'loss':>9} {'gnorm':>8} {'peak GiB':>8}")
-        rows = []
-        for step in range(args.steps):
-            r = _one_step(args, step, shape, engine, backend, tolerance=1e-3 if smoke else 0.1)  # bf16 engine
-            rows.append(r)
-            rep.add(f"{step:>4} {r['rollout_s']:>8.2f} {r['host_s']:>6.3f} {r['handoff_s']:>8.4f} "
-                    f"{r['train_s']:>7.2f} {r['weight_sync_s']:>7.2f} {r['total_s']:>7.2f} {r['tokens']:>7} "
-                    f"{r['train_tok_s']:>11.0f} {r['loss']:>9.4f} {r['grad_norm']:>8.3f} {r['peak_gib']:>8.2f}")
-        _summary(args, rep, rows, backend, smoke)
-        engine.shutdown()
-    finally:
-        backend.close()
+    r = engine_peak(Path(args.model_dir), device, args.rows, args.prompt_len, args.new_tokens)
+    rep.add(f"transformers engine: {r['rows']} rows x {r['new_tokens']} new tokens (vocab {r['vocab']}) "
+            f"in {r['seconds']:.1f}s, {r['tokens'] / r['seconds']:.0f} tok/s")
+    rep.check(f"engine sampled every token ({r['rows']} x {r['new_tokens']})",
+              r["tokens"] == r["rows"] * r["new_tokens"], f"got {r['tokens']}")
+    if r["peak_above_weights_gib"] is not None:
+        peak, old = r["peak_above_weights_gib"], r["old_path_scores_gib"]
+        rep.add(f"peak GPU memory above the engine's weights: {peak:.2f} GiB "
+                f"(the old path's scores alone: {old:.1f} GiB)")
+        # the KV cache and one step's [rows, vocab] remain; the old path's scores were 3 x rows x steps x vocab
+        rep.check("engine peak memory below a tenth of the old path's scores", peak < old / 10,
+                  f"{peak:.2f} GiB vs {old:.1f} GiB")
+    return {"engine": r}
 
 
 def _header(rep: Report, smoke: bool) -> bool:
@@ -195,123 +192,38 @@ def _attention_checks(rep: Report, device: str) -> None:
         rep.check(f"packed == padded log-probs ({impl}, cu_seqlens)", diff < tol, f"max diff {diff:.2e}")
 
 
-def _backend_config(args: argparse.Namespace, model_dir: Path, device: str):
-    """FSDP2 at one rank on purpose: the GPU code path multi-GPU runs take."""
-    from areno.backend import BackendConfig
-    from areno.losses import LossConfig
-
-    smoke = device == "cpu"
-    return BackendConfig(
-        model_path=str(model_dir), world_size=1, device=device,
-        dtype="float32" if smoke else "bfloat16", strategy="fsdp2",
-        lr=1e-6, warmup_steps=1, total_steps=args.steps * 2, max_grad_norm=1.0,
-        grad_checkpointing=args.grad_checkpointing, ppo_epochs=1, loss=LossConfig(algo="grpo"),
-        logprob_chunk_size=4096, startup_timeout_s=900, command_timeout_s=900,
-        export_dtype=None if smoke else "bfloat16",  # what a bf16 engine loads; half the bytes
-        attn_implementation=args.attn,
-    )
-
-
-def _one_step(args: argparse.Namespace, step: int, shape: dict, engine, backend, tolerance: float) -> dict:
-    """Rollout, advantages + pack, train, weight sync through export; its timings."""
-    from areno.advantages import group_advantages
-    from areno.rollout.engine import SamplingConfig
-    from areno.split import build_split_pack
-
-    sampling = SamplingConfig(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    ids, offs = make_prompts(args.prompts, args.prompt_len, shape["vocab_size"], seed=step)
-    batch = engine.generate(ids, offs, args.samples, sampling)
-    t1 = time.perf_counter()
-    adv = group_advantages(rewards_of(batch), batch.group_index, mode="grpo")
-    split = build_split_pack(batch, adv, world_size=1, max_tokens=args.micro_tokens,
-                             num_minibatches=args.minibatches)
-    t2 = time.perf_counter()
-    metrics = backend.train(split)
-    t3 = time.perf_counter()
-    tim = dict(backend.last_timings)
-    named, probe = backend.export_weights(probe_tolerance=tolerance)
-    engine.update_weights(named, probe)
-    t4 = time.perf_counter()
-    handoff = tim["handoff_write_s"] + tim["handoff_map_s"]
-    r = dict(step=step, rollout_s=t1 - t0, host_s=t2 - t1, handoff_s=handoff, train_s=t3 - t2 - handoff,
-             weight_sync_s=t4 - t3, total_s=t4 - t0, tokens=split.pack.num_tokens,
-             loss=metrics[-1]["loss"], grad_norm=metrics[-1]["grad_norm"],
-             nan_skipped=sum(m["nan_skipped"] for m in metrics),
-             peak_gib=tim.get("peak_gpu_mem_gb", float("nan")),
-             export_gather_s=backend.last_timings.get("export_gather_s"),
-             export_probe_s=backend.last_timings.get("export_probe_s"))
-    r["train_tok_s"] = r["tokens"] / max(r["train_s"], 1e-9)
-    return r
-
-
-def _summary(args: argparse.Namespace, rep: Report, rows: list[dict], backend, smoke: bool) -> None:
-    """Means over the steady steps, the checks, and the JSON beside the report."""
-    import torch
-
-    steady = rows[1:] or rows
-    mean = {k: float(np.mean([r[k] for r in steady])) for k in
-            ("rollout_s", "host_s", "handoff_s", "train_s", "weight_sync_s", "total_s", "train_tok_s",
-             "export_gather_s", "export_probe_s")}
-    rep.add("")
-    rep.add(f"mean of steps 1..{len(rows) - 1} (step 0 is warm-up): " + ", ".join(
-        f"{k} {v:.3f}" for k, v in mean.items()))
-    rep.add(f"trained tokens/s {mean['train_tok_s']:.0f}; end-to-end tokens/s "
-            f"{np.mean([r['tokens'] / r['total_s'] for r in steady]):.0f}")
-    if not smoke:
-        free, total = torch.cuda.mem_get_info()
-        rep.add(f"peak GPU memory (backend rank, allocated): {max(r['peak_gib'] for r in rows):.2f} GiB; "
-                f"device now {(total - free) / 2**30:.1f} / {total / 2**30:.1f} GiB used")
-    rep.check("all losses and grad norms finite", all(np.isfinite([r["loss"], r["grad_norm"]]).all()
-                                                      for r in rows))
-    rep.check("no skipped steps", all(r["nan_skipped"] == 0 for r in rows))
-    rep.check("weight sync probe accepted by the engine every step", True)
-    rep.check(f"backend optimizer steps == {args.steps * args.minibatches}",
-              backend.step == args.steps * args.minibatches, f"got {backend.step}")
-    rep.path.with_suffix(".json").write_text(json.dumps({"rows": rows, "mean": mean}, indent=1) + "\n")
-
-
 def _on_sigterm(signum, frame) -> None:
     raise KeyboardInterrupt("SIGTERM (time limit reached)")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU (gloo), same code path")
+    ap.add_argument("--model-dir", required=True, help="the model gpu_check_cli.py built (DIR/model)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="CPU, the same code path")
     ap.add_argument("--out", default=None, help="results file (default $OUT/gpu_check.txt or ./gpu_check.txt)")
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--prompts", type=int, default=None)
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=None)
-    ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--micro-tokens", type=int, default=None)
-    ap.add_argument("--minibatches", type=int, default=2)
-    ap.add_argument("--grad-checkpointing", action="store_true")
-    ap.add_argument("--attn", default="auto", choices=["auto", "varlen", "flash_attention_2", "flex", "sdpa"],
-                    help="backend attention (backend/attention.py; auto: flash-attn, else torch varlen, else flex)")
+    ap.add_argument("--rows", type=int, default=None, help="sampled rows (GPU 64, smoke 8)")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=None, help="new tokens per row (GPU 1024, smoke 16)")
     args = ap.parse_args(argv)
-    smoke = args.cpu_smoke
-    for name, gpu, cpu in (("steps", 4, 2), ("prompts", 16, 4), ("prompt_len", 64, 12), ("new_tokens", 192, 8),
-                           ("micro_tokens", 8192, 64)):
-        if getattr(args, name) is None:
-            setattr(args, name, cpu if smoke else gpu)
-    if smoke:
-        args.samples = min(args.samples, 4)
+    if args.rows is None:
+        args.rows = 8 if args.cpu_smoke else 64
+    if args.new_tokens is None:
+        args.new_tokens = 16 if args.cpu_smoke else 1024
     out = Path(args.out) if args.out else Path(os.environ.get("OUT", ".")) / "gpu_check.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     rep = Report(out)
-    work = Path(tempfile.mkdtemp(prefix="areno-gpu-check-"))
     t = time.perf_counter()
-    # `timeout` (gpu_check.sh) sends SIGTERM: unwind, so the backend is shut down and the file says so
+    # `timeout` (gpu_check.sh) sends SIGTERM: unwind, so the file says why it stopped
     signal.signal(signal.SIGTERM, _on_sigterm)
+    results: dict = {}
     try:
-        run(args, rep, work / "run")
+        results = run(args, rep)
     except BaseException as e:  # the results file says why
         rep.check("run completed", False, f"{type(e).__name__}: {' '.join(str(e).split())[:2000]}")
         rep.add(traceback.format_exc())
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     rep.add(f"wall time {time.perf_counter() - t:.0f}s; {'ALL PASS' if rep.ok else 'SOME CHECKS FAILED'}")
+    results |= {"ok": rep.ok, "checks": [ln for ln in rep.lines if ln.startswith(("PASS", "FAIL"))]}
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
     return 0 if rep.ok else 1
 
 

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# GPU check on one NVIDIA GPU (torch + transformers, no vLLM, no network), in
-# one call of under 8 minutes. Everything lands in $OUT (or ./gpu_check_out):
-#   1. gpu_check.txt/.json  the backend alone: FSDP2 over NCCL in bf16 on a
-#      Qwen3-0.6B-shaped random model, step-time breakdown, peak memory;
-#   2. cli.txt              the real CLI: the demo in bf16 for 100 steps with the
-#      transformers engine beside the rank, then `areno train` for 3 steps on the
-#      Qwen3-0.6B-shaped model (phases, weight sync, peak memory), each run's
-#      metrics.jsonl summarised; the run dirs under $OUT/runs.
+# GPU check on one NVIDIA GPU (torch + transformers; no vLLM, datasets or
+# math-verify; no network), in one device call: every step runs under
+# `timeout --kill-after`, and the limits below add up to at most 450 s.
+# Everything lands in $OUT (or ./gpu_check_out):
+#   steps.jsonl        one line per step: name, exit code, seconds, its limit
+#   gpu_check.txt/.json  attention kernels (packed == padded) and the transformers
+#                      engine's peak memory at 1024 new tokens (scripts/gpu_check.py)
+#   cli.txt, cli_*.json  the real CLI on the default path (`areno train`, default
+#                      strategy, one GPU, bf16, transformers engine): the demo, then
+#                      the Qwen3-0.6B-shaped model; phases, peak memory per train
+#                      phase, and the run's own weight-sync check verdict
+#   lm_head.txt/.json  lm_head backward in bf16 vs fp32 (scripts/bench_lm_head.py)
 # Exit 0 when every part passes.
 #
 #   bash scripts/gpu_check.sh                 # on the GPU machine, from the repo root
@@ -36,35 +40,69 @@ if [[ "${1:-}" == "--bench-train" ]]; then  # a call of its own: it needs 6-9 mi
 fi
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-T=timeout; status=0
+status=0
 AR=("$PY" -m areno.cli)
+KILL_AFTER=5
+SCALE=1; [[ $SMOKE == 1 ]] && SCALE=4  # CI's shared CPUs, not the GPU budget, set the smoke's pace
+
+# step NAME LIMIT_S CMD...: CMD under timeout (SIGTERM at LIMIT_S, SIGKILL KILL_AFTER s later),
+# its exit code and seconds appended to steps.jsonl. GPU limits: 40+130+45+150+55 (+5 each) = 445 s.
+step() {
+  local name=$1 limit=$(($2 * SCALE)); shift 2
+  local t0=$SECONDS rc=0
+  timeout --signal=TERM --kill-after=$KILL_AFTER "$limit" "$@" || rc=$?
+  printf '{"step": "%s", "rc": %d, "seconds": %d, "limit_s": %d}\n' \
+    "$name" "$rc" $((SECONDS - t0)) "$limit" >>"$OUTDIR/steps.jsonl"
+  [[ $rc == 0 ]] || status=1
+  return $rc
+}
 
 if [[ $SMOKE == 1 ]]; then
-  DEV=(--device cpu --dtype bfloat16); DEMO_STEPS=3; BIG_STEPS=2; BIG=(--max-new-tokens 8 --batch-size 4 --n-samples 2)
+  DEV=(--device cpu --dtype bfloat16); DEMO_STEPS=3; BIG_STEPS=2
+  BIG=(--max-new-tokens 16 --batch-size 2 --n-samples 2); LMHEAD=(--smoke)
+  # The GPU machine has no vLLM, datasets or math-verify: the smoke run proves the CLI path needs none.
+  export PYTHONPATH="$PWD/scripts/gpu_check_blocked${PYTHONPATH:+:$PYTHONPATH}"
 else
-  DEV=(--device cuda --dtype bfloat16); DEMO_STEPS=100; BIG_STEPS=3; BIG=(--max-new-tokens 192 --batch-size 16 --n-samples 8)
+  DEV=(--device cuda --dtype bfloat16); DEMO_STEPS=20; BIG_STEPS=2
+  BIG=(--max-new-tokens 1024 --batch-size 4 --n-samples 4); LMHEAD=(--device cuda --repeats 3)
 fi
+: >"$OUTDIR/steps.jsonl"
 
-# 1. the backend alone (never more than 3 minutes)
-$T --signal=TERM --kill-after=20 "${GPU_CHECK_TIMEOUT:-180}" "$PY" scripts/gpu_check.py \
-  --out "$OUTDIR/gpu_check.txt" $([[ $SMOKE == 1 ]] && echo --cpu-smoke) || status=1
+# 0. the Qwen3-0.6B-shaped random model (tiny on CPU), its prompts and reward plugin
+step build 40 "$PY" scripts/gpu_check_cli.py build "$WORK/big" $([[ $SMOKE == 1 ]] && echo --cpu-smoke) \
+  >"$OUTDIR/build.log" 2>&1 || { echo "FAIL build (see build.log)"; tail -5 "$OUTDIR/build.log"; }
 
-# 2. the real CLI
+# 1. attention kernels and the transformers engine's peak memory at 1024 new tokens
+step engine 130 "$PY" scripts/gpu_check.py --model-dir "$WORK/big/model" --out "$OUTDIR/gpu_check.txt" \
+  $([[ $SMOKE == 1 ]] && echo --cpu-smoke)
+
+# 2. the real CLI, default strategy, transformers engine, bf16
 {
+  status=0  # this block's own verdict (it runs in a subshell, under tee)
   echo "areno gpu_check: the CLI ($([[ $SMOKE == 1 ]] && echo 'CPU smoke' || echo GPU))"
-  $T 150 "${AR[@]}" train "${DEV[@]}" --rollout-engine hf --max-steps $DEMO_STEPS --no-save \
-      --output-dir "$OUTDIR/runs/demo" >"$OUTDIR/runs/demo.log" 2>&1 \
-    && "$PY" scripts/gpu_check_cli.py summary "$OUTDIR/runs/demo" --title "demo, bf16, hf engine" \
+  step cli_demo 45 "${AR[@]}" train "${DEV[@]}" --rollout-engine hf --max-steps $DEMO_STEPS --no-save \
+      --output-dir "$OUTDIR/runs/demo" >"$OUTDIR/runs/demo.log" 2>&1
+  "$PY" scripts/gpu_check_cli.py summary "$OUTDIR/runs/demo" --title "demo, bf16, hf engine" \
+      --log "$OUTDIR/runs/demo.log" --steps $DEMO_STEPS --json "$OUTDIR/cli_demo.json" \
     || { echo "FAIL demo run (see runs/demo.log)"; tail -5 "$OUTDIR/runs/demo.log"; status=1; }
-  $T 120 "$PY" scripts/gpu_check_cli.py build "$WORK/big" $([[ $SMOKE == 1 ]] && echo --cpu-smoke) \
-    && $T 240 "${AR[@]}" train "${DEV[@]}" --rollout-engine hf --ckpt "$WORK/big/model" \
+  step cli_qwen3 150 "${AR[@]}" train "${DEV[@]}" --rollout-engine hf --ckpt "$WORK/big/model" \
       --dataset-path "$WORK/big/prompts.jsonl" --reward-fn-path "$WORK/big/reward.py" \
       --no-chat-template --max-steps $BIG_STEPS "${BIG[@]}" --no-save \
-      --output-dir "$OUTDIR/runs/qwen3_0.6b" >"$OUTDIR/runs/qwen3_0.6b.log" 2>&1 \
-    && "$PY" scripts/gpu_check_cli.py summary "$OUTDIR/runs/qwen3_0.6b" --title "Qwen3-0.6B shape, bf16, hf engine" \
+      --output-dir "$OUTDIR/runs/qwen3_0.6b" >"$OUTDIR/runs/qwen3_0.6b.log" 2>&1
+  "$PY" scripts/gpu_check_cli.py summary "$OUTDIR/runs/qwen3_0.6b" --title "Qwen3-0.6B shape, bf16, hf engine" \
+      --log "$OUTDIR/runs/qwen3_0.6b.log" --steps $BIG_STEPS --json "$OUTDIR/cli_qwen3.json" \
     || { echo "FAIL Qwen3-0.6B-shaped run (see runs/qwen3_0.6b.log)"; tail -5 "$OUTDIR/runs/qwen3_0.6b.log"; status=1; }
   [[ $status == 0 ]] && echo "CLI: ALL PASS"
 } 2>&1 | tee "$OUTDIR/cli.txt"
 grep -q "CLI: ALL PASS" "$OUTDIR/cli.txt" || status=1
+
+# 3. lm_head backward, bf16 (now) vs fp32 (before issue 17 2c): attn17's benchmark.
+# HOOK: scripts/bench_lm_head.py comes with attn17's branch; until it is merged this step says SKIP.
+if [[ -f scripts/bench_lm_head.py ]]; then
+  step lm_head 55 "$PY" scripts/bench_lm_head.py "${LMHEAD[@]}" --out "$OUTDIR/lm_head.json" \
+    >"$OUTDIR/lm_head.txt" 2>&1 || { echo "FAIL lm_head bench (see lm_head.txt)"; tail -5 "$OUTDIR/lm_head.txt"; }
+else
+  echo "SKIP lm_head backward bench: scripts/bench_lm_head.py is not in this tree (attn17)" | tee "$OUTDIR/lm_head.txt"
+fi
 
 exit $status

@@ -226,13 +226,20 @@ def test_verify_probe_returns_max_diff(engine, tiny_chat_model):
         verify_probe(engine, shifted)
 
 
-def test_sleep_wake_round_trip(engine):
+def test_sleep_wake_round_trip(engine, original_state):
+    """Sleep frees the weights where supported (both engines: the next sync
+    overwrites them all), so after wake_up only a full load makes the engine
+    usable again, and then it computes what it did before."""
     before = engine.prompt_logprobs(PROBE_IDS)
     engine.sleep()
     if engine.supports_sleep:
         with pytest.raises(RuntimeError, match="asleep"):
             engine.prompt_logprobs(PROBE_IDS)
     engine.wake_up()
+    if engine.supports_sleep:
+        with pytest.raises(RuntimeError, match="load a full set"):
+            engine.prompt_logprobs(PROBE_IDS)
+        engine.load_weights(original_state.items())
     np.testing.assert_allclose(engine.prompt_logprobs(PROBE_IDS), before, atol=1e-6)
 
 
@@ -245,12 +252,33 @@ def test_hf_eos_ids_come_from_the_generation_config(engine, eos_ids):
 
 
 @pytest.mark.parametrize("engine", ["hf"], indirect=True)
-def test_hf_sleep_is_exact_and_supported_on_cuda_only(engine):
-    before = engine.prompt_logprobs(PROBE_IDS)
-    engine.sleep()
-    engine.wake_up()
-    np.testing.assert_array_equal(engine.prompt_logprobs(PROBE_IDS), before)
+def test_hf_sleep_is_supported_on_cuda_only_by_default(engine):
     assert engine.supports_sleep == (engine.device.type == "cuda")
+
+
+def test_hf_sleep_frees_the_weights_and_a_load_restores_them(tiny_chat_path, original_state, make_prompts):
+    """The GPU branch, on CPU (sleep=True): every weight's storage is empty while
+    asleep (no host copy is kept), sampling refuses until a full load, and the
+    loaded engine samples exactly what it did before sleeping."""
+    from areno.rollout.hf import HFEngine
+
+    eng = HFEngine(tiny_chat_path, dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN, sleep=True)
+    ids, off = make_prompts(PROMPTS)
+    s = SamplingConfig(max_tokens=6, ignore_eos=True, seed=4)
+    before = eng.generate(ids, off, 2, s)
+    eng.sleep()
+    assert all(p.untyped_storage().nbytes() == 0 for p in eng.model.parameters())
+    eng.wake_up()
+    with pytest.raises(RuntimeError, match="load a full set"):
+        eng.generate(ids, off, 2, s)
+    with pytest.raises(WeightSyncError, match="missing"):
+        eng.load_weights(without(original_state, "model.norm.weight").items())
+    with pytest.raises(RuntimeError, match="load a full set"):  # a partial load does not count
+        eng.generate(ids, off, 2, s)
+    eng.load_weights(original_state.items())
+    after = eng.generate(ids, off, 2, s)
+    np.testing.assert_array_equal(after.response_ids, before.response_ids)
+    np.testing.assert_array_equal(after.response_logprobs, before.response_logprobs)
 
 
 @pytest.mark.parametrize("engine", ["vllm"], indirect=True)
@@ -284,3 +312,28 @@ def test_vllm_asks_for_flat_logprobs_and_reads_them(engine, make_prompts, monkey
     engine.prompt_logprobs(PROBE_IDS)
     params, outs = seen[-1]
     assert params.flat_logprobs and isinstance(outs[0].prompt_logprobs, FlatLogprobs)
+
+
+@pytest.mark.parametrize("engine", ["vllm"], indirect=True)
+def test_vllm_sleeps_at_level_2_and_wakes_weights_then_loads_then_kv_cache(engine, original_state, make_prompts,
+                                                                            monkeypatch):
+    """The GPU branch on the real engine object (CPU vLLM has no sleep mode, so
+    only its LLM's sleep/wake_up are recorded instead of run): level 2 frees the
+    weights, wake_up brings back only the weights, the load then reloads them
+    and wakes the KV cache, and sampling refuses in between."""
+    calls = []
+    llm = engine.llm
+    monkeypatch.setattr(engine, "supports_sleep", True)
+    monkeypatch.setattr(llm, "sleep", lambda level: calls.append(("sleep", level)))
+    monkeypatch.setattr(llm, "wake_up", lambda tags=None: calls.append(("wake_up", tags)))
+    real_rpc = llm.collective_rpc
+    monkeypatch.setattr(llm, "collective_rpc",
+                        lambda method, **kw: calls.append((method,)) or real_rpc(method, **kw))
+    ids, off = make_prompts(PROMPTS)
+    engine.sleep()
+    engine.wake_up()
+    with pytest.raises(RuntimeError, match="load a full set"):
+        engine.generate(ids, off, 1, SamplingConfig(max_tokens=2))
+    engine.load_weights(original_state.items())
+    assert calls == [("sleep", 2), ("wake_up", ["weights"]), ("reload_weights",), ("wake_up", ["kv_cache"])]
+    assert engine.generate(ids, off, 1, SamplingConfig(max_tokens=2)).num_responses == len(PROMPTS)

@@ -27,7 +27,8 @@ def test_flop_shape_counts_lm_head_once_and_skips_the_embedding(tiny_chat_model)
 
 
 @pytest.mark.parametrize("name, tflops", [
-    ("NVIDIA H200", 989), ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756),
+    ("NVIDIA H200", 989), ("NVIDIA H200 NVL", 835.5), ("NVIDIA H100 NVL", 835.5),
+    ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756),
     ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA B200", 2250),
 ])
 def test_peak_table(name: str, tflops: float) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from areno.backend.config import BackendConfig
-from areno.backend.errors import BackendError
+from areno.backend.errors import USER_ERROR, BackendError, RankUserError
 from areno.backend.handoff import PackWriter, ShmSegment
 from areno.backend.launch import accept_ranks, free_port, spawn_ranks  # noqa: F401 (free_port re-exported)
 from areno.backend.weights import WeightLayout, probe_ids
@@ -392,6 +392,8 @@ class TorchBackend:
             raise BackendError(f"{what}: rank {r} closed its connection (died?)", rank=r) from None
         if msg[0] == "err":
             _, rank, message, tb = msg
+            if message.startswith(USER_ERROR):  # the user's to fix: their one line, exit 2
+                raise RankUserError(message[len(USER_ERROR):], rank=rank)
             raise BackendError(f"{what}: rank {rank} failed: {message}", rank=rank, remote_traceback=tb)
         return msg
 

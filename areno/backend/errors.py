@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from areno.errors import UserError
+
+# How a rank reports a UserError (rank._reply_error: "Type: message").
+USER_ERROR = f"{UserError.__name__}: "
+
 
 class BackendError(RuntimeError):
     """A rank failed (exception, death, timeout); the backend has been shut down."""
@@ -12,3 +17,12 @@ class BackendError(RuntimeError):
         self.rank = rank
         self.remote_message = message
         self.remote_traceback = remote_traceback
+
+
+class RankUserError(BackendError, UserError):
+    """A rank found a user mistake (e.g. the engine's memory budget at start-up):
+    the CLI reports the rank's message as one line with exit code 2, and the
+    backend still treats it as a failed rank (it has been shut down)."""
+
+    def __init__(self, message: str, *, rank: int | None = None):
+        BackendError.__init__(self, message, rank=rank)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from areno.backend.config import BackendConfig, rank_cpu_threads
 from areno.rng import rng_state, set_rng_state
+from areno.rollout.budget import check_engine_budget, footprint
 from areno.rollout.factory import make_engine
 from areno.backend.engine_host import (
     PROBE_TOLERANCE,
@@ -71,6 +72,7 @@ class RankWorker:
         self.export_meta = state_meta(hf, cfg.export_dtype)
         self.hf = hf
         self.flop_shape = flop_shape(hf)  # before FSDP2 turns the weights into DTensors
+        self.num_params = sum(p.numel() for p in hf.parameters())
         self.wrapped = wrap_policy(PolicyModule(hf, cfg.logprob_chunk_size), cfg, self.device)
         ref = None
         if cfg.needs_ref_model:
@@ -83,6 +85,9 @@ class RankWorker:
         self.engine, self.engine_kind = None, None
         self.syncs = 0  # weight syncs done (the probe runs when probe_due)
         if cfg.engine is not None:
+            # Before the engine claims its share: the AdamW states do not exist yet.
+            check_engine_budget(cfg.engine, self.device, footprint(*filter(None, (self.wrapped.root, ref))),
+                                self.num_params, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
             self.engine, self.engine_kind = make_engine(cfg.engine, cfg.model_path, self.device, in_rank=True)
             check_engine_names(self.engine, self.export_names)
 
@@ -108,6 +113,8 @@ class RankWorker:
         self.hooks.train_begin(self.rank)
         t0 = time.perf_counter()
         local = LocalPack(handoff, payload)
+        if self.device.type == "cuda":  # perf/peak_gpu_mem_gb is this train phase's, not the run's
+            torch.cuda.reset_peak_memory_stats(self.device)
         if self.engine is not None:  # its KV cache (and, on GPU, weights) make room for training
             self.engine.sleep()
         t1 = time.perf_counter()

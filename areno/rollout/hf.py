@@ -1,10 +1,11 @@
 """transformers rollout engine: the fallback where vLLM is absent, and a second
 opinion in tests. Same contract as VLLMEngine.
 
-Prompts of equal length are sampled together (no padding, so positions and
-log-probs are exactly those of an unpadded forward); groups run one after the
-other. Log-probs are the log-softmax of the processed scores (after
-temperature / top-k / top-p), i.e. of the distribution actually sampled.
+Prompts of every length are sampled in one `generate`, left-padded with an
+attention mask (positions follow the mask, so each row computes what its
+unpadded forward would, to float rounding). Log-probs are the log-softmax of
+the processed scores (after temperature / top-k / top-p), i.e. of the
+distribution actually sampled, recorded step by step (hf_logprobs).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from areno.rollout.engine import (
     validate_prompts,
     validate_sequence,
 )
+from areno.rollout.hf_logprobs import StepLogprobs, sampling_processors
 from areno.rollout.probe import Probe, WeightSyncError, probe_logprobs, verify_probe
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,7 +37,9 @@ class HFEngine:
 
     model: HF directory or hub id. dtype: "auto" (the checkpoint's), "float32",
     "bfloat16", "float16". device: None picks cuda if available. max_model_len:
-    prompt + response limit (None: config.max_position_embeddings).
+    prompt + response limit (None: config.max_position_embeddings). sleep:
+    whether sleep() frees the weights (None: on CUDA only, where the trainer
+    needs the memory; tests turn it on for CPU to run the same branch).
     """
 
     def __init__(
@@ -46,6 +50,7 @@ class HFEngine:
         seed: int = 0,
         max_model_len: int | None = None,
         device: str | torch.device | None = None,
+        sleep: bool | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -68,12 +73,16 @@ class HFEngine:
         self.pad_token_id: int = int(pad if pad is not None else (self.eos_token_ids or (0,))[0])
         self.seed = seed
         self._generator = torch.Generator(device="cpu").manual_seed(seed)
-        self.supports_sleep: bool = self.device.type == "cuda"
+        self.supports_sleep: bool = self.device.type == "cuda" if sleep is None else sleep
         self._asleep = False
+        self._discarded = False  # sleep freed the weights; the next full load restores them
         self._weight_names = set(self.model.state_dict().keys())
         tied = bool(getattr(cfg.get_text_config(), "tie_word_embeddings", False))
         self._optional_names = {"lm_head.weight"} if tied else set()
         self._weight_names -= self._optional_names
+        # Each parameter once (a tied lm_head is the embedding's) with its shape,
+        # for sleep()/wake_up() to free and reallocate (buffers are small and kept).
+        self._params = [(p, p.shape) for p in self.model.parameters()]
 
     # -- sampling ------------------------------------------------------------
     def generate(
@@ -87,8 +96,8 @@ class HFEngine:
         self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int, sampling: SamplingConfig,
         min_groups: int = 1,
     ) -> Iterator[tuple[np.ndarray, RolloutBatch]]:
-        """Yield (prompt positions, RolloutBatch of those groups) one prompt-length
-        bucket at a time (transformers generates each bucket in one call)."""
+        """Yield (prompt positions, RolloutBatch of those groups) one step-limit
+        bucket at a time (one bucket unless the context cuts some responses)."""
         ids, offsets = self._validate(prompt_ids, prompt_offsets, n)
         for tok, lp, length, finish, who in self._buckets(ids, offsets, n, sampling):
             members = who[::n]
@@ -103,27 +112,31 @@ class HFEngine:
         )
 
     def _buckets(self, ids: np.ndarray, offsets: np.ndarray, n: int, sampling: SamplingConfig):
-        """Per distinct prompt length: (tokens, log-probs, lengths, finish, prompt of each response)."""
+        """Per distinct step limit (one unless the context cuts some prompts'
+        responses): (tokens, log-probs, lengths, finish, prompt of each response).
+        Prompts of every length share one left-padded `generate`."""
         lengths = np.diff(offsets)
         stop_ids = tuple(sampling.stop_token_ids) + (() if sampling.ignore_eos else self.eos_token_ids)
         if sampling.seed is None:  # next draw of the engine's own stream (seeded at init)
             seed = int(torch.randint(0, 1 << 62, (1,), generator=self._generator))
         else:
             seed = sampling.seed
-        group_seeds = prompt_seeds(seed, int(lengths.max()) + 1)
-        for plen in np.unique(lengths):  # O(distinct prompt lengths)
-            members = np.flatnonzero(lengths == plen)
-            rows = ids[offsets[members][:, None] + np.arange(plen)]  # [G, plen], no padding
-            max_new = min(sampling.max_tokens, self.max_model_len - int(plen))
-            tok, lp = self._sample(rows, n, sampling, max_new, stop_ids, int(group_seeds[plen]))
-            length, finish = _cut_at_stop(tok, stop_ids, max_new)
+        max_new = np.minimum(sampling.max_tokens, self.max_model_len - lengths)
+        limits = np.unique(max_new)
+        for limit, bucket_seed in zip(limits.tolist(), prompt_seeds(seed, limits.size).tolist()):
+            members = np.flatnonzero(max_new == limit)
+            rows, mask = _left_pad(ids, offsets, members, self.pad_token_id)
+            tok, lp = self._sample(rows, mask, n, sampling, int(limit), stop_ids, int(bucket_seed))
+            length, finish = _cut_at_stop(tok, stop_ids, int(limit))
             keep = np.arange(tok.shape[1]) < length[:, None]
             yield tok[keep], lp[keep], length, finish, np.repeat(members, n)
 
     def _sample(
-        self, rows: np.ndarray, n: int, s: SamplingConfig, max_new: int, stop_ids: tuple[int, ...], seed: int
+        self, rows: np.ndarray, mask: np.ndarray, n: int, s: SamplingConfig, max_new: int,
+        stop_ids: tuple[int, ...], seed: int,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """[G, L] prompts -> ([G*n, S] int32 tokens, [G*n, S] float32 log-probs)."""
+        """[G, L] left-padded prompts and their [G, L] attention mask ->
+        ([G*n, S] int32 tokens, [G*n, S] float32 log-probs)."""
         from transformers import GenerationConfig
 
         greedy = s.temperature == 0
@@ -133,38 +146,43 @@ class HFEngine:
             # [] (not None): None would be filled in from the model's generation_config.
             eos_token_id=list(stop_ids),
             pad_token_id=self.pad_token_id,
-            repetition_penalty=1.0,  # neutral values for what a hub generation_config may set
-            min_new_tokens=0,
-            output_scores=True,
+            # Neutral values for what a hub generation_config may set; areno passes the
+            # warpers itself (sampling_processors) so they run before the recorder.
+            repetition_penalty=1.0, min_new_tokens=0, temperature=1.0, top_k=0, top_p=1.0,
             return_dict_in_generate=True,
-            **({} if greedy else dict(temperature=s.temperature, top_p=s.top_p, top_k=max(s.top_k, 0))),
         )
-        x = torch.from_numpy(rows.astype(np.int64)).to(self.device)
+        recorder = StepLogprobs()
+        x = torch.from_numpy(rows).to(self.device)
+        m = torch.from_numpy(mask).to(self.device)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
-            cache, x = self._shared_prefix(x, n)
-            out = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), past_key_values=cache,
-                                      generation_config=gc)
-        new = out.sequences[:, x.shape[1]:]  # [G*n, S]
-        # scores[t]: processed logits of step t -> log-softmax in fp32 -> sampled token.
-        scores = torch.stack(out.scores, dim=1).float()  # [G*n, S, V]
-        lp = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None])[..., 0]
+            cache, x, m = self._shared_prefix(x, m, n)
+            out = self.model.generate(input_ids=x, attention_mask=m, past_key_values=cache,
+                                      generation_config=gc, logits_processor=sampling_processors(s, recorder))
+            new = out.sequences[:, x.shape[1]:]  # [G*n, S]
+            lp = recorder.finish(new)
         return new.to(torch.int32).cpu().numpy(), lp.cpu().numpy().astype(np.float32, copy=False)
 
-    def _shared_prefix(self, x: torch.Tensor, n: int) -> tuple[DynamicCache | None, torch.Tensor]:
-        """[G, L] prompts -> (KV cache of each prompt but its last token, computed
-        once and repeated n times; [G*n, L] rows). generate() then runs only the
-        last prompt token and the new ones: the n samples of a group share their
-        prompt's prefill instead of computing it n times (the same tokens and
-        scores as n-fold rows, to float rounding; 30% of the demo's rollout)."""
-        rows = x.repeat_interleave(n, dim=0)
+    def _shared_prefix(self, x: torch.Tensor, mask: torch.Tensor, n: int,
+                       ) -> tuple[DynamicCache | None, torch.Tensor, torch.Tensor]:
+        """[G, L] prompts and mask -> (KV cache of each prompt but its last token,
+        computed once and repeated n times; [G*n, L] rows; [G*n, L] mask).
+        generate() then runs only the last prompt token and the new ones: the n
+        samples of a group share their prompt's prefill instead of computing it n
+        times (the same tokens and scores as n-fold rows, to float rounding; 30%
+        of the demo's rollout). The prefill asks for no logits (logits_to_keep=1:
+        one position, not [G, L, vocab])."""
+        rows, rows_mask = x.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
         if x.shape[1] < 2:
-            return None, rows
+            return None, rows, rows_mask
         cache = DynamicCache(config=self.model.config)
-        self.model(input_ids=x[:, :-1], past_key_values=cache, use_cache=True)
+        pm = mask[:, :-1]
+        pos = (pm.cumsum(-1) - 1).clamp(min=0)  # generate's own rule for left padding
+        self.model(input_ids=x[:, :-1], attention_mask=pm, position_ids=pos, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1)
         cache.batch_repeat_interleave(n)
-        return cache, rows
+        return cache, rows, rows_mask
 
     def prompt_logprobs(self, ids: np.ndarray) -> np.ndarray:
         self._check_awake()
@@ -175,17 +193,18 @@ class HFEngine:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], probe: Probe | None = None) -> None:
         """Strict by name (unknown -> ValueError, missing -> WeightSyncError),
         copied into the existing parameters, then the probe is checked."""
-        self._check_awake()
+        self._check_awake(loading=True)
         weights = named_tensor_dict(named_tensors)
         check_weight_names(weights, self._weight_names, self._optional_names)
         self._push(weights)
+        self._discarded = False
         if probe is not None:
             verify_probe(self, probe)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (any device/dtype) into the live parameters one at a
         time (no full state dict is ever built); every expected name must come."""
-        self._check_awake()
+        self._check_awake(loading=True)
         live = self.model.state_dict(keep_vars=True)
         seen: set[str] = set()
         with torch.no_grad():
@@ -200,6 +219,7 @@ class HFEngine:
         missing = self._weight_names - seen
         if missing:
             raise WeightSyncError(f"weight update is missing {len(missing)} tensors, e.g. {min(missing)}")
+        self._discarded = False
 
     @torch.no_grad()
     def weights_fingerprint(self, names: Iterable[str]) -> float:
@@ -220,15 +240,22 @@ class HFEngine:
 
     # -- lifecycle -----------------------------------------------------------
     def sleep(self) -> None:
-        """Move the model to host memory (GPU); a no-op on CPU."""
+        """Free the weights' memory (GPU; see `sleep` in __init__) while the
+        trainer runs. They are not copied to the host and back: the weight sync
+        after training overwrites every one of them, so wake_up() only
+        reallocates and generating needs a full load first (as vLLM level 2)."""
         if self.supports_sleep and not self._asleep:
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
-            self._asleep = True
+            for p, _ in self._params:  # a new empty tensor: loaded (mmap) storages cannot shrink
+                p.data = p.data.new_empty(0)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self._asleep = self._discarded = True
 
     def wake_up(self) -> None:
+        """Reallocate what sleep() freed (uninitialised until the next load)."""
         if self._asleep:
-            self.model.to(self.device)
+            for p, shape in self._params:
+                p.data = p.data.new_empty(shape)
         self._asleep = False
 
     def shutdown(self) -> None:
@@ -236,11 +263,26 @@ class HFEngine:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def _check_awake(self) -> None:
+    def _check_awake(self, loading: bool = False) -> None:
         if self.model is None:
             raise RuntimeError("HFEngine: used after shutdown()")
         if self._asleep:
             raise RuntimeError("HFEngine: asleep; call wake_up() first")
+        if self._discarded and not loading:
+            raise RuntimeError("HFEngine: sleep() freed the weights; load a full set before sampling")
+
+
+def _left_pad(ids: np.ndarray, offsets: np.ndarray, members: np.ndarray, pad: int,
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """The `members` prompts of a CSR batch -> ([G, L] int64 left-padded with
+    `pad`, [G, L] int64 attention mask), L the longest member."""
+    lengths = np.diff(offsets)[members]
+    width = int(lengths.max())
+    col = np.arange(width)
+    real = col >= (width - lengths)[:, None]  # [G, L]
+    src = offsets[members][:, None] + col - (width - lengths)[:, None]
+    rows = np.where(real, ids[np.where(real, src, 0)], pad).astype(np.int64)
+    return rows, real.astype(np.int64)
 
 
 def _cut_at_stop(tok: np.ndarray, stop_ids: tuple[int, ...], max_new: int) -> tuple[np.ndarray, np.ndarray]:

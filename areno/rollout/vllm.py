@@ -67,6 +67,8 @@ _FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
 HAS_FLAT_LOGPROBS = FlatLogprobs is not None and hasattr(SamplingParams(), "flat_logprobs")
 # Default KV cache on CPU when the caller gives none: vLLM would claim most RAM.
 CPU_KV_CACHE_BYTES = 512 << 20
+# Level 2 frees the weights too (level 1 keeps a host copy); see VLLMEngine.sleep.
+SLEEP_LEVEL = 2
 
 
 def flat_logprobs_facility() -> str:
@@ -138,6 +140,7 @@ class VLLMEngine:
         self._weight_names, self._optional_names = _checkpoint_names(mc)
         self._shm_dir: Path | None = None
         self._asleep = False
+        self._discarded = False  # level-2 sleep freed weights and KV cache; a full load restores them
 
     # -- sampling ------------------------------------------------------------
     def generate(
@@ -233,11 +236,12 @@ class VLLMEngine:
         weights_iterator=...)`; a multiprocess engine cannot receive tensors over
         RPC, so they go through a safetensors file under /dev/shm.
         """
-        self._check_awake()
+        self._check_awake(loading=True)
         weights = named_tensor_dict(named_tensors)
         if self._weight_names is not None:
             check_weight_names(weights, self._weight_names, self._optional_names)
         self._push(list(weights.items()))
+        self._finish_wake()
         if not self.llm.reset_prefix_cache():
             raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running)")
         if probe is not None:
@@ -247,10 +251,11 @@ class VLLMEngine:
         """Stream a full set of HF-named tensors (any device) into the in-process
         model, one at a time, then reset the prefix cache. Names are checked once,
         up front, by the caller (see backend.engine_host.check_engine_names)."""
-        self._check_awake()
+        self._check_awake(loading=True)
         if self.multiprocess:
             raise RuntimeError("VLLMEngine.load_weights needs an in-process engine")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        self._finish_wake()
         if not self.llm.reset_prefix_cache():
             raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running)")
 
@@ -277,17 +282,27 @@ class VLLMEngine:
         return self._shm_dir
 
     # -- lifecycle -----------------------------------------------------------
-    def sleep(self, level: int = 1) -> None:
-        """Free KV cache (and offload weights at level 1) while the trainer runs.
+    def sleep(self) -> None:
+        """Free the KV cache and the weights (vLLM level 2) while the trainer
+        runs. Level 1 would copy the weights to host memory and back every step,
+        though the sync after training overwrites them all (reload_weights).
         A no-op where sleep mode is unsupported (CPU); see `supports_sleep`."""
         if self.supports_sleep and not self._asleep:
-            self.llm.sleep(level=level)
-            self._asleep = True
+            self.llm.sleep(level=SLEEP_LEVEL)
+            self._asleep = self._discarded = True
 
     def wake_up(self) -> None:
+        """Reallocate the weights only (uninitialised); the next full load fills
+        them, then wakes the KV cache (`_finish_wake`): vLLM's order for updates."""
         if self.supports_sleep and self._asleep:
-            self.llm.wake_up()
+            self.llm.wake_up(tags=["weights"])
         self._asleep = False
+
+    def _finish_wake(self) -> None:
+        """After a full load: the KV cache back (vLLM then resumes scheduling)."""
+        if self._discarded:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._discarded = False
 
     def shutdown(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
@@ -301,11 +316,13 @@ class VLLMEngine:
             shutil.rmtree(self._shm_dir, ignore_errors=True)
             self._shm_dir = None
 
-    def _check_awake(self) -> None:
+    def _check_awake(self, loading: bool = False) -> None:
         if self.llm is None:
             raise RuntimeError("VLLMEngine: used after shutdown()")
         if self._asleep:
             raise RuntimeError("VLLMEngine: asleep; call wake_up() first")
+        if self._discarded and not loading:
+            raise RuntimeError("VLLMEngine: sleep() freed the weights; load a full set before sampling")
 
 
 def batch_from_request_outputs(
