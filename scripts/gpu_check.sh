@@ -96,13 +96,8 @@ step engine 130 "$PY" scripts/gpu_check.py --model-dir "$WORK/big/model" --out "
 } 2>&1 | tee "$OUTDIR/cli.txt"
 grep -q "CLI: ALL PASS" "$OUTDIR/cli.txt" || status=1
 
-# 3. lm_head backward, bf16 (now) vs fp32 (before issue 17 2c): attn17's benchmark.
-# HOOK: scripts/bench_lm_head.py comes with attn17's branch; until it is merged this step says SKIP.
-if [[ -f scripts/bench_lm_head.py ]]; then
-  step lm_head 55 "$PY" scripts/bench_lm_head.py "${LMHEAD[@]}" --out "$OUTDIR/lm_head.json" \
-    >"$OUTDIR/lm_head.txt" 2>&1 || { echo "FAIL lm_head bench (see lm_head.txt)"; tail -5 "$OUTDIR/lm_head.txt"; }
-else
-  echo "SKIP lm_head backward bench: scripts/bench_lm_head.py is not in this tree (attn17)" | tee "$OUTDIR/lm_head.txt"
-fi
+# 3. lm_head backward, bf16 (now) vs fp32 (before issue 17 2c): scripts/bench_lm_head.py
+step lm_head 55 "$PY" scripts/bench_lm_head.py "${LMHEAD[@]}" --out "$OUTDIR/lm_head.json" \
+  >"$OUTDIR/lm_head.txt" 2>&1 || { echo "FAIL lm_head bench (see lm_head.txt)"; tail -5 "$OUTDIR/lm_head.txt"; }
 
 exit $status
