@@ -45,3 +45,26 @@ def test_the_plain_b_run_is_clean(b_cmd, areno_cache):
     res = run_train(args, areno_cache, out)
     records = assert_clean(res, 0, message=None)
     assert [r["step"] for r in records if "reward/mean" in r] == [1, 2]
+
+
+# -- item 5: rewards are bounded --------------------------------------------------
+HUGE = """
+def reward_fn(record):
+    return {0: 1e300, 1: 1e38, 2: -1e38}.get(record.index, 0.5)
+"""
+
+
+def test_a_reward_beyond_the_limit_is_one_line_under_fail(b_cmd, areno_cache):
+    args, out = b_cmd(HUGE)
+    res = run_train(args, areno_cache, out)
+    assert_clean(res, 2, ["reward plugin", "beyond the limit of +-1e+06", "scale it down"])
+
+
+def test_rewards_beyond_the_limit_never_reach_metrics_jsonl_under_zero(b_cmd, areno_cache):
+    """±1e38 used to write Infinity (strict JSON refuses it) and show nan±nan."""
+    args, out = b_cmd(HUGE, "--on-reward-error", "zero")
+    res = run_train(args, areno_cache, out)
+    records = assert_clean(res, 0, message=None)
+    steps = [r for r in records if "reward/mean" in r]
+    assert [r["reward/nan"] for r in steps] == [3.0, 3.0] and all(r["reward/std"] < 1 for r in steps)
+    assert "nan" not in res.stdout and "(3/16 failed)" in res.stdout
