@@ -68,3 +68,63 @@ def test_rewards_beyond_the_limit_never_reach_metrics_jsonl_under_zero(b_cmd, ar
     steps = [r for r in records if "reward/mean" in r]
     assert [r["reward/nan"] for r in steps] == [3.0, 3.0] and all(r["reward/std"] < 1 for r in steps)
     assert "nan" not in res.stdout and "(3/16 failed)" in res.stdout
+
+
+# -- item 6: a reward worker's process group dies with it ---------------------------
+SPAWNS_SLEEP = """
+import subprocess
+
+def reward_fn(record):
+    if record.index == 0:
+        subprocess.run(["sleep", "1000"])  # killed with its worker at --reward-timeout
+    return 0.5
+"""
+FORKS = """
+import os, time
+
+def reward_fn(record):
+    if os.fork() == 0:  # a child per sample that outlives the call
+        time.sleep(1000)
+        os._exit(0)
+    return 0.5
+"""
+
+
+def test_a_plugin_child_dies_with_its_timed_out_worker(b_cmd, areno_cache):
+    """`sleep 1000` used to outlive the killed worker and the run (issue 18)."""
+    args, out = b_cmd(SPAWNS_SLEEP, "--reward-timeout", "2", "--on-reward-error", "zero",
+                      "--max-steps", "1")
+    res = run_train(args, areno_cache, out)
+    records = assert_clean(res, 0, message=None)
+    assert [r["reward/timeouts"] for r in records if "reward/mean" in r] == [1.0]
+
+
+def test_a_forking_plugin_leaves_no_process_when_the_run_ends(b_cmd, areno_cache):
+    args, out = b_cmd(FORKS)
+    res = run_train(args, areno_cache, out)
+    assert_clean(res, 0, message=None)
+
+
+HANGS = """
+import time
+
+def reward_fn(record):
+    time.sleep(1000)
+"""
+
+
+def test_a_users_plugin_on_the_demo_is_scored_in_workers_so_its_timeout_holds(areno_cache, tmp_path):
+    """The demo preset scores in-process (--reward-workers 0); a user's plugin
+    there used to hang the run for 200+ s despite --reward-timeout 2."""
+    plugin = write_plugin(tmp_path / "hangs.py", HANGS)
+    out = tmp_path / "run"
+    res = run_train(["--reward-fn-path", str(plugin), "--reward-timeout", "1", "--max-steps", "1",
+                     "--batch-size", "2", "--n-samples", "2", "--output-dir", str(out)],
+                    areno_cache, out, timeout=120)
+    assert_clean(res, 2, ["hangs.py", "timed out after 1 s"])
+
+
+def test_a_timeout_that_in_process_scoring_cannot_enforce_is_one_line(b_cmd, areno_cache):
+    args, out = b_cmd(HANGS, "--reward-workers", "0", "--reward-timeout", "2")
+    res = run_train(args, areno_cache, out, timeout=60)
+    assert_clean(res, 2, ["--reward-timeout 2.0 cannot be enforced with --reward-workers 0"])
