@@ -151,6 +151,10 @@ class TrainConfig:
         "(docs/PERFORMANCE.md).", "Optimization", ge=1, shown="16384 on GPU, 4096 on CPU")
     max_nan_steps: int = opt(3, "Stop after this many NaN/inf steps in a row (each is skipped).",
                              "Optimization", ge=1)
+    rank_heartbeat_timeout: float = opt(
+        0.0, "Seconds a training rank may go without a heartbeat (stopped, frozen) before the run "
+        "stops naming it; 0 = max(30, 3 x the longest gap between its heartbeats so far).",
+        "Optimization", ge=0.0)
     # -- Parallelism -------------------------------------------------------------
     device: Literal["auto", Device] = opt("auto", "Training device (auto: cuda if present).",
                                           "Parallelism")

@@ -7,11 +7,14 @@ All cases share one tiny model and one data set (session fixtures)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
-from faults import B, assert_clean, run_train, write_arith_data, write_plugin
+from faults import B, Run, assert_clean, run_train, write_arith_data, write_plugin
 
 pytestmark = pytest.mark.slow
 
@@ -128,3 +131,26 @@ def test_a_timeout_that_in_process_scoring_cannot_enforce_is_one_line(b_cmd, are
     args, out = b_cmd(HANGS, "--reward-workers", "0", "--reward-timeout", "2")
     res = run_train(args, areno_cache, out, timeout=60)
     assert_clean(res, 2, ["--reward-timeout 2.0 cannot be enforced with --reward-workers 0"])
+
+
+# -- item 7: a stuck rank is detected ---------------------------------------------------
+def _rank_pids(run: Run) -> list[int]:
+    """The training ranks: the controller's spawned children (rewards in-process here)."""
+    return [p for p, cmd in run.children().items() if "spawn_main" in cmd]
+
+
+def test_a_stopped_rank_stops_the_run_within_seconds_of_the_heartbeat_bound(b_cmd, areno_cache):
+    """SIGSTOP used to hang the run silently for 90 s and more (issue 18)."""
+    bound = 4
+    args, out = b_cmd(FIRST_DIGIT, "--max-steps", "500", "--save-interval", "1", "--reward-workers",
+                      "0", "--rank-heartbeat-timeout", str(bound))
+    run = Run(args, areno_cache, out)
+    run.wait_for(lambda: (out / "checkpoints" / "step_000001").is_dir())
+    ranks = _rank_pids(run)
+    assert len(ranks) == 1, run.children()
+    os.kill(ranks[0], signal.SIGSTOP)
+    stopped = time.monotonic()
+    res = run.finish(timeout=120)
+    took = time.monotonic() - stopped
+    assert bound < took < bound + 15, took
+    assert_clean(res, 1, ["rank 0", "no heartbeat", f"bound {bound}s", "--resume", "step_0000"])
