@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM: stop within seconds, keep the last finished step.
+"""Ctrl-C, SIGTERM and SIGHUP: stop within seconds, keep the last finished step.
 
 Both signals raise KeyboardInterrupt in the main thread (SIGTERM normally kills
 the process without a word). The training loop then saves the last finished
@@ -25,7 +25,7 @@ from typing import Any, Iterator
 
 from areno.backend.errors import BackendError
 from areno.checkpoint import checkpoint_root, latest_checkpoint
-from areno.errors import UserError
+from areno.errors import SignalInterrupt, UserError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 _received: list[str] = []  # names of the signals seen, newest last
@@ -39,7 +39,7 @@ def _raise(signum: int, frame: Any) -> None:
     if _deferred["on"] and not _deferred["hit"]:  # a second one raises at once
         _deferred["hit"] = True
         return
-    raise KeyboardInterrupt
+    raise SignalInterrupt
 
 
 def defer_interrupts() -> None:
@@ -59,12 +59,13 @@ def release_interrupts(*, raise_pending: bool = True) -> None:
 
 @contextlib.contextmanager
 def interrupts_raise() -> Iterator[None]:
-    """SIGINT and SIGTERM raise KeyboardInterrupt while the block runs (only
-    the main thread may set handlers: elsewhere, a no-op)."""
+    """SIGINT, SIGTERM and SIGHUP (a closed terminal or ssh session) raise
+    KeyboardInterrupt while the block runs (only the main thread may set
+    handlers: elsewhere, a no-op)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:

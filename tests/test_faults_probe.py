@@ -154,3 +154,31 @@ def test_a_stopped_rank_stops_the_run_within_seconds_of_the_heartbeat_bound(b_cm
     took = time.monotonic() - stopped
     assert bound < took < bound + 15, took
     assert_clean(res, 1, ["rank 0", "no heartbeat", f"bound {bound}s", "--resume", "step_0000"])
+
+
+# -- item 9: the smaller runtime cases ---------------------------------------------------
+OWN_KEYBOARD_INTERRUPT = """
+def reward_fn(record):
+    if record.index == 3:
+        raise KeyboardInterrupt("plugin gave up")
+    return 0.5
+"""
+
+
+def test_a_plugins_own_keyboard_interrupt_is_its_error_not_a_ctrl_c(b_cmd, areno_cache):
+    """In-process, where it used to be taken for a Ctrl-C (interrupted, exit 130)."""
+    args, out = b_cmd(OWN_KEYBOARD_INTERRUPT, "--reward-workers", "0")
+    res = run_train(args, areno_cache, out)
+    assert_clean(res, 2, ["sample 3", "raised KeyboardInterrupt: plugin gave up"])
+
+
+def test_sighup_saves_the_last_step_and_prints_the_resume_command(b_cmd, areno_cache):
+    """A closed terminal (SIGHUP) used to end the run with no save."""
+    args, out = b_cmd(FIRST_DIGIT, "--max-steps", "500", "--save-interval", "100")
+    run = Run(args, areno_cache, out)
+    run.wait_for(lambda: '"step": 2' in (out / "metrics.jsonl").read_text()
+                 if (out / "metrics.jsonl").is_file() else False)
+    os.kill(run.proc.pid, signal.SIGHUP)
+    res = run.finish(timeout=120)
+    assert_clean(res, 130, ["interrupted (SIGHUP)", "--resume", "step_0000"])
+    assert [p.name for p in (out / "checkpoints").iterdir()]  # the last finished step, saved

@@ -42,6 +42,8 @@ def reward_fn(record):
         return math.nan
     if c == "inf":
         return -math.inf
+    if c == "kbint":
+        raise KeyboardInterrupt("the plugin's own")
     if c.startswith("big:"):
         return float(c[4:])
     if c == "exit":
@@ -65,6 +67,7 @@ BAD = {
     "hang": ("timeouts", "timed out after 1 s"),
     "nan": ("nan", "returned nan"),
     "inf": ("nan", "returned -inf"),
+    "kbint": ("errors", "raised KeyboardInterrupt: the plugin's own"),
     "big:1e300": ("nan", r"returned 1e\+300, beyond the limit of \+-1e\+06"),
     "big:-1e38": ("nan", r"returned -1e\+38, beyond the limit of \+-1e\+06"),
     "exit": ("worker_crashes", r"worker process died \(exit code 3\)"),

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from areno.choices import OnError
-from areno.errors import UserError, _one_line, import_user_file, user_frame
+from areno.errors import UserError, _one_line, import_user_file, is_signal_interrupt, user_frame
 from areno.rollout.batch import FINISH_REASONS
 
 ON_ERROR: tuple[str, ...] = typing.get_args(OnError)
@@ -151,7 +151,7 @@ def _run(plugin: RewardPlugin, arg: Any, loop: asyncio.AbstractEventLoop | None)
 
 
 def _raised(e: BaseException, plugin: RewardPlugin) -> str:
-    if isinstance(e, KeyboardInterrupt):
+    if is_signal_interrupt(e):  # a Ctrl-C; a plugin's own KeyboardInterrupt is its error
         raise e
     return f"raised {_one_line(e)}{user_frame(e, plugin.path)}"
 
