@@ -16,6 +16,7 @@ caller tells that apart by `backend.dead` before calling `interrupted`.
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import signal
 import sys
@@ -71,6 +72,18 @@ def interrupts_raise() -> Iterator[None]:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def stdout_closed() -> None:
+    """stdout's reader went away (`areno train | head -3`): stop as a closed
+    pipe stops any Unix command, but as an interrupt (save the last finished
+    step, the resume line on stderr). Later writes go to /dev/null, so the
+    shutdown's own output cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    _received.append("SIGPIPE")
+    raise SignalInterrupt
 
 
 def interrupted(run: Any) -> None:

@@ -74,6 +74,18 @@ def reward_failures(m: dict[str, float]) -> str:
     return f" ({failed}/{total} failed)"
 
 
+class RunConsole(Console):
+    """The run's console: a closed stdout (`areno train | head -3`) stops the run
+    as an interrupt does (saved, resume line on stderr: interrupt.stdout_closed),
+    where rich would exit 1 with no word and no checkpoint."""
+
+    def on_broken_pipe(self) -> None:
+        from areno.interrupt import stdout_closed
+
+        self.quiet = True
+        stdout_closed()
+
+
 class RunLogger:
     """Context manager owning the progress bar and the metric sinks."""
 
@@ -82,7 +94,7 @@ class RunLogger:
                  start_step: int = 0) -> None:
         self.output_dir = Path(output_dir)
         self.total = total_steps
-        self.console = console or Console(stderr=False)
+        self.console = console or RunConsole(stderr=False)
         self.metrics_path = self.output_dir / "metrics.jsonl"
         self._file = None
         self._tb = None

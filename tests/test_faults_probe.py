@@ -182,3 +182,16 @@ def test_sighup_saves_the_last_step_and_prints_the_resume_command(b_cmd, areno_c
     res = run.finish(timeout=120)
     assert_clean(res, 130, ["interrupted (SIGHUP)", "--resume", "step_0000"])
     assert [p.name for p in (out / "checkpoints").iterdir()]  # the last finished step, saved
+
+
+def test_a_closed_stdout_stops_the_run_as_an_interrupt_with_a_checkpoint(b_cmd, areno_cache):
+    """`areno train ... | head -3` used to exit 1 with no word and no checkpoint:
+    now it stops as a Unix command does at a closed pipe, but saving first."""
+    args, out = b_cmd(FIRST_DIGIT, "--max-steps", "500", "--epochs", "200", "--save-interval", "100")
+    run = Run(args, areno_cache, out)
+    head = [run.proc.stdout.readline() for _ in range(3)]
+    run.proc.stdout.close()  # what head does after its 3 lines
+    res = run.finish(timeout=120)
+    assert head[1].startswith("step 1/500") and head[2].startswith("step 2/500"), head
+    assert_clean(res, 130, ["interrupted (SIGPIPE)", "--resume", "step_0000"])
+    assert list((out / "checkpoints").iterdir())
