@@ -421,3 +421,18 @@ def test_rewards_up_to_the_limit_are_kept_exactly_and_beyond_it_are_failures(sco
     assert r.valid.tolist() == [True, True, False, False, False, True]
     assert r.rewards[r.valid].tolist() == [REWARD_LIMIT, -REWARD_LIMIT, 1.0]
     assert r.counts == RewardCounts(nan=3, skipped=3)
+
+
+def test_a_users_plugin_on_the_demo_keeps_workers_and_an_unenforceable_timeout_is_refused(tmp_path):
+    """Issue 18: the demo scores in-process; a user's plugin there keeps the
+    workers that enforce --reward-timeout, and a timeout given with
+    --reward-workers 0 (which nothing in-process can enforce) is one line."""
+    from areno.config import DEMO_PRESET, TrainConfig
+
+    plugin = write(tmp_path, "mine.py", "def reward_fn(r):\n    return 0.0\n")
+    assert TrainConfig.from_sources(None, {}).reward_workers == DEMO_PRESET["reward_workers"] == 0
+    mine = TrainConfig.from_sources(None, {"reward_fn_path": plugin})
+    assert mine.is_demo and mine.reward_workers == TrainConfig.reward_workers > 0
+    assert TrainConfig.from_sources(None, {"reward_fn_path": plugin, "reward_workers": 0}).reward_workers == 0
+    with pytest.raises(UserError, match=r"--reward-timeout 2.0 cannot be enforced with --reward-workers 0"):
+        TrainConfig.from_sources(None, {"reward_workers": 0, "reward_timeout": 2.0})
