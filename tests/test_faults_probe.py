@@ -152,7 +152,7 @@ def test_a_stopped_rank_stops_the_run_within_seconds_of_the_heartbeat_bound(b_cm
     stopped = time.monotonic()
     res = run.finish(timeout=120)
     took = time.monotonic() - stopped
-    assert bound < took < bound + 15, took
+    assert bound < took < bound + 30, took  # detection <= 1 s after the bound; the rest is shutdown
     assert_clean(res, 1, ["rank 0", "no heartbeat", f"bound {bound}s", "--resume", "step_0000"])
 
 

@@ -110,9 +110,11 @@ class _Worker:
             _kill_group(self.proc.pid)  # SIGKILL: a hung plugin gets no say
             self.proc.kill()  # not yet in its own group (still starting)
         self.proc.join(timeout=2.0)
-        # The leader is gone but its group lives on while a member does, and
-        # Linux hands out no pid that is still a live group's id.
+        # The leader is gone (or, slow to exit, goes now) but its group lives on
+        # while a member does, and Linux hands out no pid that is a live group's id.
         _kill_group(self.proc.pid)
+        if self.proc.is_alive():
+            self.proc.join(timeout=1.0)
 
 
 def _kill_group(pgid: int) -> None:
