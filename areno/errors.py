@@ -27,6 +27,21 @@ class UserError(Exception):
         super().__init__(" ".join(str(message).split()))
 
 
+class SignalInterrupt(KeyboardInterrupt):
+    """The KeyboardInterrupt areno's own signal handler raises (Ctrl-C, SIGTERM,
+    SIGHUP: areno/interrupt.py), told apart from one a user's code raises."""
+
+
+def is_signal_interrupt(e: BaseException) -> bool:
+    """e came from a signal (stop the run), not from user code (its error).
+    Under Python's default SIGINT handler a real Ctrl-C is a plain
+    KeyboardInterrupt, so there every one counts as a signal."""
+    import signal
+
+    return isinstance(e, SignalInterrupt) or (
+        isinstance(e, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+
+
 def _one_line(exc: BaseException, limit: int = 300) -> str:
     """`Type: message` on one line, cut to `limit` characters."""
     text = " ".join(str(exc).split())
@@ -68,7 +83,7 @@ def import_user_file(path: str | os.PathLike, *, what: str) -> ModuleType:
         exec(code, module.__dict__)
     except BaseException as e:  # noqa: BLE001 - SystemExit from a plugin is its error too
         del sys.modules[name]
-        if isinstance(e, KeyboardInterrupt):
+        if is_signal_interrupt(e):
             raise
         raise UserError(f"{what} {path} failed to import: {_one_line(e)}{user_frame(e, p)}") from None
     return module

@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM: stop within seconds, keep the last finished step.
+"""Ctrl-C, SIGTERM and SIGHUP: stop within seconds, keep the last finished step.
 
 Both signals raise KeyboardInterrupt in the main thread (SIGTERM normally kills
 the process without a word). The training loop then saves the last finished
@@ -16,6 +16,7 @@ caller tells that apart by `backend.dead` before calling `interrupted`.
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import signal
 import sys
@@ -25,7 +26,7 @@ from typing import Any, Iterator
 
 from areno.backend.errors import BackendError
 from areno.checkpoint import checkpoint_root, latest_checkpoint
-from areno.errors import UserError
+from areno.errors import SignalInterrupt, UserError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 _received: list[str] = []  # names of the signals seen, newest last
@@ -39,7 +40,7 @@ def _raise(signum: int, frame: Any) -> None:
     if _deferred["on"] and not _deferred["hit"]:  # a second one raises at once
         _deferred["hit"] = True
         return
-    raise KeyboardInterrupt
+    raise SignalInterrupt
 
 
 def defer_interrupts() -> None:
@@ -59,17 +60,30 @@ def release_interrupts(*, raise_pending: bool = True) -> None:
 
 @contextlib.contextmanager
 def interrupts_raise() -> Iterator[None]:
-    """SIGINT and SIGTERM raise KeyboardInterrupt while the block runs (only
-    the main thread may set handlers: elsewhere, a no-op)."""
+    """SIGINT, SIGTERM and SIGHUP (a closed terminal or ssh session) raise
+    KeyboardInterrupt while the block runs (only the main thread may set
+    handlers: elsewhere, a no-op)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def stdout_closed() -> None:
+    """stdout's reader went away (`areno train | head -3`): stop as a closed
+    pipe stops any Unix command, but as an interrupt (save the last finished
+    step, the resume line on stderr). Later writes go to /dev/null, so the
+    shutdown's own output cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    _received.append("SIGPIPE")
+    raise SignalInterrupt
 
 
 def interrupted(run: Any) -> None:

@@ -5,7 +5,8 @@ one tensor at a time (FSDP2: `DTensor.full_tensor()`, a collective every rank
 joins), so at most one full tensor exists beyond the shards. Names are the HF
 model's own state_dict keys (no `module.` / `_orig_mod.` / wrapper prefix), so
 vLLM's `load_weights` and `from_pretrained` take them; `lm_head.weight` is
-always there (for tied embeddings it is the embedding matrix again).
+always there (for tied embeddings it is the embedding matrix again; a saved
+checkpoint of a tied model leaves it out, as transformers does).
 
 Export: the controller owns a shared-memory segment laid out by
 `WeightLayout`; rank 0 copies each gathered tensor into its slot, then builds
@@ -127,6 +128,11 @@ def cpu_skeleton(hf_config, named: Iterator[tuple[str, torch.Tensor]]) -> nn.Mod
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     sd = {n: (t if t.dtype == torch.float32 else t.float()) for n, t in named}
     model.load_state_dict(sd, strict=False, assign=True)
+    # assign=True gave lm_head a tensor of its own: tie it back to the embedding
+    # (its very values), so save_pretrained writes the matrix once, as the
+    # source model has it (SmolLM2-135M: 538 MB, not 651 MB).
+    if getattr(hf_config.get_text_config(), "tie_word_embeddings", False):
+        model.tie_weights()
     # Non-persistent buffers (rotary inv_freq) are not in any state_dict and were
     # built on meta: rebuild their modules on CPU (HF rotary modules take config).
     for mname, mod in list(model.named_modules()):

@@ -23,11 +23,16 @@ from typing import Any, Callable
 import numpy as np
 
 from areno.choices import OnError
-from areno.errors import UserError, _one_line, import_user_file, user_frame
+from areno.errors import UserError, _one_line, import_user_file, is_signal_interrupt, user_frame
 from areno.rollout.batch import FINISH_REASONS
 
 ON_ERROR: tuple[str, ...] = typing.get_args(OnError)
 FAILURE_KINDS = ("errors", "timeouts", "nan", "worker_crashes")
+# The largest reward magnitude accepted. A larger one (1e300, 1e38) is a bug
+# in the plugin, not a score: its group's std overflows float32 and every
+# advantage and reward metric of the step would turn inf/NaN. It is a failure
+# of kind `nan`, handled by --on-reward-error like NaN (README, "Rewards").
+REWARD_LIMIT = 1e6
 _MAX_MESSAGES = 5  # failure messages kept in a RewardResult
 _PENDING, _OK, _ERROR = 0, 1, 2  # per-sample status (in shared memory under workers)
 
@@ -80,7 +85,7 @@ class RewardCounts:
 
     errors: int = 0  # raised, or returned a non-number
     timeouts: int = 0
-    nan: int = 0  # returned NaN or +-inf
+    nan: int = 0  # returned NaN, +-inf, or a value beyond +-REWARD_LIMIT
     worker_crashes: int = 0
     skipped: int = 0
     zeroed: int = 0
@@ -124,6 +129,12 @@ def _as_reward(out: Any) -> tuple[int, float, str]:
     return _ERROR, math.nan, f"returned {type(out).__name__} {_short(out)}, not a number"
 
 
+def out_of_range(vals: np.ndarray) -> np.ndarray:
+    """[n] float64 rewards -> [n] bool: NaN, +-inf, or |r| > REWARD_LIMIT."""
+    with np.errstate(invalid="ignore"):
+        return ~(np.abs(vals) <= REWARD_LIMIT)
+
+
 def _short(x: Any) -> str:
     try:
         text = repr(x)
@@ -140,7 +151,7 @@ def _run(plugin: RewardPlugin, arg: Any, loop: asyncio.AbstractEventLoop | None)
 
 
 def _raised(e: BaseException, plugin: RewardPlugin) -> str:
-    if isinstance(e, KeyboardInterrupt):
+    if is_signal_interrupt(e):  # a Ctrl-C; a plugin's own KeyboardInterrupt is its error
         raise e
     return f"raised {_one_line(e)}{user_frame(e, plugin.path)}"
 

@@ -29,7 +29,11 @@ that time out with signals (math-verify's SIGALRM) work there.
 Workers never outlive the scorer: close() (also on `with` exit and at
 interpreter exit) ends them, they are daemon processes, and on Linux each
 asks the kernel to SIGKILL it when the trainer dies (PR_SET_PDEATHSIG), even
-by SIGKILL. As with any 'spawn' pool, workers import the main script: a
+by SIGKILL. Each worker leads a process group (a session) of its own, and a
+timeout, a crash or close() SIGKILLs the whole group, so what the plugin
+started (a compiler, a test binary, a fork) goes with it; a child that starts
+a session of its own, or one left when the trainer itself is SIGKILLed, is
+out of reach. As with any 'spawn' pool, workers import the main script: a
 script that builds a RewardScorer needs an `if __name__ == "__main__":` guard.
 """
 
