@@ -12,7 +12,8 @@ Scenarios, in order, each after a real sync of the trainer's weights:
                  keeps the previous step's weights;
   partial        the trainer moves again, the engine loads all but one tensor.
 
-usage: python tests/probe_scenarios.py MODEL_DIR ENGINE DTYPE PORT
+usage: python tests/probe_scenarios.py MODEL_DIR ENGINE DTYPE PORT [correct]
+("correct": the first scenario only, for the real model's slower syncs)
 
 `scaled_logits_model` (imported by conftest) builds the scaled-logit tiny model.
 """
@@ -67,7 +68,7 @@ def scaled_logits_model(src: Path, dst: Path, probe: "object") -> Path:
     return dst
 
 
-def main(model: str, kind: str, dtype: str, port: str) -> dict:
+def main(model: str, kind: str, dtype: str, port: str, which: str = "all") -> dict:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     from areno.backend.config import BackendConfig
     from areno.backend.weights import probe_ids
@@ -99,6 +100,9 @@ def main(model: str, kind: str, dtype: str, port: str) -> dict:
                 local.add_(STEP * torch.sign(torch.randn(local.shape, generator=g)))
 
     attempt("correct", load)
+    if which == "correct":
+        w.close()
+        return out
     attempt("corrupted", lambda named: load((n, t * 1.01 if n == CORRUPT else t) for n, t in named))
     attempt("correct_again", load)
     train_step(0)
@@ -110,4 +114,4 @@ def main(model: str, kind: str, dtype: str, port: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(*sys.argv[1:5])))
+    print(json.dumps(main(*sys.argv[1:6])))

@@ -35,9 +35,9 @@ def test_assign_groups_is_lpt_balanced_and_deterministic():
     assert sorted(assign_groups(np.array([5, 3]), 4).tolist()) == [0, 1]
 
 
-def _scenarios(model: Path, kind: str, dtype: str) -> dict[str, str]:
+def _scenarios(model: Path, kind: str, dtype: str, *which: str) -> dict:
     res = subprocess.run([sys.executable, str(TESTS / "probe_scenarios.py"), str(model), kind, dtype,
-                          str(free_port())], capture_output=True, text=True, timeout=600)
+                          str(free_port()), *which], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -63,6 +63,19 @@ def test_a_correct_sync_passes_and_corrupted_stale_or_partial_ones_fail(tiny_sca
     assert first["probe_diff"] <= first["probe_tolerance"], first
     # the fingerprint checks every sync; the probe (numerics) calibrates at the first
     assert second == {}, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["hf", "vllm"])
+def test_a_correct_bf16_sync_of_the_real_model_passes(smol_path, kind):
+    """SmolLM2-135M in bf16, the issue's failure (0.266 against a fixed 0.01):
+    the fingerprint matches exactly and the probe's diff is within its bound."""
+    if kind == "vllm":
+        pytest.importorskip("vllm")
+    out = _scenarios(smol_path, kind, "bfloat16", "correct")
+    assert out["correct"] == "ok", out
+    (probe,) = out["probes"]
+    assert probe["probe_scale"] > 10 and probe["probe_diff"] <= probe["probe_tolerance"], probe
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from areno.rollout.probe import (
+    PROBE_FLOOR_UNITS,
     PROBE_MARGIN,
     PROBE_ROUNDING_UNITS,
     Fingerprint,
@@ -88,8 +89,9 @@ def test_probe_tolerance_is_the_rounding_bound_until_calibrated_then_a_multiple_
     unit = rounding_unit("bfloat16", scale)
     assert unit == 25.0 / 256
     assert probe_tolerance("bfloat16", scale, None) == PROBE_ROUNDING_UNITS * unit
-    assert probe_tolerance("bfloat16", scale, 0.2) == PROBE_MARGIN * 0.2
-    assert probe_tolerance("bfloat16", scale, 0.0) == unit  # the floor: one rounding unit
+    assert probe_tolerance("bfloat16", scale, 2 * unit) == PROBE_MARGIN * 2 * unit
+    assert probe_tolerance("bfloat16", scale, 0.0) == PROBE_FLOOR_UNITS * unit  # a lucky first diff
+    assert probe_tolerance("bfloat16", scale, 10 * unit) == PROBE_ROUNDING_UNITS * unit  # never looser
     assert probe_tolerance("float32", scale, None) == PROBE_ROUNDING_UNITS * 25.0 * 2.0**-24
     with pytest.raises(ValueError, match="float64"):
         rounding_unit("float64", 1.0)

@@ -175,11 +175,8 @@ class TorchBackend:
         return steps
 
     def export_weights(self, *, engine_dtype: str | None = None):
-        """-> (iterator of (HF name, tensor), Probe) for `engine.update_weights`.
-
-        The probe's tolerance is derived (rollout.probe.probe_bound) from the
-        dtype the receiving engine computes in (None: the backend's compute
-        dtype) and the logits' scale.
+        """-> (iterator of (HF name, tensor), Probe) for `engine.update_weights`; the
+        probe's tolerance is `probe_bound` of `engine_dtype` (None: the backend's).
 
         The tensors are zero-copy CPU views of a shared-memory segment the
         controller owns; they stay valid until the next export_weights or

@@ -37,8 +37,10 @@ then 0.1, ten times the old fixed 1e-2). So:
   - *calibration*: at the first sync whose fingerprint matched, both sides
     provably hold identical weights, so the diff there (checked against the
     bound) is this engine's and trainer's own rounding noise d0. Later probes
-    must stay within PROBE_MARGIN·d0 (the noise moves a little as weights
-    change), never below one unit |z|·u (d0 can be 0 by luck in fp32).
+    must stay within PROBE_MARGIN·d0 (the noise moves as the weights change),
+    clipped to [PROBE_FLOOR_UNITS, PROBE_ROUNDING_UNITS] units: a lucky small
+    d0 (0 happens in fp32) must not make it flaky, and calibration only
+    tightens.
 The probe is scored at temperature 1 (the model's raw distribution): prompt
 log-probs skip the sampler's processors in vLLM, and `probe_logprobs` does the
 same.
@@ -61,8 +63,10 @@ if TYPE_CHECKING:
 UNIT_ROUNDOFF = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 # Probe bound without calibration, in rounding units |z|·u (see the docstring).
 PROBE_ROUNDING_UNITS = 16.0
-# Calibrated probe tolerance: this multiple of the first matched sync's diff.
+# Calibrated probe tolerance: this multiple of the first matched sync's diff,
+# within [PROBE_FLOOR_UNITS, PROBE_ROUNDING_UNITS] rounding units.
 PROBE_MARGIN = 4.0
+PROBE_FLOOR_UNITS = 4.0
 # With a fingerprint, the probe checks numerics, which do not change from one
 # sync to the next: it runs at the first sync (calibration) and every
 # PROBE_EVERY_FINGERPRINTED-th. An engine without one probes at every sync.
@@ -164,8 +168,11 @@ def probe_bound(dtype: str, scale: float) -> float:
 
 
 def calibrated_tolerance(first_diff: float, dtype: str, scale: float) -> float:
-    """Probe tolerance after a calibration sync measured `first_diff`."""
-    return max(PROBE_MARGIN * first_diff, rounding_unit(dtype, scale))
+    """Probe tolerance after a calibration sync measured `first_diff`: a margin
+    over it, never below the floor (a lucky small first diff) nor above the
+    uncalibrated bound (calibration only tightens)."""
+    unit = rounding_unit(dtype, scale)
+    return min(max(PROBE_MARGIN * first_diff, PROBE_FLOOR_UNITS * unit), PROBE_ROUNDING_UNITS * unit)
 
 
 def probe_tolerance(dtype: str, scale: float, calibration: float | None) -> float:
