@@ -44,6 +44,8 @@ def scaled_logits_model(src: Path, dst: Path, probe: "object") -> Path:
 
     from transformers import AutoModelForCausalLM
 
+    from areno.fileperms import honour_umask
+
     if (dst / "config.json").is_file():
         return dst
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
@@ -57,7 +59,7 @@ def scaled_logits_model(src: Path, dst: Path, probe: "object") -> Path:
         for f in src.iterdir():
             if f.is_file() and not (tmp / f.name).exists():
                 shutil.copy2(f, tmp / f.name)
-        os.chmod(tmp, 0o755)
+        honour_umask(tmp)  # mkdtemp is 0700 and transformers writes safetensors 0600
         try:
             os.rename(tmp, dst)
         except OSError:  # another process built it first

@@ -31,9 +31,10 @@ the dtype's unit roundoff (bf16 2^-8, fp32 2^-24) and |z| the largest logit
 magnitude at the probed positions (real models reach 20-30: one bf16 unit is
 then 0.1, ten times the old fixed 1e-2). So:
   - *bound* (no calibration possible): PROBE_ROUNDING_UNITS·|z|·u. 16 units:
-    correct syncs measured 0.6-6.5 units on the tiny, scaled-logit and
-    SmolLM2-135M models (see docs/DESIGN.md), and a numerics bug (wrong rope,
-    wrong dtype, a head that is not the trainer's) is tens to thousands.
+    correct syncs measured 0.1-5.5 units on the tiny, scaled-logit and
+    SmolLM2-135M models, both engines, fp32 and bf16 (docs/DESIGN.md), so 16
+    leaves a margin of 3 over the worst; a numerics bug (wrong rope, wrong
+    dtype, a head that is not the trainer's) is far beyond it.
   - *calibration*: at the first sync whose fingerprint matched, both sides
     provably hold identical weights, so the diff there (checked against the
     bound) is this engine's and trainer's own rounding noise d0. Later probes
