@@ -7,7 +7,9 @@ probe did not run).
 Scenarios, in order, each after a real sync of the trainer's weights:
   correct        the weights as they are (the calibration sync);
   corrupted      one layer's tensor x1.01 on its way into the engine;
-  correct_again  a correct sync after the corrupted one;
+  correct_again  a correct sync after the corrupted one (no probe: fingerprinted);
+  calibrated     a correct sync where the probe is due again (sync 50): its
+                 tolerance is the one the first sync calibrated;
   stale          the trainer moves one AdamW step at the demo's lr, the engine
                  keeps the previous step's weights;
   partial        the trainer moves again, the engine loads all but one tensor.
@@ -76,6 +78,7 @@ def main(model: str, kind: str, dtype: str, port: str, which: str = "all") -> di
     from areno.backend.weights import probe_ids
     from areno.backend.worker import RankWorker
     from areno.rollout.factory import EngineSpec
+    from areno.rollout.probe import PROBE_EVERY_FINGERPRINTED
 
     cfg = BackendConfig(model_path=model, world_size=1, dtype=dtype,
                         engine=EngineSpec(kind=kind, dtype=dtype, max_model_len=64, kv_cache_bytes=64 << 20))
@@ -107,6 +110,8 @@ def main(model: str, kind: str, dtype: str, port: str, which: str = "all") -> di
         return out
     attempt("corrupted", lambda named: load((n, t * 1.01 if n == CORRUPT else t) for n, t in named))
     attempt("correct_again", load)
+    w.syncs = PROBE_EVERY_FINGERPRINTED
+    attempt("calibrated", load)
     train_step(0)
     attempt("stale", lambda named: [None for _ in named])
     train_step(1)
