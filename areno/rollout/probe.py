@@ -26,11 +26,12 @@ are compared instead.
 engine computes with them (dtype, rope, attention kernel, tied head). After a
 load both sides score a fixed token sequence (`probe_ids`) and the log-probs
 are compared. Two correct forwards of the same weights in different kernels
-differ by rounding, which scales with the logits: |d log p| ~ |z|·u, with u
-the dtype's unit roundoff (bf16 2^-8, fp32 2^-24) and |z| the largest logit
-magnitude at the probed positions (real models reach 20-30: one bf16 unit is
-then 0.1, ten times the old fixed 1e-2). So:
-  - *bound* (no calibration possible): PROBE_ROUNDING_UNITS·|z|·u. 16 units:
+differ by rounding, which scales with the values rounded: |d log p| ~ s·u,
+with u the dtype's unit roundoff (bf16 2^-8, fp32 2^-24) and s the largest
+|logit| or |log p| at the probed positions (`probe_scale`; real models'
+logits reach 20-30: one bf16 unit is then 0.1, ten times the old fixed 1e-2;
+a tiny model's |log p| ~ log V dominates its small logits). So:
+  - *bound* (no calibration possible): PROBE_ROUNDING_UNITS·s·u. 16 units:
     correct syncs measured 0.1-5.5 units on the tiny, scaled-logit and
     SmolLM2-135M models, both engines, fp32 and bf16 (docs/DESIGN.md), so 16
     leaves a margin of 3 over the worst; a numerics bug (wrong rope, wrong
