@@ -48,7 +48,9 @@ def _scenarios(model: Path, kind: str, dtype: str, *which: str) -> dict:
 def test_a_correct_sync_passes_and_corrupted_stale_or_partial_ones_fail(tiny_scaled_path, kind, dtype):
     """On a model with real-model logit scale (25), where a fixed bf16 tolerance
     of 1e-2 failed correct syncs: the probe's derived bound passes them, and the
-    exact fingerprint fails every bad one, the engine's group named."""
+    exact checks fail every bad one (the fingerprint, naming the group; a load
+    that misses a name, in transformers). Without vLLM's fingerprint its bf16
+    corrupted and stale syncs passed the probe (0.17 and 0.63 < 1.8)."""
     if kind == "vllm":
         pytest.importorskip("vllm")
     out = _scenarios(tiny_scaled_path, kind, dtype)
