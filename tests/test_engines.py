@@ -15,7 +15,7 @@ import pytest
 from areno.backend.errors import BackendError
 from areno.backend.launch import free_port
 from areno.backend.rollout import assign_groups
-from areno.rollout.probe import calibrated_tolerance, probe_bound
+from areno.rollout.probe import PROBE_ROUNDING_UNITS, probe_tolerance
 from helpers import rank_debug
 
 TESTS = Path(__file__).parent
@@ -63,13 +63,13 @@ def test_a_correct_sync_passes_and_corrupted_stale_or_partial_ones_fail(tiny_sca
     assert out["partial"].startswith("WeightSyncError") and partial in out["partial"], out
     first, second, third = out["probes"]
     assert first["probe_scale"] > 20, first  # the real-model scale the bound is derived from
-    assert first["probe_tolerance"] == probe_bound(dtype, first["probe_scale"]), first
+    assert first["probe_tolerance"] == PROBE_ROUNDING_UNITS * first["probe_unit"], first
     assert first["probe_diff"] <= first["probe_tolerance"], first
     # the fingerprint checks every sync; the probe (numerics) calibrates at the
     # first and holds the 50th to the calibrated tolerance
     assert second == {}, out
     assert out["calibrated"] == "ok", out
-    assert third["probe_tolerance"] == calibrated_tolerance(first["probe_diff"], dtype, third["probe_scale"]), out
+    assert third["probe_tolerance"] == probe_tolerance(third["probe_unit"], first["probe_diff"]), out
     assert third["probe_tolerance"] <= first["probe_tolerance"], out  # calibration only tightens
 
 

@@ -86,15 +86,16 @@ def test_probe_tolerance_is_the_rounding_bound_until_calibrated_then_a_multiple_
     lp = np.array([-2.0, -9.0], dtype=np.float32)
     scale = probe_scale(25.0, lp)  # a real model's logits: 25 > |log p| 9
     assert scale == 25.0 and probe_scale(0.5, lp) == 9.0
-    unit = rounding_unit("bfloat16", scale)
-    assert unit == 25.0 / 256
-    assert probe_tolerance("bfloat16", scale, None) == PROBE_ROUNDING_UNITS * unit
-    assert probe_tolerance("bfloat16", scale, 2 * unit) == PROBE_MARGIN * 2 * unit
-    assert probe_tolerance("bfloat16", scale, 0.0) == PROBE_FLOOR_UNITS * unit  # a lucky first diff
-    assert probe_tolerance("bfloat16", scale, 10 * unit) == PROBE_ROUNDING_UNITS * unit  # never looser
-    assert probe_tolerance("float32", scale, None) == PROBE_ROUNDING_UNITS * 25.0 * 2.0**-24
+    # bf16: the stored value's rounding; fp32: the sums' (K = 1536: 40 roundings of 2^-24)
+    unit = rounding_unit("bfloat16", scale, 1536)
+    assert unit == pytest.approx(25.0 / 256, rel=1e-3)
+    assert rounding_unit("float32", scale, 1536) == pytest.approx(25.0 * 2.0**-24 * (1 + 1536**0.5))
+    assert probe_tolerance(unit, None) == PROBE_ROUNDING_UNITS * unit
+    assert probe_tolerance(unit, 2 * unit) == PROBE_MARGIN * 2 * unit
+    assert probe_tolerance(unit, 0.0) == PROBE_FLOOR_UNITS * unit  # a lucky first diff
+    assert probe_tolerance(unit, 10 * unit) == PROBE_ROUNDING_UNITS * unit  # never looser
     with pytest.raises(ValueError, match="float64"):
-        rounding_unit("float64", 1.0)
+        rounding_unit("float64", 1.0, 1)
 
 
 def test_check_logprobs_names_the_worst_position_and_the_tolerance():

@@ -176,7 +176,7 @@ class TorchBackend:
 
     def export_weights(self, *, engine_dtype: str | None = None):
         """-> (iterator of (HF name, tensor), Probe) for `engine.update_weights`; the
-        probe's tolerance is `probe_bound` of `engine_dtype` (None: the backend's).
+        probe's tolerance is the uncalibrated bound of `engine_dtype` (None: the backend's).
 
         The tensors are zero-copy CPU views of a shared-memory segment the
         controller owns; they stay valid until the next export_weights or

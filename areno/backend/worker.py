@@ -38,7 +38,9 @@ from areno.backend.weights import (
     write_export,
 )
 from areno.perf import flop_shape
-from areno.rollout.probe import check_logprobs, probe_due, probe_scale, probe_tolerance
+from areno.rollout.probe import (
+    check_logprobs, probe_due, probe_scale, probe_tolerance, reduction_length, rounding_unit,
+)
 
 
 class RankWorker:
@@ -159,7 +161,7 @@ class RankWorker:
         return out
 
     def _probe(self, probe_ids: np.ndarray) -> dict:
-        """{probe_diff: max |engine - trainer| log-prob, probe_tolerance, probe_scale};
+        """{probe_diff: max |engine - trainer| log-prob, probe_tolerance, probe_scale, probe_unit};
         WeightSyncError beyond the tolerance."""
         ids = torch.from_numpy(probe_ids.astype(np.int64)).to(self.device)
         with autocast_ctx(self.cfg, self.wrapped.strategy), logit_scale_of(self.hf) as scales:
@@ -172,9 +174,10 @@ class RankWorker:
         ref = ref[0].float().cpu().numpy()
         scale = probe_scale(scales[0], ref)
         got = self.engine.prompt_logprobs(probe_ids)
-        tol = probe_tolerance(self.cfg.dtype, scale, self.probe_calibration)
+        unit = rounding_unit(self.cfg.dtype, scale, reduction_length(self.hf_config))
+        tol = probe_tolerance(unit, self.probe_calibration)
         diff = check_logprobs(got, ref, tol, f" on rank {self.rank}")
-        return {"probe_diff": diff, "probe_tolerance": tol, "probe_scale": scale}
+        return {"probe_diff": diff, "probe_tolerance": tol, "probe_scale": scale, "probe_unit": unit}
 
     def cmd_export(self, segment: str | None, layout: WeightLayout, probe_ids: np.ndarray,
                    engine_dtype: str) -> dict | None:

@@ -26,15 +26,16 @@ are compared instead.
 engine computes with them (dtype, rope, attention kernel, tied head). After a
 load both sides score a fixed token sequence (`probe_ids`) and the log-probs
 are compared. Two correct forwards of the same weights in different kernels
-differ by rounding, which scales with the values rounded: |d log p| ~ s·u,
-with u the dtype's unit roundoff (bf16 2^-8, fp32 2^-24) and s the largest
-|logit| or |log p| at the probed positions (`probe_scale`; real models'
-logits reach 20-30: one bf16 unit is then 0.1, ten times the old fixed 1e-2;
-a tiny model's |log p| ~ log V dominates its small logits). So:
-  - *bound* (no calibration possible): PROBE_ROUNDING_UNITS·s·u. 16 units:
-    correct syncs measured 0.1-5.5 units on the tiny, scaled-logit and
+differ by rounding, which scales with the values rounded: one *unit* is
+s·(u + √K·2^-24), with u the dtype's unit roundoff (bf16 2^-8, fp32 2^-24),
+K the longest dot product (fp32 sums of K products round ~√K times) and s
+the largest |logit| or |log p| at the probed positions (`probe_scale`; real
+models' logits reach 20-30: one bf16 unit is then 0.1, ten times the old
+fixed 1e-2; a tiny model's |log p| ~ log V dominates its small logits). So:
+  - *bound* (no calibration possible): PROBE_ROUNDING_UNITS units. 16:
+    correct syncs measured 0.07-1.9 units on the tiny, scaled-logit and
     SmolLM2-135M models, both engines, fp32 and bf16 (docs/DESIGN.md), so 16
-    leaves a margin of 3 over the worst; a numerics bug (wrong rope, wrong
+    leaves a margin of 8 over the worst; a numerics bug (wrong rope, wrong
     dtype, a head that is not the trainer's) is far beyond it.
   - *calibration*: at the first sync whose fingerprint matched, both sides
     provably hold identical weights, so the diff there (checked against the
@@ -157,32 +158,31 @@ def probe_scale(max_abs_logit: float, logprobs: np.ndarray) -> float:
     return max(float(max_abs_logit), float(np.max(np.abs(logprobs))), 1.0)
 
 
-def rounding_unit(dtype: str, scale: float) -> float:
-    """|z|·u: one rounding error of a value of magnitude `scale` (`probe_scale`) in `dtype`."""
+def reduction_length(config: Any) -> int:
+    """The longest dot product of a forward (HF config): max(hidden, intermediate)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(max(getattr(text, "hidden_size", 1), getattr(text, "intermediate_size", 1) or 1))
+
+
+def rounding_unit(dtype: str, scale: float, reduction: int) -> float:
+    """s·(u + √K·u32): one rounding error of a value of magnitude `scale`
+    (`probe_scale`) computed in `dtype` with fp32 sums of `reduction` (K)
+    products. The stored value's rounding dominates in bf16; in fp32 the sums'
+    (~√K roundings each): SmolLM2 fp32 measured 24 units of s·u alone."""
     if dtype not in UNIT_ROUNDOFF:
         raise ValueError(f"dtype {dtype!r}: valid: {', '.join(UNIT_ROUNDOFF)}")
-    return float(scale) * UNIT_ROUNDOFF[dtype]
+    return float(scale) * (UNIT_ROUNDOFF[dtype] + math.sqrt(reduction) * UNIT_ROUNDOFF["float32"])
 
 
-def probe_bound(dtype: str, scale: float) -> float:
-    """Largest probe diff two correct forwards of identical weights may show."""
-    return PROBE_ROUNDING_UNITS * rounding_unit(dtype, scale)
-
-
-def calibrated_tolerance(first_diff: float, dtype: str, scale: float) -> float:
-    """Probe tolerance after a calibration sync measured `first_diff`: a margin
-    over it, never below the floor (a lucky small first diff) nor above the
-    uncalibrated bound (calibration only tightens)."""
-    unit = rounding_unit(dtype, scale)
-    return min(max(PROBE_MARGIN * first_diff, PROBE_FLOOR_UNITS * unit), PROBE_ROUNDING_UNITS * unit)
-
-
-def probe_tolerance(dtype: str, scale: float, calibration: float | None) -> float:
-    """The tolerance of a probe: `probe_bound` until a matched sync calibrated
-    it (`calibration`: the diff measured there), `calibrated_tolerance` after."""
+def probe_tolerance(unit: float, calibration: float | None) -> float:
+    """The tolerance of a probe, `unit` its `rounding_unit`: PROBE_ROUNDING_UNITS
+    units until a matched sync calibrated it (`calibration`: the diff measured
+    there), then PROBE_MARGIN times that, never below the floor (a lucky small
+    first diff) nor above the uncalibrated bound (calibration only tightens)."""
+    bound = PROBE_ROUNDING_UNITS * unit
     if calibration is None:
-        return probe_bound(dtype, scale)
-    return calibrated_tolerance(calibration, dtype, scale)
+        return bound
+    return min(max(PROBE_MARGIN * calibration, PROBE_FLOOR_UNITS * unit), bound)
 
 
 def probe_due(sync_index: int, fingerprinted: bool) -> bool:
@@ -213,8 +213,8 @@ def check_logprobs(got: np.ndarray, ref: np.ndarray, tolerance: float, where: st
 class Probe:
     """token_ids: [L] int32 (L >= 2); expected_logprobs: [L-1] float32, the
     log-prob of token i+1 given tokens 0..i under the new weights;
-    tolerance: largest acceptable max |engine - expected| (`probe_bound` of
-    the engine's dtype and the logits' scale, unless given)."""
+    tolerance: largest acceptable max |engine - expected| (the uncalibrated
+    bound of the engine's dtype and the logits' scale, unless given)."""
 
     token_ids: np.ndarray
     expected_logprobs: np.ndarray
@@ -238,10 +238,12 @@ class Probe:
     def from_model(cls, model: "torch.nn.Module", token_ids: Any, tolerance: float | None = None,
                    engine_dtype: str = "float32") -> "Probe":
         """Build the probe from the trainer's model (after the optimizer step);
-        tolerance None: `probe_bound(engine_dtype, max |logit|)`."""
+        tolerance None: the uncalibrated bound for `engine_dtype` (`probe_tolerance`)."""
         ids = np.ascontiguousarray(token_ids, dtype=np.int32)
         lp, scale = probe_logprobs(model, ids, with_scale=True)
-        return cls(ids, lp, probe_bound(engine_dtype, scale) if tolerance is None else tolerance)
+        if tolerance is None:
+            tolerance = probe_tolerance(rounding_unit(engine_dtype, scale, reduction_length(model.config)), None)
+        return cls(ids, lp, tolerance)
 
 
 def probe_logprobs(model: "torch.nn.Module", ids: np.ndarray, with_scale: bool = False):
