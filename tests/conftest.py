@@ -38,6 +38,20 @@ def tiny_arith_path(areno_cache: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_scaled_path(areno_cache: Path, tiny_chat_path: Path) -> Path:
+    """HF dir of tiny "chat" with its lm_head scaled so that its logits on the
+    weight-sync probe reach 25 (a real model's scale; tiny chat's stay below 1).
+    Built once beside the tiny model it copies (see probe_scenarios.scaled_logits_model)."""
+    from probe_scenarios import scaled_logits_model
+
+    from areno.backend.weights import probe_ids
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(tiny_chat_path).vocab_size
+    return scaled_logits_model(tiny_chat_path, areno_cache / f"{tiny_chat_path.name}-logits25", probe_ids(vocab))
+
+
+@pytest.fixture(scope="session")
 def tiny_chat_model(tiny_chat_path: Path):
     """transformers fp32 model of tiny "chat"; treat as read-only (copy.deepcopy to edit)."""
     import torch

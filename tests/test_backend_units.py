@@ -301,7 +301,7 @@ def test_bfloat16_export_and_probe_from_the_exported_bytes(tiny_chat_path, monke
         try:
             seg.ensure(layout.nbytes, headroom=0.0)
             ids = probe_ids(worker.vocab_size)
-            out = worker.cmd_export(seg.name, layout, ids, 0.1)
+            out = worker.cmd_export(seg.name, layout, ids, "bfloat16")
             named = dict(layout.views(seg.buf))
             assert all(t.dtype == torch.bfloat16 for t in named.values())
             full = worker.cmd_full_state()
@@ -370,7 +370,7 @@ def test_cpu_ranks_split_the_nodes_cores() -> None:
 
 
 def test_probe_runs_every_sync_unless_a_fingerprint_checks_the_weights() -> None:
-    from areno.backend.engine_host import PROBE_EVERY_FINGERPRINTED as K, probe_due
+    from areno.rollout.probe import PROBE_EVERY_FINGERPRINTED as K, probe_due
 
     assert all(probe_due(i, fingerprinted=False) for i in range(2 * K + 1))
     assert [i for i in range(2 * K + 1) if probe_due(i, fingerprinted=True)] == [0, K, 2 * K]
@@ -379,10 +379,13 @@ def test_probe_runs_every_sync_unless_a_fingerprint_checks_the_weights() -> None
 def test_weight_stream_copies_in_the_engine_dtype_and_sums_squares_only_when_asked() -> None:
     from areno.backend.engine_host import WeightStream
 
-    named = [("a", torch.tensor([1.0, 2.0])), ("b", torch.tensor([[3.0]]))]
+    named = [("m.a.weight", torch.tensor([1.0, 2.0])), ("m.b.weight", torch.tensor([[3.0]])),
+             ("lm_head.weight", torch.tensor([0.5]))]
     s = WeightStream(iter(named), torch.bfloat16)
     got = list(s)
-    assert [n for n, _ in got] == s.names == ["a", "b"] and got[0][1].dtype == torch.bfloat16
-    assert got[0][1].data_ptr() != named[0][1].data_ptr() and s.fingerprint() == 14.0
+    assert [n for n, _ in got] == s.names == [n for n, _ in named] and got[0][1].dtype == torch.bfloat16
+    assert got[0][1].data_ptr() != named[0][1].data_ptr()
+    fp = s.fingerprint()  # grouped by module path: "m" holds a and b
+    assert fp.sums == {"m": 14.0, "": 0.25} and fp.counts == {"m": 3, "": 1}
     off = WeightStream(iter(named), torch.float32, fingerprint=False)
-    assert len(list(off)) == 2 and off.fingerprint() == 0.0
+    assert len(list(off)) == 3 and off.fingerprint().sums == {}

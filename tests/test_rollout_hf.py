@@ -34,9 +34,9 @@ def test_unseeded_rollouts_follow_the_engine_seed(tiny_chat_path, make_prompts):
 
 def test_probe_rejects_malformed_arrays():
     with pytest.raises(ValueError, match="int32"):
-        Probe(np.arange(4), np.zeros(3, np.float32))
+        Probe(np.arange(4), np.zeros(3, np.float32), 1e-3)
     with pytest.raises(ValueError, match=r"shape \(3,\)"):
-        Probe(np.arange(4, dtype=np.int32), np.zeros(4, np.float32))
+        Probe(np.arange(4, dtype=np.int32), np.zeros(4, np.float32), 1e-3)
 
 
 @pytest.mark.parametrize(

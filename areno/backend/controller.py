@@ -179,8 +179,9 @@ class TorchBackend:
             self.last_timings["peak_gpu_reserved_gb"] = max(r["peak_reserved_gb"] for r in replies)
         return steps
 
-    def export_weights(self, *, probe_tolerance: float = 1e-3):
-        """-> (iterator of (HF name, tensor), Probe) for `engine.update_weights`.
+    def export_weights(self, *, engine_dtype: str | None = None):
+        """-> (iterator of (HF name, tensor), Probe) for `engine.update_weights`; the
+        probe's tolerance is the uncalibrated bound of `engine_dtype` (None: the backend's).
 
         The tensors are zero-copy CPU views of a shared-memory segment the
         controller owns; they stay valid until the next export_weights or
@@ -193,7 +194,7 @@ class TorchBackend:
         t0 = time.perf_counter()
         stream = self._broadcast(
             "export", segment=None if remote0 else self._weights.name, layout=self._layout,
-            probe_ids=self._probe_ids, probe_tolerance=probe_tolerance,
+            probe_ids=self._probe_ids, engine_dtype=engine_dtype or self.config.dtype,
         )
         out = self._gather(stream, self.config.command_timeout_s)[0]
         if remote0:
@@ -204,8 +205,8 @@ class TorchBackend:
 
     def sync_weights(self) -> dict[str, float]:
         """Every rank loads the current weights into its own engine (on its device)
-        and checks it (fingerprint, probe when due); returns timings and the worst
-        probe diff of the ranks that probed."""
+        and checks it (fingerprint, probe when due); returns timings and, when some
+        rank probed, the worst probe diff and the tightest tolerance."""
         self._check_open()
         t0 = time.perf_counter()
         # An interrupt here leaves the trained weights intact: let the load finish.
@@ -214,8 +215,10 @@ class TorchBackend:
         self.last_timings = {"sync_load_s": max(r["load_s"] for r in replies),
                              "sync_probe_s": max(r["probe_s"] for r in replies),
                              "sync_s": time.perf_counter() - t0}
-        probed = [r["probe_diff"] for r in replies if "probe_diff" in r]
-        self.last_timings.update({"probe_diff": max(probed)} if probed else {})
+        probed = [r for r in replies if "probe_diff" in r]
+        if probed:
+            self.last_timings.update(probe_diff=max(r["probe_diff"] for r in probed),
+                                     probe_tolerance=min(r["probe_tolerance"] for r in probed))
         return self.last_timings
 
     def save_pretrained(self, path: str | os.PathLike) -> Path:

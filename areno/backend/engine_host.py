@@ -18,6 +18,7 @@ another host sends the part's arrays inline instead (still whole buffers).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,27 +26,7 @@ import numpy as np
 import torch
 
 from areno.rollout.engine import SamplingConfig, check_weight_names
-from areno.rollout.probe import WeightSyncError
-
-# Largest acceptable max |engine - trainer| probe log-prob difference, by the
-# dtype both sides compute in. fp32 agrees to ~1e-6. In bf16 the two sides run
-# different kernels: a correct sync measured 0.002 (transformers) and 0.004 (vLLM)
-# on the tiny model, one optimizer step of staleness at the demo's lr 0.014-0.03.
-# A 1% error in one layer is below bf16's resolution (0.4%) on log-probs, so
-# engines that can (transformers) also compare an exact weight fingerprint.
-PROBE_TOLERANCE = {"float32": 1e-3, "bfloat16": 1e-2}
-# Where the engine also reports an exact fingerprint of what it holds, that
-# check proves every sync's weights; the probe then checks the engine's
-# numerics (kernels, dtype, tied weights), which do not change from one sync to
-# the next: it runs at the first sync and every PROBE_EVERY_FINGERPRINTED-th.
-# Elsewhere (vLLM) the probe is the only check and runs at every sync. (The
-# demo's sync: 6 ms with a probe every step, 2.5 ms without.)
-PROBE_EVERY_FINGERPRINTED = 50
-
-
-def probe_due(sync_index: int, fingerprinted: bool) -> bool:
-    """Whether sync number `sync_index` (0 = the first) runs the probe."""
-    return not fingerprinted or sync_index % PROBE_EVERY_FINGERPRINTED == 0
+from areno.rollout.probe import Fingerprint, check_fingerprint, sum_squares
 
 
 @dataclass(frozen=True)
@@ -110,52 +91,61 @@ def check_engine_names(engine: Any, names: Iterable[str]) -> None:
         check_weight_names(names, expected, getattr(engine, "_optional_names", set()))
 
 
-def verify_probe_logprobs(got: np.ndarray, ref: np.ndarray, tolerance: float, rank: int) -> float:
-    """max |got - ref|; WeightSyncError (naming the rank) beyond `tolerance`."""
-    diff = np.abs(got.astype(np.float64) - ref.astype(np.float64))
-    worst = float(np.max(diff)) if diff.size and np.all(np.isfinite(diff)) else float("inf")
-    if not worst <= tolerance:
-        pos = int(np.argmax(np.nan_to_num(diff, nan=np.inf)))
-        raise WeightSyncError(
-            f"weight sync probe failed on rank {rank}: engine log-probs differ from the trainer's "
-            f"by max {worst:.3g} (tolerance {tolerance:g}, worst at position {pos + 1} of "
-            f"{ref.size + 1}); the engine is not serving the trained weights")
-    return worst
-
-
 class WeightStream:
     """The trainer's gathered full tensors as fresh copies in the engine's dtype on
     their device, one at a time (an engine may keep what it is given: vLLM's
-    in-place reload on CPU does), with a running fp64 sum of squares per name
-    kept on the device when `fingerprint` is on (read once after the load; an
-    engine that cannot report its own has no use for it)."""
+    in-place reload on CPU does), with each one's fp64 sum of squares kept on
+    the device when `fingerprint` is on (read once after the load; an engine
+    that cannot report its own has no use for it)."""
 
     def __init__(self, named: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype,
                  fingerprint: bool = True) -> None:
         self._named, self._dtype, self._fingerprint = named, dtype, fingerprint
         self.names: list[str] = []
-        self._sumsq: torch.Tensor | None = None
+        self._sums: list[tuple[str, torch.Tensor, int]] = []
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self._named:
             c = t.detach().to(self._dtype, copy=True)
             if self._fingerprint:
-                s = c.double().square().sum()
-                self._sumsq = s if self._sumsq is None else self._sumsq + s
+                self._sums.append((name, sum_squares(c), c.numel()))
             self.names.append(name)
             yield name, c
 
-    def fingerprint(self) -> float:
-        return float(self._sumsq) if self._sumsq is not None else 0.0
+    def fingerprint(self) -> Fingerprint:
+        """What was sent, grouped as engines report it (one device read)."""
+        if not self._sums:
+            return Fingerprint({}, {})
+        values = torch.stack([s for _, s, _ in self._sums]).cpu().tolist()
+        return Fingerprint.of((n, v, k) for (n, _, k), v in zip(self._sums, values))
+
+
+def reports_fingerprint(engine: Any) -> bool:
+    """Whether `engine` can report an exact fingerprint of what it holds (decided
+    once: it turns on the stream's sums, the exact check and the probe schedule)."""
+    return hasattr(engine, "weights_fingerprint") and getattr(engine, "fingerprint_exact", True)
 
 
 def verify_fingerprint(engine: Any, stream: WeightStream, rank: int) -> None:
-    """Exact check for an engine that can report what it holds (`weights_fingerprint`):
-    the fp64 sum of squares of every loaded tensor must equal the trainer's (same
-    bf16/fp32 bytes)."""
-    got, want = engine.weights_fingerprint(stream.names), stream.fingerprint()
-    if not abs(got - want) <= 1e-9 * max(abs(want), 1.0):
-        raise WeightSyncError(
-            f"weight sync check failed on rank {rank}: the engine's weights (sum of squares "
-            f"{got:.9g}) are not the trainer's ({want:.9g}); the engine is not serving the "
-            "trained weights")
+    """Exact check (see rollout.probe): the engine's fingerprint of what it holds
+    must equal that of what the trainer sent."""
+    check_fingerprint(engine.weights_fingerprint(), stream.fingerprint(), rank)
+
+
+@contextmanager
+def logit_scale_of(hf: torch.nn.Module) -> Iterator[list[float]]:
+    """Within: every forward of `hf.model` appends max |logit| of its last hidden
+    states through `hf.lm_head` (the probe's rounding scale). Read inside the
+    forward, where FSDP2 has gathered the lm_head and autocast is on."""
+    scales: list[float] = []
+
+    def grab(_module, _args, out) -> None:
+        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        with torch.no_grad():
+            scales.append(float(torch.nn.functional.linear(h, hf.lm_head.weight).abs().max()))
+
+    handle = hf.model.register_forward_hook(grab)
+    try:
+        yield scales
+    finally:
+        handle.remove()

@@ -17,14 +17,13 @@ from areno.rng import rng_state, set_rng_state
 from areno.rollout.budget import check_engine_budget, footprint
 from areno.rollout.factory import make_engine
 from areno.backend.engine_host import (
-    PROBE_TOLERANCE,
-    probe_due,
     OutRegion,
     check_engine_names,
     WeightStream,
     generate_into,
+    logit_scale_of,
+    reports_fingerprint,
     verify_fingerprint,
-    verify_probe_logprobs,
 )
 from areno.backend.handoff import LocalPack, RankHandoff, map_region
 from areno.backend.hooks import load_rank_hooks
@@ -40,6 +39,9 @@ from areno.backend.weights import (
     write_export,
 )
 from areno.perf import flop_shape
+from areno.rollout.probe import (
+    check_logprobs, probe_due, probe_scale, probe_tolerance, reduction_length, rounding_unit,
+)
 
 
 class RankWorker:
@@ -84,12 +86,15 @@ class RankWorker:
         self.emit = None  # set by serve(): sends one ("part", ...) message mid-command
         self.engine, self.engine_kind = None, None
         self.syncs = 0  # weight syncs done (the probe runs when probe_due)
+        self.fingerprinted = False  # the engine reports what it holds: the exact check runs
+        self.probe_calibration: float | None = None  # the first matched sync's probe diff
         if cfg.engine is not None:
             # Before the engine claims its share: the AdamW states do not exist yet.
             check_engine_budget(cfg.engine, self.device, footprint(*filter(None, (self.wrapped.root, ref))),
                                 self.num_params, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
             self.engine, self.engine_kind = make_engine(cfg.engine, cfg.model_path, self.device, in_rank=True)
             check_engine_names(self.engine, self.export_names)
+            self.fingerprinted = reports_fingerprint(self.engine)
 
     def hello(self) -> dict:
         return {
@@ -145,40 +150,46 @@ class RankWorker:
         """Every rank gathers the full weights tensor by tensor straight into its own
         engine (same device), then checks what the engine holds (fingerprint) and
         computes (probe, when due) against this rank's trainer, in the dtype both
-        compute in."""
+        compute in (see rollout.probe)."""
         t0 = time.perf_counter()
         dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
-        exact = hasattr(self.engine, "weights_fingerprint")  # can report what it holds
-        stream = WeightStream(iter_full_state(self.hf, self.export_names), dtype, fingerprint=exact)
+        stream = WeightStream(iter_full_state(self.hf, self.export_names), dtype, fingerprint=self.fingerprinted)
         self.engine.load_weights(stream)
-        if exact:
+        if self.fingerprinted:
             verify_fingerprint(self.engine, stream, self.rank)
         t1 = time.perf_counter()
         out = {"load_s": t1 - t0, "probe_s": 0.0}
-        if probe_due(self.syncs, exact):
-            out["probe_diff"] = self._probe(probe_ids)
+        if probe_due(self.syncs, self.fingerprinted):
+            out.update(self._probe(probe_ids))
             out["probe_s"] = time.perf_counter() - t1
+            if self.fingerprinted and self.probe_calibration is None:
+                self.probe_calibration = out["probe_diff"]  # identical weights: the pair's own noise
         self.syncs += 1
         return out
 
-    def _probe(self, probe_ids: np.ndarray) -> float:
-        """max |engine - trainer| log-prob on the probe; WeightSyncError beyond tolerance."""
+    def _probe(self, probe_ids: np.ndarray) -> dict:
+        """{probe_diff: max |engine - trainer| log-prob, probe_tolerance, probe_scale, probe_unit};
+        WeightSyncError beyond the tolerance."""
         ids = torch.from_numpy(probe_ids.astype(np.int64)).to(self.device)
-        with autocast_ctx(self.cfg, self.wrapped.strategy):
+        with autocast_ctx(self.cfg, self.wrapped.strategy), logit_scale_of(self.hf) as scales:
             ref, _ = self.wrapped.root(ids[None, :-1], torch.arange(ids.numel() - 1, device=self.device)[None],
                                        ids[None, 1:])
         if hasattr(self.wrapped.root, "reshard"):
             # FSDP2 keeps the root unsharded after a forward (backward would need it);
             # there is no backward here, and the state walk (save, export) wants shards.
             self.wrapped.root.reshard()
+        ref = ref[0].float().cpu().numpy()
+        scale = probe_scale(scales[0], ref)
         got = self.engine.prompt_logprobs(probe_ids)
-        return verify_probe_logprobs(got, ref[0].float().cpu().numpy(), PROBE_TOLERANCE[self.cfg.dtype],
-                                     self.rank)
+        unit = rounding_unit(self.cfg.dtype, scale, reduction_length(self.hf_config))
+        tol = probe_tolerance(unit, self.probe_calibration)
+        diff = check_logprobs(got, ref, tol, f" on rank {self.rank}")
+        return {"probe_diff": diff, "probe_tolerance": tol, "probe_scale": scale, "probe_unit": unit}
 
     def cmd_export(self, segment: str | None, layout: WeightLayout, probe_ids: np.ndarray,
-                   probe_tolerance: float) -> dict | None:
+                   engine_dtype: str) -> dict | None:
         """Gather full weights (all ranks); rank 0 writes them and builds the probe."""
-        from areno.rollout.probe import Probe, probe_logprobs
+        from areno.rollout.probe import Probe
 
         writer = self.rank == 0
         if not writer:
@@ -189,7 +200,7 @@ class RankWorker:
         write_export(self.hf, layout, buf, is_writer=True)
         t1 = time.perf_counter()
         skeleton = cpu_skeleton(self.hf_config, layout.views(buf))
-        probe = Probe(probe_ids, probe_logprobs(skeleton, probe_ids), probe_tolerance)
+        probe = Probe.from_model(skeleton, probe_ids, engine_dtype=engine_dtype)
         del skeleton
         out = {"probe": probe, "gather_s": t1 - t0, "probe_s": time.perf_counter() - t1}
         if segment is None:

@@ -27,7 +27,7 @@ from areno.rollout.engine import (
     validate_sequence,
 )
 from areno.rollout.hf_logprobs import StepLogprobs, sampling_processors
-from areno.rollout.probe import Probe, WeightSyncError, probe_logprobs, verify_probe
+from areno.rollout.probe import Fingerprint, Probe, WeightSyncError, probe_logprobs, sum_squares, verify_probe
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -222,17 +222,15 @@ class HFEngine:
         self._discarded = False
 
     @torch.no_grad()
-    def weights_fingerprint(self, names: Iterable[str]) -> float:
-        """fp64 sum of squares of the tensors these HF names load into (a tied
-        lm_head.weight is the input embedding again)."""
-        live = self.model.state_dict(keep_vars=True)
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name in names:
-            t = live.get(name)
-            if t is None and name == "lm_head.weight":
-                t = self.model.get_output_embeddings().weight
-            total += t.double().square().sum()
-        return float(total)
+    def weights_fingerprint(self) -> Fingerprint:
+        """Per module group, the fp64 sum of squares of every parameter the model
+        holds (see rollout.probe), under every name it has: a tied lm_head.weight
+        counts as the embedding again, as the trainer sends it."""
+        named = list(self.model.named_parameters(remove_duplicate=False))
+        if "lm_head.weight" not in dict(named):
+            named.append(("lm_head.weight", self.model.get_output_embeddings().weight))
+        sums = torch.stack([sum_squares(t) for _, t in named]).cpu().tolist()
+        return Fingerprint.of((n, s, t.numel()) for (n, t), s in zip(named, sums))
 
     def _push(self, weights: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():

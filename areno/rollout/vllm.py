@@ -51,7 +51,8 @@ from areno.rollout.engine import (  # noqa: E402
     validate_prompts,
     validate_sequence,
 )
-from areno.rollout.probe import Probe, WeightSyncError, verify_probe  # noqa: E402
+from areno.rollout.probe import Fingerprint, Probe, WeightSyncError, verify_probe  # noqa: E402
+from areno.rollout.vllm_fingerprint import held_fingerprint  # noqa: E402
 
 try:  # vLLM >= 0.11.1
     from vllm.logprobs import FlatLogprobs
@@ -258,6 +259,18 @@ class VLLMEngine:
         self._finish_wake()
         if not self.llm.reset_prefix_cache():
             raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running)")
+
+    @property
+    def fingerprint_exact(self) -> bool:
+        """An engine of one rank holds whole tensors; a TP shard does not (its
+        sums would need the group's, issue 20): it is checked by the probe alone."""
+        return int(self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size) == 1
+
+    def weights_fingerprint(self) -> Fingerprint:
+        """Per module group, the fp64 sum of squares of what the worker's model
+        holds (see rollout.probe and rollout.vllm_fingerprint)."""
+        self._check_awake()
+        return self.llm.apply_model(held_fingerprint)[0]
 
     def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         if not self.multiprocess:
