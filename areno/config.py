@@ -23,6 +23,7 @@ from areno.choices import (
 )
 from areno.errors import UserError
 from areno.fieldcheck import base_type, check_value
+from areno.modeldir import MODEL_DIR_FIX, check_model_dir
 from areno.multinode import check_authkey
 from areno.rollout.factory import EngineKind
 
@@ -259,6 +260,8 @@ class TrainConfig:
             check_value(f, hints[f.name], getattr(self, f.name))
         if self.ckpt is not None and _looks_local(self.ckpt) and not Path(self.ckpt).is_dir():
             raise UserError(f"--ckpt: no model directory at {self.ckpt}")
+        if self.ckpt is not None:  # a few small reads: a bad model is one line in a second
+            check_model_dir(self.ckpt, "--ckpt", MODEL_DIR_FIX)
         if self.eval_only and self.eval_dataset_path is None:
             raise UserError("--eval-only needs --eval-dataset-path")
         if self.eval_dataset_path is not None and self.reward_fn_path is None:

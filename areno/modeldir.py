@@ -24,6 +24,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.mo
                    "sentencepiece.bpe.model", "vocab.txt", "tokenizer.tiktoken")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+MODEL_DIR_FIX = ("pass a Hugging Face model directory (config.json, tokenizer files and "
+                 "model.safetensors, as save_pretrained writes them) or a hub id")
 MAX_HEADER = 100 << 20  # the format's own limit on the header's size
 
 

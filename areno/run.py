@@ -29,7 +29,7 @@ from areno.sampler import PromptSampler
 from areno.errors import UserError
 from areno.hub import check_model_id
 from areno.leftovers import clean_leftovers
-from areno.modeldir import Weights, check_model_dir
+from areno.modeldir import MODEL_DIR_FIX, Weights, check_model_dir
 from areno.modelinfo import check_context
 from areno.multinode import controller_port, start_local_ranks
 from areno.multinode import stop as stop_ranks
@@ -42,8 +42,6 @@ from areno.runlog import third_party_to_log
 from areno.tasks import arith, resolve_plugin_path
 from areno.tiny import tiny_model_path
 
-MODEL_DIR_FIX = ("pass a Hugging Face model directory (config.json, tokenizer files and "
-                 "model.safetensors, as save_pretrained writes them) or a hub id")
 EVAL_SEED_BASE = 1 << 62  # eval sampling seeds never coincide with a training step's
 
 
