@@ -246,7 +246,7 @@ def test_disk_full_while_saving_is_one_clear_error_and_keeps_the_previous_checkp
         assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
         line = one_error_line(res.stderr)
         assert "cannot save checkpoint" in line and "step_000002" in line, line
-        assert "no space left on" in line.lower() and "previous checkpoint is intact" in line, line
+        assert "no space left on" in line.lower() and "step_000001 is intact" in line, line
         assert sorted(os.listdir(save)) == ["step_000001"]  # nothing half-written left
         ckpt = save / "step_000001"
         assert_complete(ckpt)
