@@ -285,3 +285,23 @@ def test_a_yaml_option_under_the_wrong_group_is_refused_naming_the_right_one(are
 def test_a_group_of_one_is_refused_for_every_advantage_mode(mode, areno_cache):
     one_error(cli(["train", "--adv-mode", mode, "--n-samples", "1"], areno_cache),
               "--n-samples must be >= 2", f"--adv-mode {mode}")
+
+
+# -- 9. smaller -----------------------------------------------------------------
+
+
+def test_a_malformed_csv_is_one_line_naming_the_file_and_its_line(tiny_arith_path, files, areno_cache,
+                                                                  tmp_path):
+    data = tmp_path / "bad.csv"
+    data.write_text('prompt,answer\n"1+1=",2\n3+3=,6,7\n')
+    args = b_args(tiny_arith_path, {**files, "data": data}, tmp_path / "run")
+    one_error(cli(args, areno_cache), f"dataset {data}: not valid CSV", "Expected 2 fields in line 3")
+
+
+def test_all_empty_prompts_are_not_told_to_raise_max_prompt_len(tiny_arith_path, files, areno_cache,
+                                                                 tmp_path):
+    data = tmp_path / "empty.jsonl"
+    data.write_text('{"prompt": "", "answer": "1"}\n{"prompt": "", "answer": "2"}\n')
+    line = one_error(cli(b_args(tiny_arith_path, {**files, "data": data}, tmp_path / "run"), areno_cache),
+                     "every prompt is empty", "prompt field")
+    assert "--max-prompt-len" not in line
