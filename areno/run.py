@@ -147,8 +147,8 @@ def lock_run_dirs(cfg: TrainConfig, out: Path) -> contextlib.AbstractContextMana
 
 def check_save_room(cfg: TrainConfig, out: Path, weights: Weights | None, device: str) -> None:
     """Before the first step: the checkpoint directory can be written and has room for
-    one checkpoint (estimated from the model's weights), unless --no-save."""
-    if cfg.no_save:
+    one checkpoint (estimated from the model's weights), unless nothing is saved."""
+    if cfg.no_save or cfg.eval_only:
         return
     root = checkpoint_root(cfg, out)
     flag = "--save-path" if cfg.save_path else "--output-dir"
