@@ -152,6 +152,10 @@ class TrainConfig:
         "(docs/PERFORMANCE.md).", "Optimization", ge=1, shown="16384 on GPU, 4096 on CPU")
     max_nan_steps: int = opt(3, "Stop after this many NaN/inf steps in a row (each is skipped).",
                              "Optimization", ge=1)
+    rank_heartbeat_timeout: float = opt(
+        0.0, "Seconds a training rank may go without a heartbeat (stopped, frozen) before the run "
+        "stops naming it; 0 = max(30, 3 x the longest gap between its heartbeats so far).",
+        "Optimization", ge=0.0)
     # -- Parallelism -------------------------------------------------------------
     device: Literal["auto", Device] = opt("auto", "Training device (auto: cuda if present).",
                                           "Parallelism")
@@ -247,9 +251,15 @@ class TrainConfig:
         if yaml_path is not None:
             values.update(_read_yaml(yaml_path))
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        _check_reward_timeout(values)
         if values.get("ckpt") is None and values.get("dataset_path") is None:
+            values.setdefault("reward_fn_path", DEMO_PRESET["reward_fn_path"])
+            # The demo scores its built-in reward in-process; a user's plugin may
+            # hang, so it keeps the workers that enforce --reward-timeout.
+            own_plugin = not str(values["reward_fn_path"]).startswith("builtin:")
             for k, v in DEMO_PRESET.items():
-                values.setdefault(k, v)
+                if not (own_plugin and k == "reward_workers"):
+                    values.setdefault(k, v)
         cfg = cls(**values)
         cfg.validate()
         return cfg
@@ -322,6 +332,15 @@ DEMO_PRESET: dict[str, Any] = {
     "max_prompt_len": 16,
     "kv_cache_gb": 0.25,
 }
+
+
+def _check_reward_timeout(given: dict[str, Any]) -> None:
+    """--reward-timeout with --reward-workers 0, both given: in-process scoring
+    has no process to kill, so the timeout could only be ignored (issue 18)."""
+    if given.get("reward_workers") == 0 and given.get("reward_timeout") is not None:
+        raise UserError(f"--reward-timeout {given['reward_timeout']} cannot be enforced with "
+                        "--reward-workers 0 (in-process scoring has no worker to kill): give "
+                        "--reward-workers 1 or more, or drop --reward-timeout")
 
 
 def _looks_local(s: str) -> bool:

@@ -32,10 +32,11 @@ def _fmt(fmt: str, v: Any) -> str:
     return fmt.format(v)
 
 
-def format_step_line(step: int, total: int, m: dict[str, float]) -> str:
+def format_step_line(step: int, total: int, m: dict[str, float], show_kl: bool = True) -> str:
     """One line of at most LINE_LIMIT characters (for realistic values): reward,
-    accuracy, length, the update's KL / clip / grad norm / LR (when it made one),
-    step time and throughput, and the failed rewards whenever there are any."""
+    accuracy, length, the update's KL / clip / grad norm / LR (when it made one;
+    KL only with show_kl, i.e. a reference model), step time and throughput, and
+    the failed rewards whenever there are any."""
     g = m.get
     parts = [f"step {step}/{total}",
              f"reward {_fmt('{:.3f}', g('reward/mean', 0.0))}±{_fmt('{:.3f}', g('reward/std', 0.0))}"
@@ -44,7 +45,8 @@ def format_step_line(step: int, total: int, m: dict[str, float]) -> str:
     parts.append(f"len {_fmt('{:.0f}' if mean_len >= 100 else '{:.1f}', mean_len)}"
                  f"/{_fmt('{:.0f}', g('response/len_max', 0.0))}")
     if g("train/lr", 0.0) > 0:  # lr is > 0 in every optimizer step, 0 when none ran
-        parts += [f"{label} {_fmt(fmt, m[key])}" for key, label, fmt in TRAIN_COLUMNS if key in m]
+        parts += [f"{label} {_fmt(fmt, m[key])}" for key, label, fmt in TRAIN_COLUMNS
+                  if key in m and (show_kl or key != "train/kl")]
     else:
         parts.append("no update")
     # Least telling last: dropped, in this order, while the line is too long.
@@ -87,6 +89,8 @@ class RunLogger:
         self._wandb = None
         self.report_to = report_to
         self.config = config or {}
+        # No reference model (kl_coef 0): train/kl is 0 by construction, not news.
+        self.show_kl = bool(self.config.get("kl_coef", 0.0))
         self.progress = Progress(
             TextColumn("[bold]areno"), BarColumn(), MofNCompleteColumn(), TextColumn("steps"),
             TimeElapsedColumn(), TimeRemainingColumn(), console=self.console, transient=False,
@@ -129,16 +133,15 @@ class RunLogger:
         self.progress.console.print(text, highlight=False, markup=False, soft_wrap=True)
 
     def log(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
-        record = {"step": step, **metrics}
         assert self._file is not None
-        self._file.write(json.dumps(record, allow_nan=True) + "\n")
+        self._file.write(jsonl_line({"step": step, **metrics}))
         if self._tb is not None:
             for k, v in metrics.items():
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
         if advance:
-            self.info(format_step_line(step, self.total, metrics))
+            self.info(format_step_line(step, self.total, metrics, self.show_kl))
             self.progress.update(self._task, completed=step)
 
     def __exit__(self, *exc: Any) -> None:
@@ -151,13 +154,21 @@ class RunLogger:
             self._wandb.finish()
 
 
+def jsonl_line(record: dict[str, Any]) -> str:
+    """A metrics.jsonl line: JSON has no NaN or Infinity (README: "all finite
+    floats"), so a non-finite value is left out of the record; the step line
+    still shows it as nan. The one writer of metrics.jsonl."""
+    finite = {k: v for k, v in record.items() if not (isinstance(v, float) and not math.isfinite(v))}
+    return json.dumps(finite, allow_nan=False) + "\n"
+
+
 def truncate_metrics(path: Path, last_step: int) -> None:
     """Drop records after `last_step` (a resumed run redoes those steps)."""
     if not path.is_file():
         return
     keep = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in keep))
+    tmp.write_text("".join(jsonl_line(r) for r in keep))
     tmp.replace(path)
 
 

@@ -8,7 +8,10 @@ import io
 
 from rich.console import Console
 
-from areno.reporting import LINE_LIMIT, RunLogger, format_step_line
+import json
+import math
+
+from areno.reporting import LINE_LIMIT, RunLogger, format_step_line, read_metrics, truncate_metrics
 
 STEP = {"reward/mean": 0.3125, "reward/std": 0.205, "reward/accuracy": 0.25,
         "response/len_mean": 2.8, "response/len_max": 3.0, "train/kl": 0.0012,
@@ -50,4 +53,43 @@ def test_step_line_is_not_wrapped_on_a_narrow_non_terminal_console(tmp_path):
         logger.log(10000, WIDE)
     lines = out.getvalue().splitlines()
     assert "areno: " + "x" * 150 in lines
-    assert format_step_line(10000, 200, WIDE) in lines
+    assert format_step_line(10000, 200, WIDE, show_kl=False) in lines  # no kl_coef in config
+
+
+def _strict(line: str) -> dict:
+    def refuse(name):
+        raise ValueError(name)
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_metrics_jsonl_never_holds_nan_or_infinity_and_the_step_line_still_shows_them(tmp_path):
+    """Issue 18: a non-finite metric is left out of its record (strict JSON
+    parses every line), also when a resume rewrites the file; the console says nan."""
+    out = io.StringIO()
+    bad = {**STEP, "train/grad_norm": math.inf, "train/kl": -math.inf, "rollout/logprob_std": math.nan}
+    with RunLogger(tmp_path, 3, console=Console(file=out, width=500)) as logger:
+        logger.log(1, STEP)
+        logger.log(2, bad)
+        logger.log(3, bad)
+    records = [_strict(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["train/grad_norm"] == STEP["train/grad_norm"]
+    assert not {"train/grad_norm", "train/kl", "rollout/logprob_std"} & set(records[1])
+    assert records[1]["reward/mean"] == STEP["reward/mean"]
+    assert "gnorm nan" in out.getvalue()
+    truncate_metrics(tmp_path / "metrics.jsonl", 2)
+    assert [_strict(ln)["step"] for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert read_metrics(tmp_path / "metrics.jsonl")[1] == records[1]
+
+
+def test_kl_is_on_the_step_line_only_with_a_reference_model(tmp_path):
+    """kl_coef 0 loads no reference model: train/kl is 0 by construction (issue 18)."""
+    assert " kl " not in format_step_line(3, 200, STEP, show_kl=False)
+    assert " kl 0.0012 " in format_step_line(3, 200, STEP, show_kl=True)
+    for coef, shown in ((0.0, False), (0.05, True)):
+        out = io.StringIO()
+        with RunLogger(tmp_path / str(coef), 3, console=Console(file=out, width=500),
+                       config={"kl_coef": coef}) as logger:
+            logger.log(1, STEP)
+        assert (" kl 0.0012 " in out.getvalue()) is shown, out.getvalue()

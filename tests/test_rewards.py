@@ -42,6 +42,8 @@ def reward_fn(record):
         return math.nan
     if c == "inf":
         return -math.inf
+    if c.startswith("big:"):
+        return float(c[4:])
     if c == "exit":
         os._exit(3)
     if c == "sysexit":
@@ -63,6 +65,8 @@ BAD = {
     "hang": ("timeouts", "timed out after 1 s"),
     "nan": ("nan", "returned nan"),
     "inf": ("nan", "returned -inf"),
+    "big:1e300": ("nan", r"returned 1e\+300, beyond the limit of \+-1e\+06"),
+    "big:-1e38": ("nan", r"returned -1e\+38, beyond the limit of \+-1e\+06"),
     "exit": ("worker_crashes", r"worker process died \(exit code 3\)"),
     "sysexit": ("errors", "raised SystemExit: 4"),
     "str": ("errors", "returned str '1.0', not a number"),
@@ -401,3 +405,16 @@ def test_plugin_may_start_processes_of_its_own(tmp_path):
     """)
     with RewardScorer(path, workers=1) as s:
         assert s.score(recs(["a"])).rewards.tolist() == [1.0]
+
+
+def test_rewards_up_to_the_limit_are_kept_exactly_and_beyond_it_are_failures(scorers):
+    """+-REWARD_LIMIT is a score (float32 holds 1e6 exactly); one ulp beyond it
+    is a failure of kind nan, as 1e300 and +-1e38 are."""
+    from areno.rewards.plugin import REWARD_LIMIT
+
+    over = float(np.nextafter(REWARD_LIMIT, np.inf))
+    r = scorers("skip").score(recs([f"big:{REWARD_LIMIT!r}", f"big:{-REWARD_LIMIT!r}", f"big:{over!r}",
+                                    "big:1e300", "big:-1e38", "ok:1"]))
+    assert r.valid.tolist() == [True, True, False, False, False, True]
+    assert r.rewards[r.valid].tolist() == [REWARD_LIMIT, -REWARD_LIMIT, 1.0]
+    assert r.counts == RewardCounts(nan=3, skipped=3)

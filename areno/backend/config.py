@@ -115,6 +115,9 @@ class BackendConfig:
     """Seconds one train/export/save call may take before the backend is torn down."""
     collective_timeout_s: float = 600.0
     """torch.distributed process-group timeout (a stuck collective errors after this)."""
+    heartbeat_timeout_s: float = 0.0
+    """Seconds a spawned rank may send no heartbeat (stopped, frozen) before the run
+    stops; 0 = max(30 s, 3 x the longest gap between its beats so far)."""
     shutdown_grace_s: float = 5.0
     """Seconds a rank gets to exit after shutdown/SIGTERM before SIGKILL."""
 

@@ -5,7 +5,8 @@ ranks, writes each step's SplitPack once into shared memory, sends every rank
 a few hundred bytes of metadata, and waits for replies with
 `multiprocessing.connection.wait` over the result pipes AND the process
 sentinels, in slices of at most a second: a rank that raises is reported with
-its traceback, a rank that is SIGKILLed is noticed at once, and either way
+its traceback, a rank that is SIGKILLed is noticed at once, one whose heartbeat
+stops (SIGSTOP: backend/heartbeat.py) within its bound, and either way
 every rank is then stopped (SIGTERM, SIGKILL after a grace period) and every
 shared-memory segment unlinked. Nothing blocks forever on a recv.
 """
@@ -31,7 +32,8 @@ import torch
 from areno.backend.config import BackendConfig
 from areno.backend.errors import BackendError
 from areno.backend.handoff import PackWriter, ShmSegment
-from areno.backend.launch import accept_ranks, free_port, spawn_ranks  # noqa: F401 (free_port re-exported)
+from areno.backend.heartbeat import HeartbeatWatch, stuck_rank_error
+from areno.backend.launch import accept_ranks, free_port, spawn_ranks  # noqa: F401 (re-exported)
 from areno.backend.weights import WeightLayout, probe_ids
 from areno.fileperms import replace_dir
 from areno.perf import pack_train_perf
@@ -60,13 +62,16 @@ class TorchBackend:
             self, stop_processes, self._procs, self._conns, [self._pack.segment, self._weights, self._marker, self.rollout_segment],
             config.shutdown_grace_s,
         )
+        self._beats = beats = None  # watched once every rank said hello (heartbeat.py)
         try:
             if config.launcher == "spawn":
-                self._procs.extend(spawn_ranks(config, self._conns))
+                beats = HeartbeatWatch(self.world_size, config.heartbeat_timeout_s)
+                self._procs.extend(spawn_ranks(config, self._conns, beats.slots))
             else:
                 accept_ranks(config, self._conns, self._marker)
             self._hellos = self._gather(self._start("startup", pending=range(self.world_size)),
                                         config.startup_timeout_s)
+            self._beats = beats
         except BaseException:
             self._abort()
             raise
@@ -106,13 +111,13 @@ class TorchBackend:
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
         while not self._closed:
             ready = wait(list(sentinels), timeout=1.0)
-            if not ready or self._closed:
+            if self._closed or self._busy:  # _wait_some reports it, with the rank's own last words
+                time.sleep(0.2 if ready else 0.0)
                 continue
-            if self._busy:  # _wait_some reports it, with the rank's own last words
-                time.sleep(0.2)
+            self.dead = (self._death(sentinels[ready[0]], "between commands", []) if ready else
+                         stuck_rank_error(self._beats, self._procs, "between commands"))
+            if self.dead is None:
                 continue
-            r = sentinels[ready[0]]
-            self.dead = self._death(r, "between commands", [])
             self._abort()
             # A real signal (not _thread.interrupt_main, which is only seen at the
             # next bytecode) so that a blocking call in the main thread returns too.
@@ -363,8 +368,9 @@ class TorchBackend:
                 # A rank's error is often the echo of a peer's death (gloo: "connection
                 # closed by peer"); look briefly so the root cause is what gets reported.
                 dead = [sentinels[s] for s in wait(list(sentinels), timeout=0.5)]
-            if dead or errors:
-                err = self._death(dead[0], what, errors) if dead else errors[0]
+            err = (self._death(dead[0], what, errors) if dead else errors[0] if errors else
+                   stuck_rank_error(self._beats, self._procs, what))
+            if err is not None:
                 self._abort()
                 raise err
             return got

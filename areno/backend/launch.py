@@ -8,6 +8,7 @@ import socket
 import sys
 import threading
 from multiprocessing.connection import Connection, Listener
+from typing import Any
 
 from areno.backend.config import BackendConfig
 from areno.backend.errors import BackendError
@@ -20,8 +21,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(cfg: BackendConfig, conns: list[Connection | None]) -> list:
-    """Start world_size rank processes (spawn context); fills conns[r]; returns the processes."""
+def spawn_ranks(cfg: BackendConfig, conns: list[Connection | None], beats: Any = None) -> list:
+    """Start world_size rank processes (spawn context); fills conns[r]; returns the
+    processes. beats: the heartbeat slots ([world_size] shared float64) they write."""
     import torch.multiprocessing as tmp
 
     from areno.backend.rank import spawn_main
@@ -39,7 +41,7 @@ def spawn_ranks(cfg: BackendConfig, conns: list[Connection | None]) -> list:
             "LOCAL_WORLD_SIZE": str(cfg.world_size),
         }
         p = ctx.Process(
-            target=spawn_main, args=(cfg, child, env, os.getpid(), pdeathsig),
+            target=spawn_main, args=(cfg, child, env, os.getpid(), pdeathsig, beats),
             name=f"areno-rank{r}", daemon=True,
         )
         p.start()

@@ -23,8 +23,10 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Client, Connection
+from typing import Any
 
 from areno.backend.config import BackendConfig
+from areno.backend.heartbeat import start_beating
 from areno.procs import die_with_parent
 from areno.runlog import redirect_child_output
 
@@ -40,9 +42,11 @@ def _quiet() -> None:
 
 # -- entry points --------------------------------------------------------------
 def spawn_main(cfg: BackendConfig, conn: Connection, env: dict[str, str], parent_pid: int,
-               use_pdeathsig: bool) -> None:
-    """Target of the controller's spawn processes."""
+               use_pdeathsig: bool, beats: Any = None) -> None:
+    """Target of the controller's spawn processes; beats: heartbeat slots (heartbeat.py)."""
     die_with_parent(parent_pid, use_pdeathsig)
+    if beats is not None:
+        start_beating(beats, int(env["RANK"]))
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/runlog.py)
     _quiet()
     os.environ.update(env)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from areno.rewards.plugin import _ERROR, _MAX_MESSAGES, _OK, RewardCounts, RewardError
+from areno.rewards.plugin import _ERROR, _MAX_MESSAGES, _OK, REWARD_LIMIT, RewardCounts, RewardError, \
+    out_of_range
 
 
 class _Job:
@@ -121,13 +122,17 @@ class JobBook:
         if job.done.is_set():
             return
         ok = stat == _OK
-        finite = ok & np.isfinite(vals)
-        good = chunk.pos[finite]
-        job.rewards[good] = vals[finite]
+        wild = out_of_range(vals)
+        fine = ok & ~wild
+        good = chunk.pos[fine]
+        job.rewards[good] = vals[fine]
         self._settle(job, int(good.size))
-        bad = np.flatnonzero(ok & ~finite)
+        bad = np.flatnonzero(ok & wild)
         if bad.size:
-            self.fail(job, chunk.pos[bad], "nan", f"returned {vals[bad[0]]}")
+            v = float(vals[bad[0]])
+            why = "" if np.isnan(v) or np.isinf(v) else f", beyond the limit of +-{REWARD_LIMIT:g}"
+            self.fail(job, chunk.pos[bad], "nan", f"returned {v:g}{why} (rewards must be finite "
+                      f"and within +-{REWARD_LIMIT:g}: scale it down)")
         errors = chunk.errors or {}
         for i in np.flatnonzero(stat == _ERROR):
             text = errors.get(int(i)) or errors.get(-1) or "raised an exception"

@@ -28,6 +28,11 @@ from areno.rollout.batch import FINISH_REASONS
 
 ON_ERROR: tuple[str, ...] = typing.get_args(OnError)
 FAILURE_KINDS = ("errors", "timeouts", "nan", "worker_crashes")
+# The largest reward magnitude accepted. A larger one (1e300, 1e38) is a bug
+# in the plugin, not a score: its group's std overflows float32 and every
+# advantage and reward metric of the step would turn inf/NaN. It is a failure
+# of kind `nan`, handled by --on-reward-error like NaN (README, "Rewards").
+REWARD_LIMIT = 1e6
 _MAX_MESSAGES = 5  # failure messages kept in a RewardResult
 _PENDING, _OK, _ERROR = 0, 1, 2  # per-sample status (in shared memory under workers)
 
@@ -80,7 +85,7 @@ class RewardCounts:
 
     errors: int = 0  # raised, or returned a non-number
     timeouts: int = 0
-    nan: int = 0  # returned NaN or +-inf
+    nan: int = 0  # returned NaN, +-inf, or a value beyond +-REWARD_LIMIT
     worker_crashes: int = 0
     skipped: int = 0
     zeroed: int = 0
@@ -122,6 +127,12 @@ def _as_reward(out: Any) -> tuple[int, float, str]:
     if isinstance(out, (numbers.Real, np.bool_)):
         return _OK, float(out), ""
     return _ERROR, math.nan, f"returned {type(out).__name__} {_short(out)}, not a number"
+
+
+def out_of_range(vals: np.ndarray) -> np.ndarray:
+    """[n] float64 rewards -> [n] bool: NaN, +-inf, or |r| > REWARD_LIMIT."""
+    with np.errstate(invalid="ignore"):
+        return ~(np.abs(vals) <= REWARD_LIMIT)
 
 
 def _short(x: Any) -> str:

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, parent_pid: int) -> None:
     die_with_parent(parent_pid)
+    # A session (and process group) of its own, before the plugin runs: every
+    # process the plugin starts (a compiler, a test binary, a fork) joins it,
+    # and _Worker.stop kills the whole group with the worker.
+    os.setsid()
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/runlog.py)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     # The controller starts workers as daemons (ended with it); inside, let the
@@ -100,7 +104,20 @@ class _Worker:
         self.chunk: _Chunk | None = None  # the chunk it is scoring
 
     def stop(self, kill: bool) -> None:
-        """Kill (or wait for) the process; the pipe stays open to be drained."""
+        """Kill (or wait for) the process, then what is left of its process group
+        (the plugin's children); the pipe stays open to be drained."""
         if kill and self.proc.is_alive():
-            self.proc.kill()  # SIGKILL: a hung plugin gets no say
+            _kill_group(self.proc.pid)  # SIGKILL: a hung plugin gets no say
+            self.proc.kill()  # not yet in its own group (still starting)
         self.proc.join(timeout=2.0)
+        # The leader is gone but its group lives on while a member does, and
+        # Linux hands out no pid that is still a live group's id.
+        _kill_group(self.proc.pid)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL process group pgid; nothing when it has no member left."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
