@@ -1,7 +1,9 @@
 """Run directories, model directories, checkpoints and option values a user gets
-wrong, each through `areno train` in a subprocess on the tiny arith model (issue 18,
-items 1-4 and 8): exit code 2, one line on stderr naming the culprit, no traceback,
-and nothing of an earlier run lost. Most cases fail before any rank starts."""
+wrong, each through `areno train` on the tiny arith model with the shared fault
+harness (tests/faults.py; issue 18, items 1-4, 8 and 9): exit code 2, one areno line
+naming the culprit, no traceback, no leftover process or /dev/shm segment, a
+consistent run directory, and nothing of an earlier run lost. Most cases fail
+before any rank starts."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import shutil
 import signal
 import struct
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -22,42 +23,31 @@ from areno.config import TrainConfig
 from areno.errors import UserError
 from areno.modeldir import check_model_dir
 from areno.runlock import LOCK_FILE
-from test_resume import cli, popen_train, wait_group_gone
+from faults import (B, FaultRun, Run, assert_clean, assert_no_leftovers, run_train, write_arith_data,
+                    write_plugin)
 
 pytestmark = pytest.mark.slow
 
 PLUGIN = "def reward_fn(record):\n    return float(record.completion.strip()[:1] == record.answer)\n"
 
 
-def one_error(res: subprocess.CompletedProcess, *culprits: str) -> str:
-    """Exit 2, no traceback, exactly one stderr line (`areno: error: ...`) naming every culprit."""
-    assert "Traceback" not in res.stdout + res.stderr, res.stderr[-3000:]
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("areno: error: "), res.stderr[-3000:]
-    for c in culprits:
-        assert c in lines[0], lines[0]
-    assert "step 1/" not in res.stdout  # nothing trained
-    return lines[0]
+def one_error(res: FaultRun, *culprits: str, ckpt_root: Path | None = None) -> str:
+    """The harness's checks for a refused run: exit 2, one `areno: error:` line naming
+    every culprit, nothing trained."""
+    assert_clean(res, 2, ["areno: error: ", *culprits], ckpt_root=ckpt_root)
+    assert "step 1/" not in res.stdout
+    return res.message
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("files")
-    (d / "p.py").write_text(PLUGIN)
-    with open(d / "arith.jsonl", "w") as f:
-        for a in range(5):
-            for b in range(5):
-                f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
-    return {"plugin": d / "p.py", "data": d / "arith.jsonl"}
+    return {"plugin": write_plugin(d / "p.py", PLUGIN), "data": write_arith_data(d / "arith.jsonl")}
 
 
-def b_args(model: Path, files: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    """The issue's B command: the tiny arith model, 4x4 rollouts of 3 tokens, hf engine."""
-    return ["train", "--ckpt", str(model), "--dataset-path", str(files["data"]),
-            "--reward-fn-path", str(files["plugin"]), "--no-chat-template", "--max-new-tokens", "3",
-            "--batch-size", "4", "--n-samples", "4", "--max-steps", "2", "--rollout-engine", "hf",
-            "--world-size", "1", "--output-dir", str(out), *extra]
+def train(model: Path, files: dict[str, Path], out: Path, cache: Path, *extra: str) -> FaultRun:
+    """The issue's B command (tests/faults.py) with `extra` flags, to its end."""
+    return run_train(B(model, files["data"], files["plugin"], out, *extra), cache, out)
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +55,8 @@ def saved_run(tiny_arith_path, files, areno_cache, tmp_path_factory) -> tuple[Pa
     """(run dir, save path) of a 2-step run that saved steps 1 and 2 in a --save-path of its own."""
     d = tmp_path_factory.mktemp("saved")
     out, save = d / "run", d / "elsewhere"
-    res = cli(b_args(tiny_arith_path, files, out, "--save-interval", "1", "--save-path", str(save)),
-              areno_cache)
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = train(tiny_arith_path, files, out, areno_cache, "--save-interval", "1", "--save-path", str(save))
+    assert_clean(res, 0, None, ckpt_root=save)
     return out, save
 
 
@@ -87,21 +76,24 @@ def copy_run(saved_run: tuple[Path, Path], dest: Path) -> tuple[Path, Path]:
 def test_a_second_run_or_a_resume_while_the_first_lives_is_refused_naming_its_pid(
         tiny_arith_path, files, areno_cache, tmp_path):
     out = tmp_path / "run"
-    first = popen_train(b_args(tiny_arith_path, files, out, "--max-steps", "2000", "--epochs", "1000",
-                               "--save-interval", "1")[1:], areno_cache)
+    args = B(tiny_arith_path, files["data"], files["plugin"], out, "--max-steps", "2000", "--epochs",
+             "1000", "--save-interval", "1")
+    first = Run(args, areno_cache, out)
     try:
-        deadline = time.monotonic() + 120
-        while not list_checkpoints(out / "checkpoints"):
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
-            time.sleep(0.2)
+        first.wait_for(lambda: list_checkpoints(out / "checkpoints"))
         for extra in ([], ["--resume", "latest", "--max-steps", "400"]):
-            res = cli(b_args(tiny_arith_path, files, out, *extra), areno_cache)
-            one_error(res, f"--output-dir {out}", f"pid {first.pid}")
-        assert first.poll() is None  # the first run goes on, its checkpoints untouched
+            res = train(tiny_arith_path, files, out, areno_cache, *extra)
+            # Not assert_clean: the run directory is the live first run's, mid-write.
+            assert "Traceback" not in res.stderr and res.returncode == 2, res.tail()
+            assert f"--output-dir {out} is in use by another areno run (pid {first.proc.pid})" \
+                in res.message
+            assert_no_leftovers(res)
+        assert first.proc.poll() is None  # the first run goes on
+        first.proc.send_signal(signal.SIGTERM)  # and stops as a SIGTERM stops a run: saved, clean
+        assert_clean(first.finish(), 130, ["interrupted (SIGTERM)"])
     finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
-    assert not wait_group_gone(first.pid)
+        if first.proc.poll() is None:
+            os.killpg(first.proc.pid, signal.SIGKILL)
 
 
 def test_a_lock_left_by_a_dead_run_is_taken_over_and_a_run_that_never_saved_keeps_its_metrics(
@@ -113,9 +105,8 @@ def test_a_lock_left_by_a_dead_run_is_taken_over_and_a_run_that_never_saved_keep
     (out / LOCK_FILE).write_text(f"{dead.pid}\n")
     earlier = '{"step": 1, "reward/mean": 0.5}\n{"step": 2, "reward/mean": 0.25}\n'
     (out / "metrics.jsonl").write_text(earlier)
-    res = cli(b_args(tiny_arith_path, files, out, "--max-steps", "1"), areno_cache)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert f"taking over the lock on {out} left by pid {dead.pid}, which no longer runs" in res.stderr
+    res = train(tiny_arith_path, files, out, areno_cache, "--max-steps", "1")
+    assert_clean(res, 0, [f"taking over the lock on {out} left by pid {dead.pid}, which no longer runs"])
     assert "kept as metrics.1.jsonl): starting it again from step 0" in res.stdout
     assert (out / "metrics.1.jsonl").read_text() == earlier
     assert [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()] == [1]
@@ -128,8 +119,8 @@ def test_a_lock_left_by_a_dead_run_is_taken_over_and_a_run_that_never_saved_keep
 
 def test_resume_latest_finds_the_save_path_config_yaml_records(saved_run, areno_cache, tmp_path):
     out, save = copy_run(saved_run, tmp_path)
-    res = cli(["train", "--output-dir", str(out), "--resume", "latest", "--max-steps", "3"], areno_cache)
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_train(["--output-dir", str(out), "--resume", "latest", "--max-steps", "3"], areno_cache, out)
+    assert_clean(res, 0, None, ckpt_root=save)
     assert "resumed at step 2" in res.stdout
     assert [p.name for p in list_checkpoints(save)][-1] == "step_000003"  # saved where it saves
     assert not (out / "checkpoints").exists()
@@ -139,21 +130,30 @@ def test_a_fresh_run_over_a_run_that_saved_elsewhere_is_refused_and_keeps_its_me
         saved_run, tiny_arith_path, files, areno_cache, tmp_path):
     out, save = copy_run(saved_run, tmp_path)
     before = (out / "metrics.jsonl").read_text()
-    res = cli(b_args(tiny_arith_path, files, out), areno_cache)
-    one_error(res, f"checkpoint {save / 'step_000002'}", "--resume latest")
+    res = train(tiny_arith_path, files, out, areno_cache)
+    one_error(res, f"checkpoint {save / 'step_000002'}", "--resume latest", ckpt_root=save)
     assert (out / "metrics.jsonl").read_text() == before
 
 
 # -- 3. what the run will write, checked before the first step ----------------
 
 
-def test_an_unwritable_save_path_is_refused_before_the_first_step(tiny_arith_path, files, areno_cache,
-                                                                  tmp_path):
-    blocker = tmp_path / "a-file"
+@pytest.mark.parametrize("where", ["--save-path", "--output-dir"])
+def test_an_unwritable_save_path_is_refused_before_the_first_step(where, tiny_arith_path, files,
+                                                                  areno_cache, tmp_path):
+    """A --save-path of its own under a file (found when it is locked), or the default
+    <output-dir>/checkpoints taken by a file (found by the pre-flight write)."""
+    out = tmp_path / "run"
+    if where == "--save-path":
+        blocker = tmp_path / "a-file"
+        root, extra = blocker / "ckpts", ["--save-path", str(blocker / "ckpts")]
+    else:
+        blocker = root = out / "checkpoints"
+        extra = []
+    blocker.parent.mkdir(parents=True, exist_ok=True)
     blocker.write_text("")
-    res = cli(b_args(tiny_arith_path, files, tmp_path / "run", "--save-path", str(blocker / "ckpts")),
-              areno_cache)
-    one_error(res, f"--save-path {blocker / 'ckpts'}", "cannot write")
+    res = train(tiny_arith_path, files, out, areno_cache, *extra)
+    one_error(res, f"{where} {root}: ", "cannot", "there", ckpt_root=tmp_path / "none")
 
 
 def sparse_model(src: Path, dest: Path, elements: int) -> Path:
@@ -173,7 +173,7 @@ def sparse_model(src: Path, dest: Path, elements: int) -> Path:
 def test_a_save_path_without_room_for_one_checkpoint_is_refused_before_the_first_step(
         tiny_arith_path, files, areno_cache, tmp_path):
     model = sparse_model(tiny_arith_path, tmp_path / "huge", 1 << 38)  # 1 TiB of float32
-    res = cli(b_args(model, files, tmp_path / "run"), areno_cache)
+    res = train(model, files, tmp_path / "run", areno_cache)
     one_error(res, f"--output-dir {tmp_path / 'run' / 'checkpoints'}", "MiB free", "--no-save")
 
 
@@ -222,8 +222,7 @@ def test_a_bad_model_directory_is_one_line(make, says, tiny_arith_path, files, a
     model = tmp_path / "model"
     model.mkdir()
     make(model, tiny_arith_path)
-    line = one_error(cli(b_args(model, files, tmp_path / "run"), areno_cache),
-                     f"--ckpt {model}", says, "pass a Hugging Face model directory")
+    line = one_error(train(model, files, tmp_path / "run", areno_cache), f"--ckpt {model}", says, "pass a Hugging Face model directory")
     assert "sentencepiece" not in line
     assert not (tmp_path / "run").exists()  # refused before the run directory is made
 
@@ -245,22 +244,23 @@ def test_resume_from_a_damaged_checkpoint_is_one_line_naming_another(damage, say
                                                                      tmp_path):
     out, save = copy_run(saved_run, tmp_path)
     damage(save / "step_000002")
-    res = cli(["train", "--output-dir", str(out), "--resume", "latest"], areno_cache)
-    one_error(res, f"--resume {save / 'step_000002'}", says, f"--resume {save / 'step_000001'}")
+    res = run_train(["--output-dir", str(out), "--resume", "latest"], areno_cache, out)
+    one_error(res, f"--resume {save / 'step_000002'}", says, f"--resume {save / 'step_000001'}",
+              ckpt_root=save)
 
 
 # -- 8. one line instead of a traceback -----------------------------------------
 
 
 def test_a_negative_seed_is_refused_at_config_time(tiny_arith_path, files, areno_cache, tmp_path):
-    one_error(cli(b_args(tiny_arith_path, files, tmp_path / "run", "--seed", "-1"), areno_cache),
+    one_error(train(tiny_arith_path, files, tmp_path / "run", areno_cache, "--seed", "-1"),
               "--seed must be >= 0")
 
 
 def test_a_tensor_parallel_size_the_ranks_cannot_serve_is_refused_before_ranks_start(
         tiny_arith_path, files, areno_cache, tmp_path):
-    one_error(cli(b_args(tiny_arith_path, files, tmp_path / "run", "--tensor-parallel-size", "2"),
-                  areno_cache), "--tensor-parallel-size 2", "1 rank")
+    one_error(train(tiny_arith_path, files, tmp_path / "run", areno_cache, "--tensor-parallel-size", "2"),
+              "--tensor-parallel-size 2", "1 rank")
 
 
 def test_yaml_numbers_pyyaml_reads_as_strings_are_accepted_for_float_options(tmp_path, files):
@@ -277,13 +277,13 @@ def test_yaml_numbers_pyyaml_reads_as_strings_are_accepted_for_float_options(tmp
 def test_a_yaml_option_under_the_wrong_group_is_refused_naming_the_right_one(areno_cache, tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("rollout:\n  lr: 0.001\n")
-    one_error(cli(["train", "--config", str(f)], areno_cache), "'lr' is not a Rollout option",
+    one_error(run_train(["--config", str(f)], areno_cache, tmp_path), "'lr' is not a Rollout option",
               "under 'optimization'")
 
 
 @pytest.mark.parametrize("mode", ["grpo", "drgrpo", "rloo"])
-def test_a_group_of_one_is_refused_for_every_advantage_mode(mode, areno_cache):
-    one_error(cli(["train", "--adv-mode", mode, "--n-samples", "1"], areno_cache),
+def test_a_group_of_one_is_refused_for_every_advantage_mode(mode, areno_cache, tmp_path):
+    one_error(run_train(["--adv-mode", mode, "--n-samples", "1"], areno_cache, tmp_path),
               "--n-samples must be >= 2", f"--adv-mode {mode}")
 
 
@@ -294,14 +294,14 @@ def test_a_malformed_csv_is_one_line_naming_the_file_and_its_line(tiny_arith_pat
                                                                   tmp_path):
     data = tmp_path / "bad.csv"
     data.write_text('prompt,answer\n"1+1=",2\n3+3=,6,7\n')
-    args = b_args(tiny_arith_path, {**files, "data": data}, tmp_path / "run")
-    one_error(cli(args, areno_cache), f"dataset {data}: not valid CSV", "Expected 2 fields in line 3")
+    res = train(tiny_arith_path, {**files, "data": data}, tmp_path / "run", areno_cache)
+    one_error(res, f"dataset {data}: not valid CSV", "Expected 2 fields in line 3")
 
 
 def test_all_empty_prompts_are_not_told_to_raise_max_prompt_len(tiny_arith_path, files, areno_cache,
                                                                  tmp_path):
     data = tmp_path / "empty.jsonl"
     data.write_text('{"prompt": "", "answer": "1"}\n{"prompt": "", "answer": "2"}\n')
-    line = one_error(cli(b_args(tiny_arith_path, {**files, "data": data}, tmp_path / "run"), areno_cache),
+    line = one_error(train(tiny_arith_path, {**files, "data": data}, tmp_path / "run", areno_cache),
                      "every prompt is empty", "prompt field")
     assert "--max-prompt-len" not in line
