@@ -160,7 +160,7 @@ def check_save_room(cfg: TrainConfig, out: Path, weights: Weights | None, device
         raise UserError(f"{flag} {root}: checkpoints cannot be written there ({e.strerror}); "
                         f"choose another {flag}, or pass --no-save") from None
     if weights is not None:
-        item = torch.empty(0, dtype=getattr(torch, settings.resolved_dtype(cfg, device))).element_size()
+        item = getattr(torch, settings.resolved_dtype(cfg, device)).itemsize  # the trained dtype
         check_free_space(root, checkpoint_bytes(weights.params, weights.nbytes, item), flag)
 
 
