@@ -30,6 +30,7 @@ import torch
 from areno.backend.errors import BackendError
 from areno.errors import UserError
 from areno.fileperms import OLD_PREFIX, honour_umask, replace_dir
+from areno.modeldir import check_model_dir
 from areno.rng import rng_state, set_rng_state
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -40,6 +41,29 @@ CONTROLLER_RNG = "controller_rng.pt"
 
 def checkpoint_root(cfg: Any, output_dir: Path) -> Path:
     return Path(cfg.save_path).expanduser() if cfg.save_path else output_dir / "checkpoints"
+
+
+def recorded_save_path(output_dir: Path) -> str | None:
+    """The --save-path the run in `output_dir` recorded in its config.yaml (None: the
+    default place, or no readable config.yaml)."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((output_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    value = saved.get("save_path") if isinstance(saved, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
+def run_roots(cfg: Any, output_dir: Path) -> list[Path]:
+    """Where the run in `output_dir` may have saved: this invocation's save path, then
+    the one its config.yaml records (when --save-path is not given now)."""
+    roots = [checkpoint_root(cfg, output_dir)]
+    recorded = None if cfg.save_path else recorded_save_path(output_dir)
+    if recorded is not None:
+        roots.append(Path(recorded).expanduser())
+    return roots
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -88,8 +112,10 @@ def save_checkpoint(run: Any, step: int) -> Path:
     except (OSError, BackendError) as e:
         full = disk_full_note(root, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        last = latest_checkpoint(root)
+        kept = f"the previous checkpoint {last} is intact" if last else "no checkpoint was saved"
         raise UserError(f"cannot save checkpoint {final}: {full + ': ' if full else ''}"
-                        f"{_save_failure(e)} (the previous checkpoint is intact)") from None
+                        f"{_save_failure(e)} ({kept})") from None
     prune(root, run.cfg.keep_last)
     return final
 
@@ -140,6 +166,25 @@ def _save_failure(e: BaseException) -> str:
 
 _ERRNO = re.compile(r"\[Errno \d+\] ([^\n'\"():]+)")
 LOW_SPACE = 16 << 20  # bytes
+# A checkpoint against its weights: AdamW's two moments, in the parameters' dtype, beside
+# them, plus the optimizer's metadata and the RNG files (3.17x the tiny demo model's).
+CHECKPOINT_PER_WEIGHT_BYTE = 3.3
+
+
+def checkpoint_bytes(params: int | None, disk_bytes: int, dtype_bytes: int) -> int:
+    """Estimated size of one checkpoint of a model of `params` elements trained in a
+    dtype of `dtype_bytes` (params unknown: its weight files' `disk_bytes`)."""
+    weights = params * dtype_bytes if params is not None else disk_bytes
+    return int(weights * CHECKPOINT_PER_WEIGHT_BYTE)
+
+
+def check_free_space(root: Path, need: int, flag: str) -> None:
+    """UserError unless the file system of `root` has room for `need` bytes (one checkpoint)."""
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise UserError(f"{flag} {root}: {free / 2**20:.1f} MiB free, but one checkpoint of this "
+                        f"model needs about {need / 2**20:.1f} MiB (weights and optimizer state); "
+                        f"free some space, choose another {flag}, or pass --no-save")
 
 
 def remove_stale(root: Path) -> None:
@@ -193,6 +238,23 @@ def read_state(ckpt: Path) -> dict:
         raise UserError(f"--resume {ckpt}: not a complete areno checkpoint ({e})") from None
 
 
+def check_checkpoint(ckpt: Path) -> dict:
+    """A checkpoint --resume may start from: its trainer state (returned), its model
+    files whole (modeldir.py) and the optimizer state of backend/. UserError naming
+    what is missing or cut short, and the checkpoint to pass instead."""
+    state = read_state(ckpt)
+    others = [p for p in list_checkpoints(ckpt.parent) if p != ckpt]
+    instead = (f"resume from another checkpoint (--resume {others[-1]})" if others else
+               "start the run again without --resume (no other checkpoint is there)")
+    check_model_dir(ckpt, "--resume", instead)
+    backend = ckpt / "backend"
+    for need, what in ((backend / "optim" / ".metadata", "the optimizer state (backend/optim)"),
+                       (backend / "trainer.pt", "the LR schedule state (backend/trainer.pt)")):
+        if not need.is_file():
+            raise UserError(f"--resume {ckpt}: {what} is missing; {instead}")
+    return state
+
+
 class Resume:
     """Where a run starts: the checkpoint --resume names (`ckpt`, with its trainer
     state), or none, a fresh run. open_run uses it in start-up order: `find` before
@@ -213,15 +275,16 @@ class Resume:
             return cls()
         if cfg.resume != "latest":
             ckpt = Path(cfg.resume).expanduser()
-            return cls(ckpt, read_state(ckpt))
+            return cls(ckpt, check_checkpoint(ckpt))
         if not cfg.save_path and not cfg.output_dir:
             raise UserError("--resume latest needs --output-dir (or --save-path) to look in")
-        root = checkpoint_root(cfg, Path(cfg.output_dir or "."))
-        ckpt = latest_checkpoint(root)
+        roots = run_roots(cfg, Path(cfg.output_dir or "."))
+        ckpt = next(filter(None, map(latest_checkpoint, roots)), None)
         if ckpt is None:
-            raise UserError(f"--resume latest: no complete checkpoint under {root} (a run that "
-                            "stopped before its first checkpoint starts again without --resume)")
-        return cls(ckpt, read_state(ckpt))
+            raise UserError(f"--resume latest: no complete checkpoint under "
+                            f"{' or '.join(map(str, roots))} (a run that stopped before its first "
+                            "checkpoint starts again without --resume)")
+        return cls(ckpt, check_checkpoint(ckpt))
 
     @property
     def step(self) -> int:
@@ -262,18 +325,30 @@ class Resume:
 
 def _restart_unsaved(cfg: Any, out: Path) -> None:
     """`out` holds a run (metrics.jsonl) and no --resume was given: start it again
-    from step 0 if it never wrote a checkpoint (there is nothing to resume), else
-    UserError pointing at --resume latest."""
-    root = checkpoint_root(cfg, out)
-    if latest_checkpoint(root) is not None:
-        raise UserError(f"--output-dir {out} already holds a run (metrics.jsonl): continue it "
-                        "with --resume latest, or choose another --output-dir")
-    # What it left: its metrics (would mix with ours) and half-written checkpoints.
-    (out / "metrics.jsonl").unlink()
-    if root.is_dir():
-        remove_stale(root)
-    print(f"areno: {out} holds a run that stopped before its first checkpoint: "
-          "starting it again from step 0", flush=True)
+    from step 0 if it never wrote a checkpoint, wherever it saved (there is nothing
+    to resume), else UserError pointing at --resume latest. Its metrics are kept,
+    renamed (metrics.1.jsonl, ...)."""
+    roots = run_roots(cfg, out)
+    saved = next(filter(None, map(latest_checkpoint, roots)), None)
+    if saved is not None:
+        raise UserError(f"--output-dir {out} already holds a run with checkpoint {saved}: "
+                        "continue it with --resume latest, or choose another --output-dir")
+    kept = keep_old_metrics(out)
+    for root in roots:  # half-written checkpoints
+        if root.is_dir():
+            remove_stale(root)
+    print(f"areno: {out} holds a run that stopped before its first checkpoint (its metrics "
+          f"kept as {kept.name}): starting it again from step 0", flush=True)
+
+
+def keep_old_metrics(out: Path) -> Path:
+    """Rename out/metrics.jsonl to the first free metrics.N.jsonl; returns the new path."""
+    n = 1
+    while (out / f"metrics.{n}.jsonl").exists():
+        n += 1
+    dest = out / f"metrics.{n}.jsonl"
+    (out / "metrics.jsonl").rename(dest)
+    return dest
 
 
 def _write_json(path: Path, obj: Any) -> None:

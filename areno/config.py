@@ -23,6 +23,7 @@ from areno.choices import (
 )
 from areno.errors import UserError
 from areno.fieldcheck import base_type, check_value
+from areno.modeldir import MODEL_DIR_FIX, check_model_dir
 from areno.multinode import check_authkey
 from areno.rollout.factory import EngineKind
 
@@ -183,7 +184,7 @@ class TrainConfig:
     epochs: int = opt(1, "Passes over the dataset (a run stops at whichever limit comes first).",
                       "Logging and checkpoints", ge=1)
     seed: int = opt(0, "Seed of data order, sampling and initialisation.",
-                    "Logging and checkpoints")
+                    "Logging and checkpoints", ge=0)  # numpy refuses a negative seed
     output_dir: str | None = opt(
         None, "Run directory (config.yaml, metrics.jsonl, checkpoints).",
         "Logging and checkpoints", shown="runs/<timestamp>")
@@ -269,6 +270,8 @@ class TrainConfig:
             check_value(f, hints[f.name], getattr(self, f.name))
         if self.ckpt is not None and _looks_local(self.ckpt) and not Path(self.ckpt).is_dir():
             raise UserError(f"--ckpt: no model directory at {self.ckpt}")
+        if self.ckpt is not None:  # a few small reads: a bad model is one line in a second
+            check_model_dir(self.ckpt, "--ckpt", MODEL_DIR_FIX)
         if self.eval_only and self.eval_dataset_path is None:
             raise UserError("--eval-only needs --eval-dataset-path")
         if self.eval_dataset_path is not None and self.reward_fn_path is None:
@@ -302,9 +305,9 @@ class TrainConfig:
                     self.world_size != self.nnodes * self.nproc_per_node:
                 raise UserError(f"--world-size ({self.world_size}) must be --nnodes x "
                                 f"--nproc-per-node ({self.nnodes} x {self.nproc_per_node})")
-        if self.n_samples < 2 and self.adv_mode in ("grpo", "rloo"):
-            raise UserError(f"--n-samples must be >= 2 for --adv-mode {self.adv_mode} "
-                            "(a group of one has no baseline)")
+        if self.n_samples < 2:  # every mode's baseline is the group's own reward
+            raise UserError(f"--n-samples must be >= 2 for --adv-mode {self.adv_mode} (a group "
+                            "of one has no baseline: every advantage would be 0)")
 
 # Embedded demo: hyper-parameters measured to make reward rise within minutes on
 # 2 CPU cores (see DESIGN.md, "embedded default").
@@ -377,19 +380,35 @@ def _read_yaml(path: str) -> dict[str, Any]:
         raise UserError(f"--config {path}: not valid YAML: {' '.join(str(e).split())}") from None
     if not isinstance(data, dict):
         raise UserError(f"--config {path}: expected a mapping of option: value")
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     groups = {g.lower().replace(" ", "_"): g for g in GROUPS}
     flat: dict[str, Any] = {}
     for key, value in data.items():
         k = str(key).replace("-", "_")
-        if k in known:
+        if k in fields:
             flat[k] = value
         elif k.lower() in groups and isinstance(value, dict):
             for sub, v in value.items():
                 s = str(sub).replace("-", "_")
-                if s not in known:
+                if s not in fields:
                     raise UserError(f"--config {path}: unknown option '{sub}' under '{key}'")
+                right = fields[s].metadata["group"]
+                if right != groups[k.lower()]:
+                    raise UserError(f"--config {path}: '{sub}' is not a {groups[k.lower()]} option; "
+                                    f"move it under '{right.lower().replace(' ', '_')}' (or to "
+                                    "the top level)")
                 flat[s] = v
         else:
             raise UserError(f"--config {path}: unknown option '{key}'")
-    return flat
+    return {k: _yaml_number(k, v) for k, v in flat.items()}
+
+
+def _yaml_number(name: str, value: Any) -> Any:
+    """A float option's YAML string that is a number, as that number: PyYAML follows
+    YAML 1.1, which reads `1e-5` (no dot) as a string, while `1.0e-5` is a float."""
+    if field_type(name) is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value  # not a number: fieldcheck names the option
+    return value

@@ -120,8 +120,7 @@ def _load_dataset(ds: DatasetSpec) -> Any:
     datasets.disable_progress_bars()
     try:
         if ds.kind == "file":
-            builder = FILE_BUILDERS[Path(ds.name).suffix.lower()]
-            return datasets.load_dataset(builder, data_files=ds.name, split="train")
+            return _load_file(ds.name)
         if ds.kind == "disk":
             obj = datasets.load_from_disk(ds.name)
             if isinstance(obj, datasets.DatasetDict):
@@ -147,6 +146,26 @@ def _load_dataset(ds: DatasetSpec) -> Any:
     finally:
         if bars_were_on:
             datasets.enable_progress_bars()
+
+
+def _load_file(path: str) -> Any:
+    """A .csv/.parquet file through `datasets`; a malformed one is one line naming the
+    file and the parser's own words, which name the line (datasets wraps them in a
+    DatasetGenerationError that says nothing, and logs them on stderr beforehand)."""
+    import datasets
+
+    builder = FILE_BUILDERS[Path(path).suffix.lower()]
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # we say it, once
+    try:
+        return datasets.load_dataset(builder, data_files=path, split="train")
+    except datasets.exceptions.DatasetGenerationError as e:
+        cause: BaseException = e
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        raise UserError(f"dataset {path}: not valid {builder.upper()}: {_one_line(cause)}") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
 
 # --------------------------------------------------------------------------

@@ -130,6 +130,10 @@ def tokenize_prompts(
     empty = lengths == 0
     overlong = lengths > max_prompt_len
     keep = ~(empty | overlong)
+    if not keep.any() and not overlong.any():
+        raise UserError(f"every prompt is empty ({lengths.size} rows give no tokens"
+                        f"{' with --no-chat-template' if not use_chat_template else ''}): check "
+                        "the dataset's prompt field")
     if not keep.any():
         raise UserError(
             f"no prompt fits --max-prompt-len={max_prompt_len}: {int(overlong.sum())} of "

@@ -14,14 +14,17 @@ on the command line (or in --config) take the checkpoint's values, so
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-from areno.checkpoint import Resume
+from areno.checkpoint import Resume, recorded_save_path
 from areno.config import TrainConfig, _read_yaml
 from areno.errors import UserError
 from areno.fieldcheck import flag_name
 
-# Where the run lives: always this invocation's, never the checkpoint's.
+# Where the run lives: always this invocation's, never the checkpoint's (a --save-path
+# not given is the one the run directory's config.yaml records).
 LOCATION: frozenset[str] = frozenset({"output_dir", "save_path", "resume"})
 # May differ from the checkpoint's value; applied and printed.
 MAY_CHANGE: frozenset[str] = frozenset({
@@ -53,6 +56,9 @@ def resume_config(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     --resume. UserError naming every option given that may not change."""
     if cfg.resume is None:
         return cfg
+    if not cfg.save_path and cfg.output_dir:
+        # The run saved where its config.yaml says: resume from there and keep saving there.
+        cfg = replace(cfg, save_path=recorded_save_path(Path(cfg.output_dir).expanduser()))
     saved = Resume.find(cfg).state.get("config")
     if not isinstance(saved, dict):
         return cfg  # an older checkpoint without its config: nothing to compare with

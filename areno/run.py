@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import os
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
@@ -19,7 +20,8 @@ import yaml
 from areno import evaluate as evaluation
 from areno import settings
 from areno.backend.rollout import RankEngines
-from areno.checkpoint import Resume, save_checkpoint
+from areno import runlock
+from areno.checkpoint import Resume, check_free_space, checkpoint_bytes, checkpoint_root, save_checkpoint
 from areno.config import TrainConfig
 from areno.prompts import PromptSet, tokenize_prompts
 from areno.rows import RowSet, load_rows, normalize_rows
@@ -27,6 +29,7 @@ from areno.sampler import PromptSampler
 from areno.errors import UserError
 from areno.hub import check_model_id
 from areno.leftovers import clean_leftovers
+from areno.modeldir import MODEL_DIR_FIX, Weights, check_model_dir
 from areno.modelinfo import check_model
 from areno.multinode import controller_port, start_local_ranks
 from areno.multinode import stop as stop_ranks
@@ -109,16 +112,20 @@ def resolve_device(cfg: TrainConfig) -> str:
     return "cuda" if gpus else "cpu"
 
 
-def make_output_dir(cfg: TrainConfig, resume: Resume | None = None) -> Path:
-    """The run directory, with the run's config.yaml written into it (after
-    resume.validate: an existing run there may be a user error)."""
-    resume = resume or Resume()
+def output_dir_for(cfg: TrainConfig, resume: Resume) -> Path:
+    """The run directory: --output-dir, the resumed run's own, or runs/<timestamp>."""
     if cfg.output_dir:
-        out = Path(cfg.output_dir).expanduser()
-    elif resume.ckpt is not None and resume.ckpt.parent.name == "checkpoints":
-        out = resume.ckpt.parent.parent  # the resumed run's own directory
-    else:
-        out = Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        return Path(cfg.output_dir).expanduser()
+    if resume.ckpt is not None and resume.ckpt.parent.name == "checkpoints":
+        return resume.ckpt.parent.parent  # the resumed run's own directory
+    return Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def make_output_dir(cfg: TrainConfig, resume: Resume | None = None, out: Path | None = None) -> Path:
+    """The run directory `out` (output_dir_for's when None), with the run's config.yaml
+    written into it (after resume.validate: an existing run there may be a user error)."""
+    resume = resume or Resume()
+    out = out or output_dir_for(cfg, resume)
     resume.validate(cfg, out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -127,6 +134,49 @@ def make_output_dir(cfg: TrainConfig, resume: Resume | None = None) -> Path:
     except OSError as e:
         raise UserError(f"--output-dir {out}: cannot write there ({e.strerror})") from None
     return out
+
+
+def lock_run_dirs(cfg: TrainConfig, out: Path) -> contextlib.AbstractContextManager:
+    """One run per directory: the run directory, and --save-path where it is elsewhere
+    (runlock.py), held until the run's last process has stopped."""
+    dirs = [(out, "--output-dir")]
+    if cfg.save_path and not cfg.no_save:
+        dirs.append((checkpoint_root(cfg, out), "--save-path"))
+    return runlock.hold(dirs)
+
+
+def check_save_room(cfg: TrainConfig, out: Path, weights: Weights | None, device: str) -> None:
+    """Before the first step: the checkpoint directory can be written and has room for
+    one checkpoint (estimated from the model's weights), unless nothing is saved."""
+    if cfg.no_save or cfg.eval_only:
+        return
+    root = checkpoint_root(cfg, out)
+    flag = "--save-path" if cfg.save_path else "--output-dir"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as e:
+        raise UserError(f"{flag} {root}: checkpoints cannot be written there ({e.strerror}); "
+                        f"choose another {flag}, or pass --no-save") from None
+    if weights is not None:
+        item = getattr(torch, settings.resolved_dtype(cfg, device)).itemsize  # the trained dtype
+        check_free_space(root, checkpoint_bytes(weights.params, weights.nbytes, item), flag)
+
+
+def check_tensor_parallel(tp: int, nproc: int, world_size: int, device: str) -> None:
+    """--tensor-parallel-size against the ranks (an engine spans tp consecutive ranks of
+    one node) and the GPUs that would hold them: one line, before any rank starts."""
+    flag = f"--tensor-parallel-size {tp}"
+    if tp > world_size:
+        raise UserError(f"{flag}: more than the run's {world_size} rank(s); lower it, or raise "
+                        "--world-size (one rank per GPU)")
+    if nproc % tp:
+        raise UserError(f"{flag} must divide the {nproc} rank(s) per node (an engine's ranks share "
+                        "a node); pick a divisor")
+    gpus = visible_gpus() if device == "cuda" else 0
+    if device == "cuda" and tp > gpus:
+        raise UserError(f"{flag}: only {gpus} GPU(s) visible; lower it to {gpus} or less")
 
 
 def load_data(cfg: TrainConfig, tokenizer: Any) -> tuple[RowSet, PromptSet]:
@@ -189,18 +239,23 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
 
     clean_leftovers()  # shared memory of areno processes that were SIGKILLed
     device = resolve_device(cfg)
-    resume = Resume.find(cfg)
-    out = make_output_dir(cfg, resume)
-    logs.enter_context(third_party_to_log(out, cfg.verbose))
+    nproc, world_size = ranks_for(cfg, device)
+    check_tensor_parallel(cfg.tensor_parallel_size, nproc, world_size, device)
+    resume = Resume.find(cfg)  # a bad checkpoint is one line here (checkpoint.check_checkpoint)
     base_model = resume.base_model if resume.ckpt else model_path_for(cfg)
     model_path = str(resume.ckpt) if resume.ckpt else base_model
+    weights = check_model_dir(model_path, "--resume" if resume.ckpt else "--ckpt", MODEL_DIR_FIX)
+    out = output_dir_for(cfg, resume)
+    logs.enter_context(lock_run_dirs(cfg, out))  # before anything in it is changed
+    make_output_dir(cfg, resume, out)
+    logs.enter_context(third_party_to_log(out, cfg.verbose))
+    check_save_room(cfg, out, weights, device)
     tokenizer = load_tokenizer(model_path)
     rows, prompts = (None, None) if cfg.eval_only else load_data(cfg, tokenizer)
     evalset = load_eval_data(cfg, tokenizer) if cfg.eval_dataset_path else None
     sampler = PromptSampler(len(prompts), cfg.batch_size, cfg.seed) if prompts else None
     resume.restore_sampler(sampler)  # a changed dataset is a UserError, before anything starts
     total = total_steps_for(cfg, sampler) if sampler else 0
-    nproc, world_size = ranks_for(cfg, device)
     longest = max(int(p.lengths.max()) for p in (prompts, evalset and evalset[1]) if p)
     check_model(model_path, longest, cfg.max_new_tokens)  # before any engine or rank starts
     with contextlib.ExitStack() as stack:
@@ -243,13 +298,18 @@ def ranks_for(cfg: TrainConfig, device: str) -> tuple[int, int]:
     return nproc, cfg.world_size or cfg.nnodes * nproc
 
 
+def steps_text(n: int) -> str:
+    """'1 step', '2 steps'."""
+    return f"{n} step{'' if n == 1 else 's'}"
+
+
 def start_line(run: Run, resume: Resume, device: str) -> str:
     """The run's first line: the policy, where it trains, on what, and the run dir."""
     cfg, prompts = run.cfg, run.prompts
     what = "evaluating" if cfg.eval_only else (
         f"{len(prompts)} prompts ({prompts.dropped_overlong} overlong dropped"
         + (f", {run.rows.skipped} malformed rows skipped" if run.rows.skipped else "")
-        + f"), {run.total_steps} steps of {cfg.batch_size}x{cfg.n_samples}")
+        + f"), {steps_text(run.total_steps)} of {cfg.batch_size}x{cfg.n_samples}")
     model_path = str(resume.ckpt) if resume.ckpt else run.model_path
     return (f"areno: {model_path} on {device} x{run.world_size}, {what}"
             + (f", resumed at step {run.step}" if resume.ckpt else "") + f"; run dir {run.output_dir}")

@@ -32,7 +32,7 @@ from areno.rollout.batch import (
 from areno.rollout.engine import SamplingConfig
 from areno.rollout.probe import WeightSyncError
 from areno.multinode import run_worker_node
-from areno.run import Run, open_run, visible_gpus
+from areno.run import Run, open_run, steps_text, visible_gpus
 from areno.stats import StreamingStats
 
 
@@ -112,7 +112,7 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
             run.evaluate(run.step)
         if not cfg.no_save and not due(run.step, cfg.save_interval):
             run.save(run.step)
-        run.logger.info(f"done: {run.step} steps; metrics in {run.logger.metrics_path}")
+        run.logger.info(f"done: {steps_text(run.step)}; metrics in {run.logger.metrics_path}")
 
 
 def due(step: int, interval: int) -> bool:

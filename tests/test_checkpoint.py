@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import random
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,9 +33,14 @@ from areno.errors import UserError
 
 
 def make_ckpt(root: Path, name: str, complete: bool = True) -> Path:
+    """A checkpoint directory with the files --resume checks (complete) or without its state."""
     p = root / name
-    p.mkdir(parents=True)
-    (p / "model.safetensors").write_bytes(b"x")
+    (p / "backend" / "optim").mkdir(parents=True)
+    (p / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")  # a header, no tensors
+    (p / "config.json").write_text('{"model_type": "llama"}')
+    (p / "tokenizer.json").write_text("{}")
+    (p / "backend" / "optim" / ".metadata").write_bytes(b"")
+    (p / "backend" / "trainer.pt").write_bytes(b"")
     if complete:
         (p / STATE_FILE).write_text(json.dumps({"step": 1}))
     return p
@@ -160,10 +166,19 @@ def test_failed_save_is_one_clear_error_and_leaves_the_previous_checkpoint(run, 
     with pytest.raises(UserError) as info:
         save_checkpoint(run, 2)
     msg = str(info.value)
-    assert "\n" not in msg and "step_000002" in msg and why in msg and "previous checkpoint is intact" in msg
     root = run.output_dir / "checkpoints"
+    assert "\n" not in msg and "step_000002" in msg and why in msg
+    assert f"the previous checkpoint {root / 'step_000001'} is intact" in msg
     assert entries(root) == ["step_000001"]  # no temp dir left behind
     assert (root / "step_000001" / "model.safetensors").read_text() == "a"
+
+
+def test_a_failed_first_save_claims_no_previous_checkpoint(run):
+    run.backend = FakeBackend(fail_on="save_pretrained", error=OSError(errno.EACCES, "Permission denied"),
+                              tag="b")
+    with pytest.raises(UserError) as info:
+        save_checkpoint(run, 1)
+    assert "intact" not in str(info.value) and "(no checkpoint was saved)" in str(info.value)
 
 
 def test_leftovers_of_an_interrupted_save_are_removed_by_the_next_save(run):
@@ -287,4 +302,6 @@ def test_a_run_that_stopped_before_its_first_checkpoint_starts_again(tmp_path, c
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
     assert make_output_dir(TrainConfig.from_sources(None, {"output_dir": str(out)})) == out
     assert not (out / "metrics.jsonl").exists() and list((out / "checkpoints").iterdir()) == []
-    assert "stopped before its first checkpoint: starting it again" in capsys.readouterr().out
+    assert (out / "metrics.1.jsonl").read_text() == '{"step": 1}\n'  # kept, not overwritten
+    assert ("stopped before its first checkpoint (its metrics kept as metrics.1.jsonl): "
+            "starting it again" in capsys.readouterr().out)

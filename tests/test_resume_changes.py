@@ -14,14 +14,14 @@ import yaml
 from areno.config import TrainConfig
 from areno.errors import UserError
 from areno.resume import resume_config
+from test_checkpoint import make_ckpt
 from test_leftovers import dead_pid
 from test_resume import HF1, cli, ok, train_steps
 
 
 def saved_run(tmp_path, **saved) -> TrainConfig:
     """A checkpoint whose trainer_state.json holds the config of a run with `saved`."""
-    ckpt = tmp_path / "checkpoints" / "step_000002"
-    ckpt.mkdir(parents=True)
+    ckpt = make_ckpt(tmp_path / "checkpoints", "step_000002")
     config = TrainConfig.from_sources(None, saved).to_dict()
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "config": config}))
     return ckpt
@@ -53,7 +53,8 @@ def test_restart_before_a_checkpoint_then_a_longer_max_steps_gets_the_longer_run
     segment = Path("/dev/shm") / f"areno-bk-{dead_pid()}-{os.getpid():08x}-pack"
     segment.write_bytes(b"x" * 4096)
     res = ok(cli(["train", *HF1, "--max-steps", "2", "--output-dir", str(out)], areno_cache))
-    assert "stopped before its first checkpoint: starting it again from step 0" in res.stdout
+    assert "stopped before its first checkpoint (its metrics kept as metrics.1.jsonl): starting it " \
+        "again from step 0" in res.stdout
     assert not segment.exists() and segment.name in res.stdout  # removed at the start
     assert sorted(train_steps(out)) == [1, 2]
 

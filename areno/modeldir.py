@@ -1,0 +1,125 @@
+"""A local model directory (--ckpt) or checkpoint (--resume) checked before
+anything loads it: config, tokenizer and weights present, and every
+`*.safetensors` file as long as its header says.
+
+Left to transformers, an empty directory is reported as a missing sentencepiece,
+a config-only one as a tokenizer traceback, and a truncated `model.safetensors`
+as a 100-line traceback from inside a rank. The header check costs one small read
+per file: a safetensors file is an 8-byte little-endian header length, a JSON
+header whose tensors declare `data_offsets` [begin, end) into the data that
+follows, then the data; a copy cut short is shorter than the largest `end`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from areno.errors import UserError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model",
+                   "sentencepiece.bpe.model", "vocab.txt", "tokenizer.tiktoken")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+SINGLE_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+MODEL_DIR_FIX = ("pass a Hugging Face model directory (config.json, tokenizer files and "
+                 "model.safetensors, as save_pretrained writes them) or a hub id")
+MAX_HEADER = 100 << 20  # the format's own limit on the header's size
+
+
+@dataclass(frozen=True)
+class Weights:
+    """What a model directory's weight files hold: element count and bytes on disk
+    (None where a pytorch_model.bin cannot be counted without loading it)."""
+
+    params: int | None
+    nbytes: int
+
+
+def check_model_dir(path: str | Path, flag: str, instead: str) -> Weights | None:
+    """UserError naming `flag` and what is wrong with local model directory `path`
+    (a hub id, not a directory, is left alone: None); instead: what to pass instead.
+    Returns what its weights hold."""
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        return None
+    where = f"{flag} {path}"
+    if not any(d.iterdir()):
+        raise UserError(f"{where}: the directory is empty; {instead}")
+    if not (d / "config.json").is_file():
+        raise UserError(f"{where}: no config.json (not a Hugging Face model directory); {instead}")
+    _check_config(d / "config.json", where, instead)
+    if not any((d / f).is_file() for f in TOKENIZER_FILES) and not list(d.glob("*.tiktoken")):
+        raise UserError(f"{where}: no tokenizer files (tokenizer.json, tokenizer.model, "
+                        f"vocab.json, ...); {instead}")
+    return _check_weights(d, where, instead)
+
+
+def _check_config(path: Path, where: str, instead: str) -> None:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{where}: config.json is not valid JSON ({' '.join(str(e).split())}); "
+                        f"{instead}") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise UserError(f"{where}: config.json names no model_type (not a transformers model "
+                        f"config); {instead}")
+
+
+def weight_files(d: Path, where: str, instead: str) -> list[Path]:
+    """The weight files the directory's index names, or its single weight files."""
+    for index in WEIGHT_INDEXES:
+        if (d / index).is_file():
+            try:
+                names = sorted(set(json.loads((d / index).read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, AttributeError, TypeError):
+                raise UserError(f"{where}: {index} is not a valid weight index; {instead}") from None
+            missing = [n for n in names if not (d / n).is_file()]
+            if missing:
+                raise UserError(f"{where}: {index} names {missing[0]}, which is missing "
+                                f"({len(missing)} of {len(names)} shards); {instead}")
+            return [d / n for n in names]
+    files = [d / f for f in SINGLE_WEIGHTS if (d / f).is_file()]
+    files = files or sorted(d.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{where}: no weights (model.safetensors or pytorch_model.bin); {instead}")
+    return files
+
+
+def _check_weights(d: Path, where: str, instead: str) -> Weights:
+    params: int | None = 0
+    nbytes = 0
+    for f in weight_files(d, where, instead):
+        nbytes += f.stat().st_size
+        if f.suffix == ".safetensors":
+            n = safetensors_params(f, where, instead)
+            params = None if params is None else params + n
+        else:
+            params = None
+    return Weights(params, nbytes)
+
+
+def safetensors_params(path: Path, where: str, instead: str) -> int:
+    """Elements a safetensors file declares; UserError when it is shorter than its
+    header says (a copy cut short) or the header is unreadable."""
+    size = path.stat().st_size
+    bad = f"{where}: {path.name} is truncated or not a safetensors file"
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise UserError(f"{bad} ({size} bytes); {instead}")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(MAX_HEADER, size - 8):
+            raise UserError(f"{bad} (its header declares {n} bytes, the file has {size}); {instead}")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise UserError(f"{bad} (unreadable header); {instead}") from None
+    tensors = [v for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    end = max((int(t["data_offsets"][1]) for t in tensors), default=0)
+    if 8 + n + end > size:
+        raise UserError(f"{where}: {path.name} is truncated: its header declares "
+                        f"{8 + n + end} bytes, the file has {size}; {instead}")
+    return sum(math.prod(t["shape"]) for t in tensors)
