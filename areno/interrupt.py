@@ -98,6 +98,37 @@ def interrupted(run: Any) -> None:
     raise SystemExit(EXIT_INTERRUPTED)
 
 
+_startup: dict[str, Path | None] = {"run_dir": None}  # set once the run directory exists
+
+
+def made_run_dir(path: Path | None) -> None:
+    """Start-up has written the run directory (config.yaml, run.log): an interrupt
+    before the first step names it (None: a new start-up, nothing written yet)."""
+    _startup["run_dir"] = None if path is None else Path(path)
+
+
+def interrupted_at_startup(cfg: Any) -> None:
+    """An interrupt before the first step: say what was written (the run dir and
+    its config.yaml, or nothing), that no checkpoint was, how to start again; exit 130."""
+    name = _received[-1] if _received else "SIGINT"
+    out = _startup["run_dir"]
+    if out is None and cfg.output_dir and (Path(cfg.output_dir) / "config.yaml").is_file():
+        out = Path(cfg.output_dir)  # the interrupt came as make_output_dir returned
+    if out is None:
+        wrote = "nothing was written yet"
+    else:
+        files = ", ".join(f for f in ("config.yaml", "run.log") if (out / f).is_file())
+        ckpt = "" if cfg.resume else ", no checkpoint (no step ran)"
+        wrote = f"run dir {out} has {files or 'nothing'}{ckpt}"
+    if cfg.resume:
+        again = f"{cfg.resume} is untouched; resume again with the same command"
+    else:
+        again = "start again with the same command"
+    print(f"areno: interrupted ({name}) during start-up: {wrote}; {again}: "
+          f"{shlex.join(['areno', *sys.argv[1:]])}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_INTERRUPTED)
+
+
 def _step_dir(step: int) -> str:
     return f"step_{step:06d}"
 

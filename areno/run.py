@@ -26,6 +26,7 @@ from areno.rows import RowSet, load_rows, normalize_rows
 from areno.sampler import PromptSampler
 from areno.errors import UserError
 from areno.hub import check_model_id
+from areno.interrupt import made_run_dir
 from areno.leftovers import clean_leftovers
 from areno.modelinfo import check_context
 from areno.multinode import controller_port, start_local_ranks
@@ -191,6 +192,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
     device = resolve_device(cfg)
     resume = Resume.find(cfg)
     out = make_output_dir(cfg, resume)
+    made_run_dir(out)  # an interrupt before the first step names what was written
     logs.enter_context(third_party_to_log(out, cfg.verbose))
     base_model = resume.base_model if resume.ckpt else model_path_for(cfg)
     model_path = str(resume.ckpt) if resume.ckpt else base_model
