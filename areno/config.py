@@ -185,6 +185,10 @@ class TrainConfig:
         "Logging and checkpoints", shown="runs/<timestamp>")
     report_to: Literal["none", "tensorboard", "wandb"] = opt(
         "none", "Also log metrics to TensorBoard or W&B (if installed).", "Logging and checkpoints")
+    log_completions: int = opt(
+        2, "Sampled completions per step written to <output-dir>/completions.jsonl (prompt, "
+        "completion, reward, advantage, finish reason); the terminal shows one every "
+        "10 steps. 0: none.", "Logging and checkpoints", ge=0)
     verbose: bool = opt(
         False, "Show third-party output (warnings, logs and progress bars of vLLM, torch, "
         "transformers) on the terminal too; by default it goes only to <output-dir>/run.log.",

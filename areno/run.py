@@ -33,7 +33,7 @@ from areno.multinode import controller_port, start_local_ranks
 from areno.multinode import stop as stop_ranks
 from areno.pack import Workspace
 from areno.perf import default_micro_tokens
-from areno.reporting import RunLogger
+from areno.reporting import RunLogger, limit_note
 from areno.rewards import RewardScorer
 from areno.rollout.engine import SamplingConfig
 from areno.runlog import third_party_to_log
@@ -222,7 +222,8 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
         if engine is None:
             engine = RankEngines(backend, cfg.tensor_parallel_size)
         logger = stack.enter_context(RunLogger(out, total, cfg.report_to, config=cfg.to_dict(),
-                                               start_step=resume.step))
+                                               start_step=resume.step,
+                                               completions=bool(cfg.log_completions)))
         run = Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows,
                   prompts=prompts, sampler=sampler, sampling=settings.sampling(cfg), scorer=scorer,
                   backend=backend, engine=engine, logger=logger, world_size=world_size,
@@ -251,7 +252,9 @@ def start_line(run: Run, resume: Resume, device: str) -> str:
     what = "evaluating" if cfg.eval_only else (
         f"{len(prompts)} prompts ({prompts.dropped_overlong} overlong dropped"
         + (f", {run.rows.skipped} malformed rows skipped" if run.rows.skipped else "")
-        + f"), {run.total_steps} steps of {cfg.batch_size}x{cfg.n_samples}")
+        + f"), {run.total_steps} steps of {cfg.batch_size}x{cfg.n_samples}"
+        + (f" ({note})" if (note := limit_note(run.total_steps, cfg.max_steps, cfg.epochs, len(prompts),
+                                               cfg.batch_size)) else ""))
     model_path = str(resume.ckpt) if resume.ckpt else run.model_path
     return (f"areno: {model_path} on {device} x{run.world_size}, {what}"
             + (f", resumed at step {run.step}" if resume.ckpt else "") + f"; run dir {run.output_dir}")

@@ -16,6 +16,7 @@ import numpy as np
 
 from areno.advantages import advantages_and_keep
 from areno.backend.errors import BackendError
+from areno.completions import completion_records
 from areno.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config import TrainConfig
 from areno.prompts import select
@@ -112,9 +113,9 @@ def train_loop(run: Run) -> None:
             metrics = train_step(run, step)
             run.step = step
             run.logger.log(step, metrics)
-            release_interrupts()  # a Ctrl-C during the update lands here: the step is whole
             if not cfg.no_save and due(step, cfg.save_interval):
-                run.save(step)
+                run.save(step)  # still deferred: a Ctrl-C in a save would abort it, and the backend
+            release_interrupts()  # a Ctrl-C during the update or save lands here: the step is whole
             if due(step, cfg.eval_interval):
                 run.evaluate(step)
     except (BackendError, WeightSyncError) as e:  # every process is stopped on the way out
@@ -195,6 +196,10 @@ def train_step(run: Run, step: int, timer: PhaseTimer | None = None) -> dict[str
                 num_minibatches=cfg.mini_batches, loss_agg=cfg.loss_agg,
                 norm_len=cfg.max_new_tokens, keep=keep, workspace=run.workspace,
             )
+    if cfg.log_completions:
+        run.logger.stage_completions(completion_records(
+            step, cfg.log_completions, run.tokenizer, run.prompts.texts, prompt_idx, batch,
+            scored.rewards, adv))
     defer_interrupts()  # from the update on, an interrupt waits for the step to end
     with timer("train"):
         run.engine.sleep()

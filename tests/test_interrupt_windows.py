@@ -66,3 +66,45 @@ def test_an_interrupt_inside_a_rollouts_send_or_read_leaves_the_backend_usable(t
             path = be.save_pretrained(tmp_path / where)  # what interrupted() does next
             assert (path / "config.json").is_file() and (path / "model.safetensors").is_file(), where
         rank_debug(be, "noop")
+
+
+def test_an_interrupt_inside_a_periodic_save_waits_for_it(tmp_path, monkeypatch, capsys):
+    """The stress script's finding: a Ctrl-C inside --save-interval's save aborted
+    the save and the backend with it, so neither that save nor the interrupt's
+    could be written ('step 3 could not be saved')."""
+    from types import SimpleNamespace
+
+    import areno.trainer
+    from areno.backend.errors import BackendError
+    from areno.interrupt import defer_interrupts
+
+    def step(run, n):  # the real one defers interrupts once its update starts
+        defer_interrupts()
+        return {}
+
+    def save(n: int) -> None:
+        if backend.closed:
+            raise BackendError("backend is closed")
+        try:
+            if not backend.fired:
+                backend.fired = True
+                os.kill(os.getpid(), signal.SIGINT)  # in the middle of the ranks' writes
+            (tmp_path / "checkpoints" / f"step_{n:06d}").mkdir(parents=True)
+            (tmp_path / "checkpoints" / f"step_{n:06d}" / "trainer_state.json").write_text("{}")
+        except KeyboardInterrupt:
+            backend.closed = True  # what an interrupted backend command does
+            raise
+
+    backend = SimpleNamespace(step=0, dead=None, closed=False, fired=False)
+    sampler = SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda s: None)
+    logger = SimpleNamespace(log=lambda *a, **k: None, info=print)
+    run = SimpleNamespace(cfg=SimpleNamespace(no_save=False, save_interval=1, eval_interval=0, save_path=None),
+                          output_dir=tmp_path, step=0, total_steps=3, backend=backend, sampler=sampler,
+                          logger=logger, save=save)
+    monkeypatch.setattr(areno.trainer, "train_step", step)
+    with interrupts_raise(), pytest.raises(SystemExit) as e:
+        areno.trainer.train_loop(run)
+    assert e.value.code == 130
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("areno: interrupted (SIGINT) after step 1 of 3; checkpoint "), err
+    assert err.endswith(f"--resume {tmp_path / 'checkpoints' / 'step_000001'}")
