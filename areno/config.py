@@ -159,7 +159,7 @@ class TrainConfig:
     cpu_threads: int | None = opt(None, "torch threads of each CPU rank. On a machine shared with other "
                                   "busy processes use fewer (1): an OpenMP thread that shares a core "
                                   "stalls its rank.", "Parallelism", ge=1,
-                                  shown="cores / ranks on this node, at least 1")
+                                  shown="(cores - 1) / ranks on this node, at least 1")
     nnodes: int = opt(1, "Nodes in the run (as torchrun's --nnodes): every node runs the same "
                       "command with its own --node-rank and ARENO_BACKEND_AUTHKEY.", "Parallelism", ge=1)
     node_rank: int = opt(0, "This node, 0 .. --nnodes - 1; node 0 runs the controller.",

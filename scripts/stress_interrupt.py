@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import random
@@ -103,8 +104,10 @@ def steps_logged(out: Path) -> int:
 
 
 def launch(args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "areno.cli", *args], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    # -X faulthandler: a hung try dumps its threads on SIGABRT (see interrupt)
+    return subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "areno.cli", *args], cwd=REPO,
+                            env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
 
 
 def interrupt(proc: subprocess.Popen, out: Path, at: Moment, timeout_s: float) -> tuple[str, str]:
@@ -119,9 +122,19 @@ def interrupt(proc: subprocess.Popen, out: Path, at: Moment, timeout_s: float) -
         os.killpg(proc.pid, signal.SIGINT)
     try:
         return proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return proc.communicate()
+    except subprocess.TimeoutExpired:  # hung: its threads' stacks, then the group goes
+        print(f"     hung; group {group_alive(proc.pid)}", flush=True)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGABRT)
+        time.sleep(3)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        log = out / "run.log"
+        print("     stderr: " + stderr[-3000:].replace("\n", "\n     "), flush=True)
+        if log.is_file():
+            print("     run.log: " + log.read_text()[-3000:].replace("\n", "\n     "), flush=True)
+        return stdout, stderr
 
 
 def judge(rc: int, stdout: str, stderr: str, out: Path, leftover: list[int], new_shm: set[str]) -> str:
