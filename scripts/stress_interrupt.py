@@ -139,8 +139,9 @@ def interrupt(proc: subprocess.Popen, out: Path, at: Moment, timeout_s: float) -
 
 def judge(rc: int, stdout: str, stderr: str, out: Path, leftover: list[int], new_shm: set[str]) -> str:
     """The outcome's category: 'saved', 'startup', 'no-step' or a failure's name."""
-    if "Traceback" in stderr:
-        return "traceback"
+    if "Traceback" in stderr:  # 'python -m' still importing (areno.cli not yet running) is told apart
+        return "traceback before areno.cli.main" if "areno/cli.py\", line" not in stderr.split(
+            "Traceback", 1)[1].split("KeyboardInterrupt")[0] or rc == -2 else "traceback"
     if rc != 130:
         return f"exit {rc}"
     if leftover:
@@ -186,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume-checks", type=int, default=3)
     ap.add_argument("--keep", action="store_true", help="keep the failed tries' run dirs")
     args = ap.parse_args(argv)
+    # Started in the background (`cmd &`, nohup), this process ignores SIGINT and so
+    # would every try until areno installs its own handler: restore the default.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rng = random.Random(args.seed)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "500"}
     tally: collections.Counter[str] = collections.Counter()
