@@ -164,7 +164,7 @@ class TrainConfig:
     cpu_threads: int | None = opt(None, "torch threads of each CPU rank. On a machine shared with other "
                                   "busy processes use fewer (1): an OpenMP thread that shares a core "
                                   "stalls its rank.", "Parallelism", ge=1,
-                                  shown="cores / ranks on this node, at least 1")
+                                  shown="(cores - 1) / ranks on this node, at least 1")
     nnodes: int = opt(1, "Nodes in the run (as torchrun's --nnodes): every node runs the same "
                       "command with its own --node-rank and ARENO_BACKEND_AUTHKEY.", "Parallelism", ge=1)
     node_rank: int = opt(0, "This node, 0 .. --nnodes - 1; node 0 runs the controller.",
@@ -190,6 +190,10 @@ class TrainConfig:
         "Logging and checkpoints", shown="runs/<timestamp>")
     report_to: Literal["none", "tensorboard", "wandb"] = opt(
         "none", "Also log metrics to TensorBoard or W&B (if installed).", "Logging and checkpoints")
+    log_completions: int = opt(
+        2, "Sampled completions per step written to <output-dir>/completions.jsonl (prompt, "
+        "completion, reward, advantage, finish reason); the terminal shows one every "
+        "10 steps. 0: none.", "Logging and checkpoints", ge=0)
     verbose: bool = opt(
         False, "Show third-party output (warnings, logs and progress bars of vLLM, torch, "
         "transformers) on the terminal too; by default it goes only to <output-dir>/run.log.",

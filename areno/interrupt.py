@@ -4,10 +4,10 @@ Both signals raise KeyboardInterrupt in the main thread (SIGTERM normally kills
 the process without a word). The training loop then saves the last finished
 step through the still-running backend, prints one line with the exact
 `--resume` command, and exits 130. Once a step's update has started, the first
-interrupt waits for the step to end (train, weight sync, log: then it is saved
-whole); during a rollout the ranks are drained (backend/controller.py). A second
-interrupt, or one inside a save, aborts the backend, and the newest existing
-checkpoint is named instead.
+interrupt waits for the step to end (train, weight sync, log, and its save when
+one is due: then it is saved whole); during a rollout the ranks are drained
+(backend/controller.py). A second interrupt, or one inside the interrupt's own
+save, aborts the backend, and the newest existing checkpoint is named instead.
 
 The backend's watchdog also SIGINTs the main thread when a rank dies; the
 caller tells that apart by `backend.dead` before calling `interrupted`.
@@ -27,6 +27,7 @@ from typing import Any, Iterator
 from areno.backend.errors import BackendError
 from areno.checkpoint import checkpoint_root, latest_checkpoint
 from areno.errors import SignalInterrupt, UserError
+from areno.reporting import limit_note
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 _received: list[str] = []  # names of the signals seen, newest last
@@ -102,7 +103,9 @@ def interrupted(run: Any) -> None:
             # The interrupt came inside a backend command, which aborts the backend.
             note = f"; step {run.step} could not be saved (the backend had stopped)"
     ckpt = latest_checkpoint(root)
-    where = f"interrupted ({name}) after step {run.step} of {run.total_steps}{note}"
+    cut = _limit_note(run)
+    where = (f"interrupted ({name}) after step {run.step} of {run.total_steps}"
+             + (f" ({cut})" if cut else "") + note)
     if ckpt is None:
         how = ("no checkpoint yet; start again with the same command: "
                f"{resume_command(None)}")
@@ -110,6 +113,45 @@ def interrupted(run: Any) -> None:
         how = f"checkpoint {ckpt}; continue with: {resume_command(ckpt)}"
     print(f"areno: {where}; {how}", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_INTERRUPTED)
+
+
+_startup: dict[str, Path | None] = {"run_dir": None}  # set once the run directory exists
+
+
+def made_run_dir(path: Path | None) -> None:
+    """Start-up has written the run directory (config.yaml, run.log): an interrupt
+    before the first step names it (None: a new start-up, nothing written yet)."""
+    _startup["run_dir"] = None if path is None else Path(path)
+
+
+def interrupted_at_startup(cfg: Any) -> None:
+    """An interrupt before the first step: say what was written (the run dir and
+    its config.yaml, or nothing), that no checkpoint was, how to start again; exit 130."""
+    name = _received[-1] if _received else "SIGINT"
+    out = _startup["run_dir"]
+    if out is None and cfg.output_dir and (Path(cfg.output_dir) / "config.yaml").is_file():
+        out = Path(cfg.output_dir)  # the interrupt came as make_output_dir returned
+    if out is None:
+        wrote = "nothing was written yet"
+    else:
+        files = ", ".join(f for f in ("config.yaml", "run.log") if (out / f).is_file())
+        ckpt = "" if cfg.resume else ", no checkpoint (no step ran)"
+        wrote = f"run dir {out} has {files or 'nothing'}{ckpt}"
+    if cfg.resume:
+        again = f"{cfg.resume} is untouched; resume again with the same command"
+    else:
+        again = "start again with the same command"
+    print(f"areno: interrupted ({name}) during start-up: {wrote}; {again}: "
+          f"{shlex.join(['areno', *sys.argv[1:]])}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_INTERRUPTED)
+
+
+def _limit_note(run: Any) -> str:
+    """Why the run ends short of --max-steps (the resumed command ends there too)."""
+    cfg, prompts = run.cfg, getattr(run, "prompts", None)
+    if prompts is None:
+        return ""
+    return limit_note(run.total_steps, cfg.max_steps, cfg.epochs, len(prompts), cfg.batch_size)
 
 
 def _step_dir(step: int) -> str:

@@ -12,6 +12,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
     TimeRemainingColumn
 
+from areno.completions import FILE as COMPLETIONS_FILE
+
 # The per-step line: the key figures in at most LINE_LIMIT characters (README:
 # "one line per step"); every metric, phase times included, goes to metrics.jsonl.
 LINE_LIMIT = 120
@@ -24,6 +26,15 @@ TRAIN_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("train/grad_norm", "gnorm", "{:.3g}"),
     ("train/lr", "lr", "{:.1e}"),
 )
+
+
+def limit_note(total: int, max_steps: int, epochs: int, num_prompts: int, batch_size: int) -> str:
+    """'' or why the run has fewer steps than --max-steps asked for (the epochs
+    end first), for the run's first line and its interrupt line."""
+    if not max_steps or total >= max_steps:
+        return ""
+    return (f"--epochs {epochs} over {num_prompts} prompts at {batch_size} per step ends "
+            f"before --max-steps {max_steps}")
 
 
 def _fmt(fmt: str, v: Any) -> str:
@@ -62,6 +73,26 @@ def format_step_line(step: int, total: int, m: dict[str, float], show_kl: bool =
     return line
 
 
+SAMPLE_EVERY = 10  # a completion on the terminal at steps 1, 11, 21, ... (--log-completions)
+
+
+def format_sample_line(rec: dict[str, Any]) -> str:
+    """One completion record as one indented line of at most LINE_LIMIT characters:
+    the prompt's end and the completion's start (quoted, newlines escaped), its
+    reward, advantage and finish reason."""
+    reward = "none" if rec["reward"] is None else f"{rec['reward']:.2f}"
+    head = f"  sample of step {rec['step']}: "
+    tail = f" reward {reward} adv {rec['advantage']:+.2f} {rec['finish_reason']}"
+    room = max(LINE_LIMIT - len(head) - len(tail) - len('"" -> ""'), 20)
+    prompt = json.dumps(rec["prompt"], ensure_ascii=False)[1:-1]
+    completion = json.dumps(rec["completion"], ensure_ascii=False)[1:-1]
+    p_room = min(len(prompt), max(room // 3, room - len(completion)))
+    prompt = prompt if len(prompt) <= p_room else "…" + prompt[len(prompt) - p_room + 1:]
+    c_room = room - len(prompt)
+    completion = completion if len(completion) <= c_room else completion[:c_room - 1] + "…"
+    return f'{head}"{prompt}" -> "{completion}"{tail}'
+
+
 def reward_failures(m: dict[str, float]) -> str:
     """'' when every reward was scored; else ' (3/16 failed)', or a warning when
     none was valid (--on-reward-error zero|skip would hide it in the mean)."""
@@ -91,8 +122,11 @@ class RunLogger:
 
     def __init__(self, output_dir: Path, total_steps: int, report_to: str = "none",
                  console: Console | None = None, config: dict | None = None,
-                 start_step: int = 0) -> None:
+                 start_step: int = 0, completions: bool = False) -> None:
         self.output_dir = Path(output_dir)
+        self.completions_path = self.output_dir / COMPLETIONS_FILE if completions else None
+        self._staged: list[dict[str, Any]] = []  # the current step's, written when it is logged
+        self._completions = None
         self.total = total_steps
         self.console = console or RunConsole(stderr=False)
         self.metrics_path = self.output_dir / "metrics.jsonl"
@@ -111,10 +145,14 @@ class RunLogger:
         self.start_step = start_step
         if start_step:
             truncate_metrics(self.metrics_path, start_step)
+            if self.completions_path is not None:
+                truncate_metrics(self.completions_path, start_step)
 
     def __enter__(self) -> "RunLogger":
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.metrics_path, "a", buffering=1)
+        if self.completions_path is not None:
+            self._completions = open(self.completions_path, "a", buffering=1)
 
         self._open_extra_sinks()
         self.progress.start()
@@ -155,11 +193,27 @@ class RunLogger:
         if advance:
             self.info(format_step_line(step, self.total, metrics, self.show_kl))
             self.progress.update(self._task, completed=step)
+            self._write_completions(step)
+
+    def stage_completions(self, records: list[dict[str, Any]]) -> None:
+        """The step's sampled completions (areno/completions.py), written when the
+        step is logged: a step an interrupt undoes leaves none behind."""
+        self._staged = records
+
+    def _write_completions(self, step: int) -> None:
+        staged, self._staged = self._staged, []
+        if self._completions is None or not staged:
+            return
+        self._completions.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in staged))
+        if (step - 1) % SAMPLE_EVERY == 0:
+            self.info(format_sample_line(staged[0]))
 
     def __exit__(self, *exc: Any) -> None:
         self.progress.stop()
         if self._file:
             self._file.close()
+        if self._completions:
+            self._completions.close()
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

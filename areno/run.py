@@ -28,6 +28,7 @@ from areno.rows import RowSet, load_rows, normalize_rows
 from areno.sampler import PromptSampler
 from areno.errors import UserError
 from areno.hub import check_model_id
+from areno.interrupt import made_run_dir
 from areno.leftovers import clean_leftovers
 from areno.modeldir import MODEL_DIR_FIX, Weights, check_model_dir
 from areno.modelinfo import check_model
@@ -35,7 +36,7 @@ from areno.multinode import controller_port, start_local_ranks
 from areno.multinode import stop as stop_ranks
 from areno.pack import Workspace
 from areno.perf import default_micro_tokens
-from areno.reporting import RunLogger
+from areno.reporting import RunLogger, limit_note
 from areno.rewards import RewardScorer
 from areno.rollout.engine import SamplingConfig
 from areno.runlog import third_party_to_log
@@ -248,6 +249,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
     out = output_dir_for(cfg, resume)
     logs.enter_context(lock_run_dirs(cfg, out))  # before anything in it is changed
     make_output_dir(cfg, resume, out)
+    made_run_dir(out)  # an interrupt before the first step names what was written
     logs.enter_context(third_party_to_log(out, cfg.verbose))
     check_save_room(cfg, out, weights, device)
     tokenizer = load_tokenizer(model_path)
@@ -275,7 +277,8 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
         if engine is None:
             engine = RankEngines(backend, cfg.tensor_parallel_size)
         logger = stack.enter_context(RunLogger(out, total, cfg.report_to, config=cfg.to_dict(),
-                                               start_step=resume.step))
+                                               start_step=resume.step,
+                                               completions=bool(cfg.log_completions)))
         run = Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows,
                   prompts=prompts, sampler=sampler, sampling=settings.sampling(cfg), scorer=scorer,
                   backend=backend, engine=engine, logger=logger, world_size=world_size,
@@ -309,7 +312,9 @@ def start_line(run: Run, resume: Resume, device: str) -> str:
     what = "evaluating" if cfg.eval_only else (
         f"{len(prompts)} prompts ({prompts.dropped_overlong} overlong dropped"
         + (f", {run.rows.skipped} malformed rows skipped" if run.rows.skipped else "")
-        + f"), {steps_text(run.total_steps)} of {cfg.batch_size}x{cfg.n_samples}")
+        + f"), {steps_text(run.total_steps)} of {cfg.batch_size}x{cfg.n_samples}"
+        + (f" ({note})" if (note := limit_note(run.total_steps, cfg.max_steps, cfg.epochs, len(prompts),
+                                               cfg.batch_size)) else ""))
     model_path = str(resume.ckpt) if resume.ckpt else run.model_path
     return (f"areno: {model_path} on {device} x{run.world_size}, {what}"
             + (f", resumed at step {run.step}" if resume.ckpt else "") + f"; run dir {run.output_dir}")

@@ -16,10 +16,12 @@ import numpy as np
 
 from areno.advantages import advantages_and_keep
 from areno.backend.errors import BackendError
+from areno.completions import completion_records
 from areno.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config import TrainConfig
 from areno.prompts import select
-from areno.interrupt import defer_interrupts, interrupted, interrupts_raise, release_interrupts
+from areno.interrupt import (defer_interrupts, interrupted, interrupted_at_startup, interrupts_raise,
+                             made_run_dir, release_interrupts)
 from areno.metrics import train_metrics
 from areno.split import build_split_pack
 from areno.rewards import RewardResult, reward_records
@@ -80,39 +82,57 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
     if cfg.node_rank > 0:  # a worker node: its ranks serve node 0's controller
         raise SystemExit(run_worker_node(cfg.nnodes, cfg.node_rank, cfg.nproc_per_node or
                                          visible_gpus() or 1, cfg.master_addr, cfg.master_port))
-    with interrupts_raise(), open_run(cfg, engine) as run:
-        if cfg.eval_only:
-            run.evaluate(0)
-            return
-        if run.step == 0:  # the starting point; a resumed run's is in its metrics already
-            run.evaluate(0)
-        before = None
+    run, started = None, -1
+    made_run_dir(None)
+    with interrupts_raise():
         try:
-            for step in range(run.step + 1, run.total_steps + 1):
-                before = (step, run.sampler.state_dict(), run.backend.step)
-                metrics = train_step(run, step)
-                run.step = step
-                run.logger.log(step, metrics)
-                release_interrupts()  # a Ctrl-C during the update lands here: the step is whole
-                if not cfg.no_save and due(step, cfg.save_interval):
-                    run.save(step)
-                if due(step, cfg.eval_interval):
-                    run.evaluate(step)
-        except (BackendError, WeightSyncError) as e:  # every process is stopped on the way out
-            release_interrupts(raise_pending=False)
-            stopped(run, e)
-        except KeyboardInterrupt:  # Ctrl-C, SIGTERM, or the backend's watchdog (a rank died)
-            release_interrupts(raise_pending=False)
-            if run.backend is not None and run.backend.dead is not None:
+            with open_run(cfg, engine) as run:
+                if cfg.eval_only:
+                    run.evaluate(0)
+                    return
+                if run.step == 0:  # the starting point; a resumed run's is in its metrics already
+                    run.evaluate(0)
+                started = run.step
+                train_loop(run)
+        except KeyboardInterrupt:  # the loop handles its own: this one came before its first step
+            if run is not None and run.step > started:
+                raise
+            if run is not None and run.backend.dead is not None:  # a rank died, not a Ctrl-C
                 stopped(run, run.backend.dead)
-            settle_interrupted_step(run, before)
-            interrupted(run)
-        # The end: the last step is evaluated and saved, unless the loop just did (or --no-save).
-        if not due(run.step, cfg.eval_interval):
-            run.evaluate(run.step)
-        if not cfg.no_save and not due(run.step, cfg.save_interval):
-            run.save(run.step)
-        run.logger.info(f"done: {steps_text(run.step)}; metrics in {run.logger.metrics_path}")
+            interrupted_at_startup(cfg)
+
+
+def train_loop(run: Run) -> None:
+    """Steps run.step + 1 .. run.total_steps, then the final eval and save; an
+    interrupt or a backend failure inside ends the run here (exit 130 / 1)."""
+    cfg = run.cfg
+    before = None
+    try:
+        for step in range(run.step + 1, run.total_steps + 1):
+            before = (step, run.sampler.state_dict(), run.backend.step)
+            metrics = train_step(run, step)
+            run.step = step
+            run.logger.log(step, metrics)
+            if not cfg.no_save and due(step, cfg.save_interval):
+                run.save(step)  # still deferred: a Ctrl-C in a save would abort it, and the backend
+            release_interrupts()  # a Ctrl-C during the update or save lands here: the step is whole
+            if due(step, cfg.eval_interval):
+                run.evaluate(step)
+    except (BackendError, WeightSyncError) as e:  # every process is stopped on the way out
+        release_interrupts(raise_pending=False)
+        stopped(run, e)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, or the backend's watchdog (a rank died)
+        release_interrupts(raise_pending=False)
+        if run.backend is not None and run.backend.dead is not None:
+            stopped(run, run.backend.dead)
+        settle_interrupted_step(run, before)
+        interrupted(run)
+    # The end: the last step is evaluated and saved, unless the loop just did (or --no-save).
+    if not due(run.step, cfg.eval_interval):
+        run.evaluate(run.step)
+    if not cfg.no_save and not due(run.step, cfg.save_interval):
+        run.save(run.step)
+    run.logger.info(f"done: {steps_text(run.step)}; metrics in {run.logger.metrics_path}")
 
 
 def due(step: int, interval: int) -> bool:
@@ -176,6 +196,10 @@ def train_step(run: Run, step: int, timer: PhaseTimer | None = None) -> dict[str
                 num_minibatches=cfg.mini_batches, loss_agg=cfg.loss_agg,
                 norm_len=cfg.max_new_tokens, keep=keep, workspace=run.workspace,
             )
+    if cfg.log_completions:
+        run.logger.stage_completions(completion_records(
+            step, cfg.log_completions, run.tokenizer, run.prompts.texts, prompt_idx, batch,
+            scored.rewards, adv))
     defer_interrupts()  # from the update on, an interrupt waits for the step to end
     with timer("train"):
         run.engine.sleep()

@@ -362,11 +362,13 @@ def test_auto_attention_on_cuda_prefers_flash_attn_then_varlen_then_flex(monkeyp
         assert attention.auto_impl("cuda", "float32") == "flex"
 
 
-def test_cpu_ranks_split_the_nodes_cores() -> None:
+def test_cpu_ranks_split_the_nodes_cores_but_one() -> None:
+    """One core stays free: the demo on 2 cores next to one busy process stalled
+    with 2 OpenMP threads (issue 17; scripts/bench_busy.py)."""
     from areno.backend.config import rank_cpu_threads
 
     assert [rank_cpu_threads(2, 1), rank_cpu_threads(2, 2), rank_cpu_threads(16, 1), rank_cpu_threads(16, 8),
-            rank_cpu_threads(1, 1), rank_cpu_threads(3, 2)] == [2, 1, 16, 2, 1, 1]
+            rank_cpu_threads(1, 1), rank_cpu_threads(3, 2)] == [1, 1, 15, 1, 1, 1]
 
 
 def test_probe_runs_every_sync_unless_a_fingerprint_checks_the_weights() -> None:

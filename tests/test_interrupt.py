@@ -124,3 +124,47 @@ def test_an_interrupt_during_an_update_waits_for_the_step_a_second_one_does_not(
             os.kill(os.getpid(), signal.SIGINT)  # the second one raises at once
         release_interrupts(raise_pending=False)
         release_interrupts()  # nothing pending: no raise
+
+
+@pytest.mark.parametrize("where", ["resolve_device", "load_tokenizer"])
+def test_an_interrupt_during_start_up_says_what_was_written(where, tmp_path, monkeypatch, capsys):
+    """Before the run dir exists nothing was written; after it, config.yaml was
+    (and no checkpoint): either way the line says how to start again."""
+    import areno.run
+    from areno.config import TrainConfig
+    from areno.trainer import run_training
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(areno.run, where, interrupt)
+    monkeypatch.setattr(sys, "argv", ["areno", "train", "--output-dir", str(tmp_path / "run")])
+    cfg = TrainConfig.from_sources(overrides={"output_dir": str(tmp_path / "run")})
+    with interrupts_raise(), pytest.raises(SystemExit) as e:
+        run_training(cfg)
+    assert e.value.code == 130
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("areno: interrupted (SIGINT) during start-up: "), err
+    assert err.endswith(f"start again with the same command: areno train --output-dir {tmp_path / 'run'}")
+    if where == "resolve_device":
+        assert "nothing was written yet" in err and not (tmp_path / "run").exists()
+    else:
+        assert f"run dir {tmp_path / 'run'} has config.yaml" in err and "no checkpoint" in err
+        assert (tmp_path / "run" / "config.yaml").is_file()
+
+
+@pytest.mark.slow
+def test_sigint_while_the_ranks_start_names_the_run_dir_and_exits_130(tmp_path, areno_cache):
+    out = tmp_path / "run"
+    proc = popen_train([*HF1, "--max-steps", "5000", "--output-dir", str(out)], areno_cache)
+    # run.log opens before the tokenizer loads and the ranks spawn: seconds of start-up
+    wait_for(lambda: (out / "run.log").is_file(), proc, every=0.005)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert wait_group_gone(proc.pid) == [], "processes left after the interrupt"
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"areno: interrupted (SIGINT) during start-up: run dir {out} has "
+                           "config.yaml, run.log, no checkpoint (no step ran); start again with the "
+                           "same command: areno train "), err[-3000:]
+    assert not (out / "checkpoints").exists()

@@ -189,10 +189,11 @@ class BackendConfig:
 
 
 def rank_cpu_threads(cpus: int, local_ranks: int) -> int:
-    """torch threads for each of `local_ranks` CPU ranks on `cpus` cores: the
-    node's cores split among its ranks (torch's own default is every core). The
-    controller mostly waits while the ranks compute, so it needs no core of its
-    own; but an OpenMP thread that shares a core with another busy process
-    spins: the demo's step took 0.25-0.83 s next to other work with 2 threads
-    on 2 cores, 0.06 s with 1 (`--cpu-threads 1` on a shared machine)."""
-    return max(1, cpus // max(1, local_ranks))
+    """torch threads for each of `local_ranks` CPU ranks on `cpus` cores: every
+    core but one, split among the ranks (torch's own default is every core).
+    An OpenMP thread that shares a core with another busy process spins at each
+    barrier until that core comes back: with 2 threads on 2 cores next to one
+    busy process the demo's median step went from 34 ms to 359 ms, with 1 it was
+    44 ms (issue 17). The core left over takes the controller, the reward workers
+    and whatever else the machine runs (scripts/bench_busy.py measures both)."""
+    return max(1, (cpus - 1) // max(1, local_ranks))

@@ -34,6 +34,7 @@ from areno.backend.errors import USER_ERROR, BackendError, RankUserError
 from areno.backend.handoff import PackWriter, ShmSegment
 from areno.backend.heartbeat import HeartbeatWatch, stuck_rank_error
 from areno.backend.launch import accept_ranks, free_port, spawn_ranks  # noqa: F401 (re-exported)
+from areno.backend.signals import signals_held
 from areno.backend.weights import WeightLayout, probe_ids
 from areno.fileperms import replace_dir
 from areno.perf import pack_train_perf
@@ -262,9 +263,10 @@ class TorchBackend:
         if self._open_stream is not stream:  # opened by _start: an abandoned one was settled there
             raise RuntimeError(f"{cmd!r} sent on a stream that is not open")
         self._check_open()
-        stream["pending"].add(rank)
         try:
-            self._conns[rank].send((cmd, kwargs))
+            with signals_held():  # sent whole and owed, or neither
+                self._conns[rank].send((cmd, kwargs))
+                stream["pending"].add(rank)
         except (OSError, ValueError) as e:
             dead = [r for r, p in enumerate(self._procs) if p.exitcode is not None]
             err = (self._death(dead[0], cmd, []) if dead else
@@ -312,8 +314,6 @@ class TorchBackend:
             deadline = time.monotonic() + timeout_s
             while stream["pending"]:
                 for r, msg in self._wait_some(what, stream["pending"], deadline, timeout_s):
-                    if msg[0] == "ok":
-                        stream["pending"].discard(r)
                     yield r, msg[0], msg[1]
         finally:
             self._settle(stream)
@@ -338,16 +338,15 @@ class TorchBackend:
         deadline = time.monotonic() + drain_s
         try:
             while pending:
-                for r, msg in self._wait_some(what, pending, deadline, drain_s):
-                    if msg[0] == "ok":
-                        pending.discard(r)
+                self._wait_some(what, pending, deadline, drain_s)
         except (BackendError, KeyboardInterrupt, OSError, ValueError):
             return False
         return True
 
     def _wait_some(self, what: str, pending: set[int], deadline: float, timeout_s: float) -> list:
-        """Wait (<= 1 s) for messages of pending ranks -> [(rank, message)]; raises
-        BackendError for a rank's error, death or the deadline."""
+        """Wait (<= 1 s) for messages of pending ranks -> [(rank, message)]; a rank
+        whose final "ok" came leaves `pending` here, in the same held block as the
+        read. Raises BackendError for a rank's error, death or the deadline."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise BackendError(f"{what}: rank(s) {sorted(pending)} did not answer within {timeout_s:g}s")
@@ -360,12 +359,14 @@ class TorchBackend:
         try:
             ready = set(wait([self._conns[r] for r in pending] + list(sentinels), timeout=min(left, 1.0)))
             got, errors = [], []
-            for r in sorted(pending):
-                if self._conns[r] in ready:
-                    try:
-                        got.append((r, self._recv(r, what)))
-                    except BackendError as e:
-                        errors.append(e)
+            with signals_held():  # a reply read is a reply counted
+                for r in sorted(pending):
+                    if self._conns[r] in ready:
+                        try:
+                            got.append((r, self._recv(r, what)))
+                        except BackendError as e:
+                            errors.append(e)
+                pending.difference_update(r for r, msg in got if msg[0] == "ok")
             dead = [r for s, r in sentinels.items() if s in ready]
             if errors and not dead and sentinels:
                 # A rank's error is often the echo of a peer's death (gloo: "connection

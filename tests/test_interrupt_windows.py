@@ -1,0 +1,110 @@
+"""Ctrl-C at the exact windows where it could split a pipe message (issue 17,
+the rare 'step N could not be saved' of the SIGINT test): in the middle of a
+rollout's send, and between reading a rank's final reply and counting it. Each
+interrupt must stop the rollout, and the next command (the interrupt's save)
+must still find the backend usable."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import numpy as np
+import pytest
+
+from areno.interrupt import interrupts_raise
+from helpers import rank_debug
+
+
+class SignalsAt:
+    """A rank's Connection that SIGINTs this process once, inside send (before the
+    bytes go) or inside recv (after the final "ok" is read): where a real signal
+    can land, since Python runs handlers between any two bytecodes."""
+
+    def __init__(self, conn: Any, where: str) -> None:
+        self._conn, self._where, self.fired = conn, where, False
+
+    def __getattr__(self, name: str) -> Any:  # fileno, poll, ... for wait()
+        return getattr(self._conn, name)
+
+    def _fire(self) -> None:
+        if not self.fired:
+            self.fired = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+    def send(self, obj: Any) -> None:
+        if self._where == "send" and obj[0] == "generate":
+            self._fire()
+        self._conn.send(obj)
+
+    def recv(self) -> Any:
+        msg = self._conn.recv()
+        if self._where == "recv" and msg[0] == "ok":
+            self._fire()
+        return msg
+
+
+def test_an_interrupt_inside_a_rollouts_send_or_read_leaves_the_backend_usable(tiny_arith_path, tmp_path):
+    from areno.backend.config import BackendConfig
+    from areno.backend.controller import TorchBackend
+    from areno.backend.rollout import RankEngines
+    from areno.rollout.engine import SamplingConfig
+    from areno.rollout.factory import EngineSpec
+
+    cfg = BackendConfig(model_path=str(tiny_arith_path), world_size=1,
+                        engine=EngineSpec(kind="hf", max_model_len=64))
+    with TorchBackend(cfg) as be, interrupts_raise():
+        for where in ("send", "recv"):  # one backend for both windows: start-up is the slow part
+            conn = be._conns[0]
+            be._conns[0] = spy = SignalsAt(conn, where)
+            with pytest.raises(KeyboardInterrupt):
+                RankEngines(be).generate(np.array([5, 12, 3, 13], np.int32), np.array([0, 2, 4]), 2,
+                                         SamplingConfig(max_tokens=3, seed=1))
+            be._conns[0] = conn
+            assert spy.fired, where
+            path = be.save_pretrained(tmp_path / where)  # what interrupted() does next
+            assert (path / "config.json").is_file() and (path / "model.safetensors").is_file(), where
+        rank_debug(be, "noop")
+
+
+def test_an_interrupt_inside_a_periodic_save_waits_for_it(tmp_path, monkeypatch, capsys):
+    """The stress script's finding: a Ctrl-C inside --save-interval's save aborted
+    the save and the backend with it, so neither that save nor the interrupt's
+    could be written ('step 3 could not be saved')."""
+    from types import SimpleNamespace
+
+    import areno.trainer
+    from areno.backend.errors import BackendError
+    from areno.interrupt import defer_interrupts
+
+    def step(run, n):  # the real one defers interrupts once its update starts
+        defer_interrupts()
+        return {}
+
+    def save(n: int) -> None:
+        if backend.closed:
+            raise BackendError("backend is closed")
+        try:
+            if not backend.fired:
+                backend.fired = True
+                os.kill(os.getpid(), signal.SIGINT)  # in the middle of the ranks' writes
+            (tmp_path / "checkpoints" / f"step_{n:06d}").mkdir(parents=True)
+            (tmp_path / "checkpoints" / f"step_{n:06d}" / "trainer_state.json").write_text("{}")
+        except KeyboardInterrupt:
+            backend.closed = True  # what an interrupted backend command does
+            raise
+
+    backend = SimpleNamespace(step=0, dead=None, closed=False, fired=False)
+    sampler = SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda s: None)
+    logger = SimpleNamespace(log=lambda *a, **k: None, info=print)
+    run = SimpleNamespace(cfg=SimpleNamespace(no_save=False, save_interval=1, eval_interval=0, save_path=None),
+                          output_dir=tmp_path, step=0, total_steps=3, backend=backend, sampler=sampler,
+                          logger=logger, save=save)
+    monkeypatch.setattr(areno.trainer, "train_step", step)
+    with interrupts_raise(), pytest.raises(SystemExit) as e:
+        areno.trainer.train_loop(run)
+    assert e.value.code == 130
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("areno: interrupted (SIGINT) after step 1 of 3; checkpoint "), err
+    assert err.endswith(f"--resume {tmp_path / 'checkpoints' / 'step_000001'}")
