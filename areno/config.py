@@ -253,7 +253,9 @@ class TrainConfig:
         (only for keys neither gave), then validate."""
         values: dict[str, Any] = {}
         if yaml_path is not None:
-            values.update(_read_yaml(yaml_path))
+            from areno.configfile import read_config_file  # yaml loads only for --config
+
+            values.update(read_config_file(yaml_path))
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
         _check_reward_timeout(values)
         if values.get("ckpt") is None and values.get("dataset_path") is None:
@@ -370,49 +372,3 @@ def _type_hints() -> dict[str, Any]:
 
 def field_type(name: str) -> Any:
     return base_type(_type_hints()[name])
-
-
-def _read_yaml(path: str) -> dict[str, Any]:
-    import yaml  # only --config needs it (~10 ms of the CLI start otherwise)
-
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise UserError(f"--config: file not found: {path}")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise UserError(f"--config {path}: not valid YAML: {' '.join(str(e).split())}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"--config {path}: expected a mapping of option: value")
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    groups = {g.lower().replace(" ", "_"): g for g in GROUPS}
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        k = str(key).replace("-", "_")
-        if k in fields:
-            flat[k] = value
-        elif k.lower() in groups and isinstance(value, dict):
-            for sub, v in value.items():
-                s = str(sub).replace("-", "_")
-                if s not in fields:
-                    raise UserError(f"--config {path}: unknown option '{sub}' under '{key}'")
-                right = fields[s].metadata["group"]
-                if right != groups[k.lower()]:
-                    raise UserError(f"--config {path}: '{sub}' is not a {groups[k.lower()]} option; "
-                                    f"move it under '{right.lower().replace(' ', '_')}' (or to "
-                                    "the top level)")
-                flat[s] = v
-        else:
-            raise UserError(f"--config {path}: unknown option '{key}'")
-    return {k: _yaml_number(k, v) for k, v in flat.items()}
-
-
-def _yaml_number(name: str, value: Any) -> Any:
-    """A float option's YAML string that is a number, as that number: PyYAML follows
-    YAML 1.1, which reads `1e-5` (no dot) as a string, while `1.0e-5` is a float."""
-    if field_type(name) is float and isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value  # not a number: fieldcheck names the option
-    return value

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from areno.checkpoint import Resume, recorded_save_path
-from areno.config import TrainConfig, _read_yaml
+from areno.config import TrainConfig
+from areno.configfile import read_config_file
 from areno.errors import UserError
 from areno.fieldcheck import flag_name
 
@@ -46,7 +47,7 @@ def given_options(config_path: str | None, flags: dict[str, Any]) -> set[str]:
     """Options the user set: flags given (not None) and keys of the --config file."""
     given = {k for k, v in flags.items() if v is not None}
     if config_path is not None:
-        given |= set(_read_yaml(config_path))
+        given |= set(read_config_file(config_path))
     return given
 
 
