@@ -19,10 +19,9 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator, Iterable, Sequence
-from itertools import chain
+from collections.abc import Iterator, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,13 +35,7 @@ if not torch.cuda.is_available():
 import vllm  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
-from areno.rollout.batch import (  # noqa: E402
-    FINISH_ABORT,
-    FINISH_LENGTH,
-    FINISH_STOP,
-    RolloutBatch,
-    offsets_from_lengths,
-)
+from areno.rollout.batch import RolloutBatch, offsets_from_lengths  # noqa: E402
 from areno.rollout.engine import (  # noqa: E402
     SamplingConfig,
     check_weight_names,
@@ -53,18 +46,10 @@ from areno.rollout.engine import (  # noqa: E402
 )
 from areno.rollout.probe import Fingerprint, Probe, WeightSyncError, verify_probe  # noqa: E402
 from areno.rollout.vllm_fingerprint import held_fingerprint  # noqa: E402
-
-try:  # vLLM >= 0.11.1
-    from vllm.logprobs import FlatLogprobs
-except ImportError:  # pragma: no cover - older vLLM
-    FlatLogprobs = None  # type: ignore[assignment,misc]
-
-if TYPE_CHECKING:
-    from vllm.outputs import RequestOutput
+from areno.rollout.vllm_outputs import FlatLogprobs, batch_from_request_outputs  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-_FINISH = {"stop": FINISH_STOP, "length": FINISH_LENGTH}
 HAS_FLAT_LOGPROBS = FlatLogprobs is not None and hasattr(SamplingParams(), "flat_logprobs")
 # Default KV cache on CPU when the caller gives none: vLLM would claim most RAM.
 CPU_KV_CACHE_BYTES = 512 << 20
@@ -336,58 +321,6 @@ class VLLMEngine:
             raise RuntimeError("VLLMEngine: asleep; call wake_up() first")
         if self._discarded and not loading:
             raise RuntimeError("VLLMEngine: sleep() freed the weights; load a full set before sampling")
-
-
-def batch_from_request_outputs(
-    outputs: Sequence["RequestOutput"], prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int
-) -> RolloutBatch:
-    """vLLM RequestOutputs (one per prompt, in prompt order, n samples each) ->
-    RolloutBatch.
-
-    Python work is O(responses): the per-sequence token-id lists and flat
-    log-prob lists (vLLM's own objects) are chained into ONE np.fromiter call
-    each, which reads them in C; no Python object is created per token and no
-    per-sequence array is allocated.
-    """
-    num_prompts = prompt_offsets.size - 1
-    if len(outputs) != num_prompts:
-        raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {num_prompts} prompts")
-    seqs = [c for out in outputs for c in out.outputs]
-    n_resp = num_prompts * n
-    if len(seqs) != n_resp:
-        raise RuntimeError(f"vLLM returned {len(seqs)} samples for {num_prompts} prompts x n={n}")
-    tok_lists = [c.token_ids for c in seqs]
-    lp_lists = [_sampled_logprobs(c.logprobs, c.token_ids) for c in seqs]
-    lengths = np.fromiter(map(len, tok_lists), dtype=np.int64, count=n_resp)
-    lp_lengths = np.fromiter(map(len, lp_lists), dtype=np.int64, count=n_resp)
-    if not np.array_equal(lengths, lp_lengths):
-        i = int(np.flatnonzero(lengths != lp_lengths)[0])
-        raise RuntimeError(f"vLLM returned {lp_lengths[i]} log-probs for {lengths[i]} tokens (response {i})")
-    total = int(lengths.sum())
-    return RolloutBatch(
-        prompt_ids=prompt_ids,
-        prompt_offsets=prompt_offsets,
-        response_ids=np.fromiter(chain.from_iterable(tok_lists), dtype=np.int32, count=total),
-        response_offsets=offsets_from_lengths(lengths),
-        response_logprobs=np.fromiter(chain.from_iterable(lp_lists), dtype=np.float32, count=total),
-        group_index=np.repeat(np.arange(num_prompts, dtype=np.int64), n),
-        finish_reason=np.fromiter(
-            (_FINISH.get(c.finish_reason, FINISH_ABORT) for c in seqs), dtype=np.uint8, count=n_resp
-        ),
-    )
-
-
-def _sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> Sequence[float]:
-    """One sequence's sampled-token log-probs. With logprobs=0 a FlatLogprobs
-    holds exactly one entry per position (the sampled token): its float list
-    is returned as is."""
-    if logprobs is None:
-        raise RuntimeError("vLLM returned no log-probs (was logprobs=0 dropped?)")
-    if FlatLogprobs is not None and isinstance(logprobs, FlatLogprobs):
-        return logprobs.logprobs
-    # Older vLLM: one dict per position; the sampled token is always present.
-    return np.fromiter((d[t].logprob for d, t in zip(logprobs, token_ids)), dtype=np.float32,
-                       count=len(token_ids))
 
 
 def _checkpoint_names(model_config: Any) -> tuple[set[str] | None, set[str]]:
