@@ -68,17 +68,19 @@ def one_error_line(stderr: str) -> str:
 
 def rank_pids(controller: int) -> list[int]:
     """The controller's spawned children that are training ranks (not the
-    multiprocessing resource tracker)."""
+    multiprocessing resource tracker, nor reward workers: each of those leads a
+    session of its own)."""
     pids = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
             continue
         try:
-            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            ppid, session = int(fields[1]), int(fields[3])
             cmd = (d / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if ppid == controller and "spawn_main" in cmd:
+        if ppid == controller and "spawn_main" in cmd and session != int(d.name):
             pids.append(int(d.name))
     return pids
 

@@ -187,7 +187,8 @@ def test_sighup_saves_the_last_step_and_prints_the_resume_command(b_cmd, areno_c
 def test_a_closed_stdout_stops_the_run_as_an_interrupt_with_a_checkpoint(b_cmd, areno_cache):
     """`areno train ... | head -3` used to exit 1 with no word and no checkpoint:
     now it stops as a Unix command does at a closed pipe, but saving first."""
-    args, out = b_cmd(FIRST_DIGIT, "--max-steps", "500", "--epochs", "200", "--save-interval", "100")
+    args, out = b_cmd(FIRST_DIGIT, "--max-steps", "500", "--epochs", "200", "--save-interval", "100",
+                      "--log-completions", "0")  # three lines of steps, no sample line between
     run = Run(args, areno_cache, out)
     head = [run.proc.stdout.readline() for _ in range(3)]
     run.proc.stdout.close()  # what head does after its 3 lines

@@ -9,7 +9,16 @@ from areno.pack import build_train_pack
 from areno.split import build_split_pack
 from helpers import random_batch
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _float64_default():
+    """This module's references are float64; only its own tests see that default
+    (set at import, it leaked into every test collected after it)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 NORM_LEN = 9

@@ -63,7 +63,7 @@ def test_default_startup_shows_areno_lines_only(tmp_path, areno_cache):
                   "--output-dir", str(out)],
                  areno_cache))
     lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
-    ours = ("areno", "step 1/1 ", "saved checkpoint", "done:")
+    ours = ("areno", "step 1/1 ", "  sample of step 1: ", "saved checkpoint", "done:")
     assert all(ln.startswith(ours) for ln in lines), lines
     log = (out / "run.log").read_text()
     assert "Loading safetensors checkpoint shards" in log and "Warning" in log
