@@ -112,6 +112,11 @@ def save_checkpoint(run: Any, step: int) -> Path:
     except (OSError, BackendError) as e:
         full = disk_full_note(root, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, BackendError) and not full and not _ERRNO.search(str(e)):
+            # A rank died or froze mid-save: a runtime failure (exit 1, the loop names the
+            # checkpoint to resume from), not the user's disk or permissions (exit 2).
+            raise BackendError(f"cannot save checkpoint {final}: {e.remote_message}", rank=e.rank,
+                               remote_traceback=e.remote_traceback) from None
         last = latest_checkpoint(root)
         kept = f"the previous checkpoint {last} is intact" if last else "no checkpoint was saved"
         raise UserError(f"cannot save checkpoint {final}: {full + ': ' if full else ''}"

@@ -128,10 +128,13 @@ def train_loop(run: Run) -> None:
         settle_interrupted_step(run, before)
         interrupted(run)
     # The end: the last step is evaluated and saved, unless the loop just did (or --no-save).
-    if not due(run.step, cfg.eval_interval):
-        run.evaluate(run.step)
-    if not cfg.no_save and not due(run.step, cfg.save_interval):
-        run.save(run.step)
+    try:
+        if not due(run.step, cfg.eval_interval):
+            run.evaluate(run.step)
+        if not cfg.no_save and not due(run.step, cfg.save_interval):
+            run.save(run.step)
+    except (BackendError, WeightSyncError) as e:
+        stopped(run, e)
     run.logger.info(f"done: {steps_text(run.step)}; metrics in {run.logger.metrics_path}")
 
 

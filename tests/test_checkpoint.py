@@ -157,8 +157,6 @@ def test_save_path_overrides_the_run_directory(tmp_path):
     ("save_state", BackendError("save_state: rank 0 failed: OSError: [Errno 28] No space left on "
                                 "device: '/ck/backend/optim/__0_0.distcp'", rank=0),
      "No space left on device (on rank 0)"),
-    ("save_pretrained", BackendError("save_pretrained: rank 1 died (killed by SIGKILL)", rank=1),
-     "save_pretrained: rank 1 died (killed by SIGKILL)"),
 ])
 def test_failed_save_is_one_clear_error_and_leaves_the_previous_checkpoint(run, fail_on, error, why):
     save_checkpoint(run, 1)
@@ -171,6 +169,19 @@ def test_failed_save_is_one_clear_error_and_leaves_the_previous_checkpoint(run, 
     assert f"the previous checkpoint {root / 'step_000001'} is intact" in msg
     assert entries(root) == ["step_000001"]  # no temp dir left behind
     assert (root / "step_000001" / "model.safetensors").read_text() == "a"
+
+
+def test_a_rank_that_dies_mid_save_is_a_runtime_failure_not_a_user_error(run):
+    """A dead or frozen rank is no fault of the disk: BackendError (exit 1, the loop
+    names the checkpoint to resume from), and no temp dir is left behind."""
+    save_checkpoint(run, 1)
+    run.backend = FakeBackend(fail_on="save_pretrained", tag="b",
+                              error=BackendError("save_pretrained: rank 1 died (killed by SIGKILL)", rank=1))
+    with pytest.raises(BackendError) as info:
+        save_checkpoint(run, 2)
+    assert not isinstance(info.value, UserError)
+    assert "cannot save checkpoint" in str(info.value) and "rank 1 died" in str(info.value)
+    assert entries(run.output_dir / "checkpoints") == ["step_000001"]
 
 
 def test_a_failed_first_save_claims_no_previous_checkpoint(run):
