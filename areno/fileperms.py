@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -63,3 +65,25 @@ def replace_dir(tmp: Path, final: Path) -> None:
     os.rename(final, old)
     os.rename(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def build_once(final: Path, build: Callable[[Path], None]) -> Path:
+    """`final` if it holds a config.json; else `build(tmp)` into a temp dir beside it,
+    made shareable (umask) and renamed into place, so concurrent builders never see
+    or leave a half-written directory (a cached model). -> final."""
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        build(tmp)
+        honour_umask(tmp)  # mkdtemp is 0700 and transformers writes safetensors 0600
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process won the race; its directory is complete.
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

