@@ -26,6 +26,7 @@ from typing import Any, Iterator
 
 from areno.backend.errors import BackendError
 from areno.checkpoint import checkpoint_root, latest_checkpoint
+from areno import startsignals
 from areno.errors import SignalInterrupt, UserError
 from areno.reporting import limit_note
 
@@ -67,12 +68,21 @@ def interrupts_raise() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.signal(s, _raise) for s in startsignals.HELD}
     try:
         yield
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def raise_held() -> None:
+    """Raise the interrupt that came while start-up held the signals (see
+    startsignals), if one did; from here on they are this module's."""
+    came = startsignals.take()
+    if came:
+        _received.extend(came)
+        raise SignalInterrupt
 
 
 def stdout_closed() -> None:

@@ -21,7 +21,7 @@ from areno.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config import TrainConfig
 from areno.prompts import select
 from areno.interrupt import (defer_interrupts, interrupted, interrupted_at_startup, interrupts_raise,
-                             made_run_dir, release_interrupts)
+                             made_run_dir, raise_held, release_interrupts)
 from areno.metrics import train_metrics
 from areno.split import build_split_pack
 from areno.rewards import RewardResult, reward_records
@@ -86,6 +86,7 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
     made_run_dir(None)
     with interrupts_raise():
         try:
+            raise_held()  # a Ctrl-C during the imports: the start-up message now
             with open_run(cfg, engine) as run:
                 if cfg.eval_only:
                     run.evaluate(0)

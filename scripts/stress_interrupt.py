@@ -139,9 +139,8 @@ def interrupt(proc: subprocess.Popen, out: Path, at: Moment, timeout_s: float) -
 
 def judge(rc: int, stdout: str, stderr: str, out: Path, leftover: list[int], new_shm: set[str]) -> str:
     """The outcome's category: 'saved', 'startup', 'no-step' or a failure's name."""
-    if "Traceback" in stderr:  # 'python -m' still importing (areno.cli not yet running) is told apart
-        return "traceback before areno.cli.main" if "areno/cli.py\", line" not in stderr.split(
-            "Traceback", 1)[1].split("KeyboardInterrupt")[0] or rc == -2 else "traceback"
+    if "Traceback" in stderr:
+        return "traceback"
     if rc != 130:
         return f"exit {rc}"
     if leftover:

@@ -108,3 +108,51 @@ def test_an_interrupt_inside_a_periodic_save_waits_for_it(tmp_path, monkeypatch,
     err = capsys.readouterr().err.strip()
     assert err.startswith("areno: interrupted (SIGINT) after step 1 of 3; checkpoint "), err
     assert err.endswith(f"--resume {tmp_path / 'checkpoints' / 'step_000001'}")
+
+
+# A SIGINT sent to itself right after main()'s hold starts: where a user's Ctrl-C
+# lands during the start-up imports (torch, numpy, transformers take seconds).
+SIGINT_IN_HOLD = """
+import contextlib, os, signal, sys
+import areno.startsignals as ss
+hold = ss.held
+@contextlib.contextmanager
+def held_then_sigint():
+    with hold():
+        os.kill(os.getpid(), signal.SIGINT)
+        yield
+ss.held = held_then_sigint  # before areno.cli imports it
+from areno.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["train", "--max-steps", "1", "--no-save"], "areno: interrupted (SIGINT) during start-up: nothing was written"),
+    (["plot", "."], "areno: interrupted"),
+])
+def test_a_ctrl_c_during_the_start_up_imports_waits_for_the_command_to_handle_it(argv, says, tmp_path, areno_cache):
+    """Held, not raised inside an import (a half-initialised torch or numpy made the
+    next import fail with a traceback, or CPython exit -2 after areno's message):
+    `train` stops with its start-up line, `plot` with `areno: interrupted`; 130."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-c", SIGINT_IN_HOLD, *argv, *(["--output-dir", str(out)]
+                          if argv[0] == "train" else [])], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "ARENO_CACHE": str(areno_cache)}, cwd=tmp_path)
+    assert res.returncode == 130, res.stderr
+    assert "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines() == [res.stderr.strip()] and res.stderr.startswith(says), res.stderr
+    assert not out.exists()
+
+
+def test_the_hold_gives_back_the_handlers_it_found():
+    from areno import startsignals
+
+    before = signal.getsignal(signal.SIGINT)
+    with startsignals.held():
+        os.kill(os.getpid(), signal.SIGINT)  # recorded, not raised
+        assert startsignals.take() == ["SIGINT"]
+    assert signal.getsignal(signal.SIGINT) is before
