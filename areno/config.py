@@ -25,6 +25,7 @@ from areno.errors import UserError
 from areno.fieldcheck import base_type, check_value
 from areno.modeldir import MODEL_DIR_FIX, check_model_dir
 from areno.multinode import check_authkey
+from areno.offpolicy import OFF_POLICY_TIS_CAP, check_off_policy, off_policy_defaults
 from areno.rollout.factory import EngineKind
 
 GROUPS = (
@@ -85,6 +86,13 @@ class TrainConfig:
         0.5, "Fraction of GPU memory vLLM may take (colocated with training).", "Rollout",
         gt=0.0, le=1.0)
     kv_cache_gb: float = opt(0.5, "KV-cache size for vLLM on CPU, in GiB.", "Rollout", gt=0.0)
+    off_policy_steps: int = opt(
+        0, "Asynchronous rollouts: the engines sample the next batches while the ranks train, "
+        "with weights at most K versions behind the policy they update; the loss is decoupled "
+        f"PPO (turns on --recompute-logprobs, and --tis-cap {OFF_POLICY_TIS_CAP:g} unless "
+        "given). Needs --rollout-world-size. 0: synchronous, every batch sampled by the "
+        "current policy.",
+        "Rollout", ge=0)
     # -- Rewards -------------------------------------------------------------
     reward_fn_path: str | None = opt(
         None, "Reward plugin: a .py file defining reward_fn(record) -> float or "
@@ -126,8 +134,9 @@ class TrainConfig:
     kl_type: KLType = opt("k3", "KL estimator (Schulman): k1 or k3.", "Algorithm")
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient (0 = off).", "Algorithm", ge=0.0)
     tis_cap: float | None = opt(
-        None, "Truncated importance-sampling cap C on trainer/sampler log-prob ratios "
-        "(needs --recompute-logprobs).", "Algorithm", gt=0.0, shown="off")
+        None, "Truncated importance-sampling cap C: each token's policy loss is weighted by "
+        "min(trainer/sampler probability ratio, C) (needs --recompute-logprobs).", "Algorithm",
+        gt=0.0, shown=f"off; {OFF_POLICY_TIS_CAP:g} with --off-policy-steps >= 1")
     filter_zero_variance_groups: bool = opt(
         False, "Drop groups whose rewards are all equal from the update.", "Algorithm")
     mask_overlong: bool = opt(False, "Drop completions cut by --max-new-tokens from the update.",
@@ -145,7 +154,7 @@ class TrainConfig:
     ppo_epochs: int = opt(1, "Passes over each rollout batch.", "Optimization", ge=1)
     recompute_logprobs: bool = opt(
         False, "Take old log-probs from the trainer before the first update instead of the "
-        "sampler's.", "Optimization")
+        "sampler's.", "Optimization", shown="off; on with --off-policy-steps >= 1")
     grad_checkpointing: bool = opt(False, "Activation checkpointing.", "Optimization")
     max_tokens_per_micro: int | None = opt(
         None, "Token budget of one micro-batch per rank, measured per device "
@@ -161,6 +170,10 @@ class TrainConfig:
                                           "Parallelism")
     world_size: int | None = opt(None, "Training ranks.", "Parallelism", ge=1,
                                  shown="number of GPUs, 1 on CPU")
+    rollout_world_size: int = opt(
+        0, "Processes (one GPU each) that only run rollout engines, beside the training ranks; "
+        "--tensor-parallel-size of them make one engine, so it must divide this. 0: every "
+        "training rank holds an engine (colocated).", "Parallelism", ge=0)
     cpu_threads: int | None = opt(None, "torch threads of each CPU rank. On a machine shared with other "
                                   "busy processes use fewer (1): an OpenMP thread that shares a core "
                                   "stalls its rank.", "Parallelism", ge=1,
@@ -258,6 +271,9 @@ class TrainConfig:
             values.update(read_config_file(yaml_path))
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
         _check_reward_timeout(values)
+        # Resuming, the checkpoint's config fills what was not given (resume.py): its
+        # --off-policy-steps came with what it turned on, and the rules are checked there.
+        turned_on = off_policy_defaults(values) if values.get("resume") is None else []
         if values.get("ckpt") is None and values.get("dataset_path") is None:
             values.setdefault("reward_fn_path", DEMO_PRESET["reward_fn_path"])
             # The demo scores its built-in reward in-process; a user's plugin may
@@ -268,6 +284,11 @@ class TrainConfig:
                     values.setdefault(k, v)
         cfg = cls(**values)
         cfg.validate()
+        if turned_on:  # beside "resuming with": the settings a run did not say it wants
+            print(f"areno: --off-policy-steps {cfg.off_policy_steps} turns on "
+                  + " and ".join(turned_on) + " (decoupled PPO: the trainer's log-probs are the "
+                  "proximal policy, capped importance weights correct for the stale sampler)",
+                  flush=True)
         return cfg
 
     def validate(self) -> None:
@@ -295,6 +316,8 @@ class TrainConfig:
             _check_file("--reward-fn-path", self.reward_fn_path, suffix=".py")
         if self.dataset_loader_fn is not None:
             _check_file("--dataset-loader-fn", self.dataset_loader_fn.split(":", 1)[0], suffix=".py")
+        if self.resume is None:  # resuming: on the config in effect, by resume.resume_config
+            check_off_policy(self)
         if self.tis_cap is not None and not self.recompute_logprobs:
             raise UserError("--tis-cap needs --recompute-logprobs (it weights the trainer/sampler "
                             "log-prob ratio)")

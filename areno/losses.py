@@ -30,11 +30,46 @@ Optional terms:
   KL to a reference (Schulman's estimators): k1 = logp - ref,
       k3 = exp(ref - logp) - (ref - logp) - 1; added as kl_coef * kl_t.
   Entropy bonus: - entropy_coef * H_t.
-  Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework
-  secretly brings you off-policy RL training"): the pg term of each token is
-  multiplied by min(exp(old_logp - rollout_logp), C), correcting the gap
-  between the sampler's and the trainer's log-probs when old log-probs are
-  recomputed by the trainer.
+
+Decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy
+optimization"; AReaL's objective for asynchronous RL, Fu et al. 2025) when
+tis_cap is set and rollout_logprobs are given. Three policies score each token:
+
+  pi_behav  the sampler that produced it (rollout_logprobs): under
+            --off-policy-steps K it may be up to K weight versions old, and even
+            at K = 0 its numerics differ from the trainer's
+  pi_prox   the trainer's policy before this update (old_logprobs, recomputed
+            by the trainer with --recompute-logprobs): the proximal policy the
+            clip keeps pi_theta near
+  pi_theta  the policy being optimised (logprobs, with grad)
+
+  l_t = iw_t * pg_t(rho),  rho = pi_theta / pi_prox (GRPO per token, GSPO's
+                           length-normalised sequence ratio), clipped and
+                           dual-clipped exactly as above
+  iw_t = min(pi_prox(t) / pi_behav(t), tis_cap), detached
+
+so the clip measures how far this update moves from pi_prox, however stale the
+sampler was, and iw_t corrects for sampling from pi_behav instead of pi_prox.
+iw_t is per token for GSPO too (as AReaL and verl weight their GSPO loss):
+with seq-mean-token-mean aggregation a sequence's term is scaled by the mean
+of its tokens' weights (its gradient still flows through the mean of the
+sequence's log-probs, so every token of it gets the same share). The weight
+multiplies the policy-gradient term before aggregation, in every mode (no
+self-normalisation: sum_t iw_t is not divided out). The capped weight is
+truncated importance sampling (Yao et al. 2025, "Your efficient RL framework
+secretly brings you off-policy RL training"; verl's token-level TIS): a token
+over the cap keeps weight tis_cap, where AReaL masks it out (weight 0). The
+KL and entropy terms are not weighted (as verl's kl_loss and entropy terms).
+Without rollout_logprobs (old log-probs are the sampler's) pi_prox = pi_behav
+and iw_t = 1: plain PPO/GRPO/GSPO.
+
+Behaviour/proximal mismatch metrics (metrics.py, "offpolicy/*"), computed on
+the loss tokens whenever rollout_logprobs are given (0 otherwise):
+  offpolicy_kl     k3 estimate of KL(pi_behav || pi_prox) per token,
+                   r - 1 - log r with r = pi_prox / pi_behav (the tokens are
+                   samples of pi_behav, so its mean is the KL; >= 0 per token)
+  tis_capped_frac  share of tokens whose weight pi_prox / pi_behav exceeded
+                   tis_cap and was capped (0 when tis_cap is off)
 """
 
 from __future__ import annotations
@@ -58,7 +93,7 @@ class LossConfig:
     kl_coef: float = 0.0
     kl_type: KLType = "k3"
     entropy_coef: float = 0.0
-    tis_cap: float | None = None
+    tis_cap: float | None = None  # cap C of iw_t = min(pi_prox / pi_behav, C) (None = no weight)
     clip_ratio_c: float | None = None  # dual-clip constant C > 1 (None = off)
 
     def __post_init__(self) -> None:
@@ -78,13 +113,13 @@ class LossConfig:
 class LossInputs:
     """One micro-batch, on the training device. [L] unless noted."""
 
-    logprobs: torch.Tensor          # float32, trainer log-prob of each target (with grad)
-    old_logprobs: torch.Tensor      # float32, behaviour log-probs (rollout or recomputed)
+    logprobs: torch.Tensor          # float32, pi_theta: trainer log-prob of each target (with grad)
+    old_logprobs: torch.Tensor      # float32, pi_prox: recomputed by the trainer, else the sampler's
     advantages: torch.Tensor        # float32
     loss_mask: torch.Tensor         # bool
     seq_weights: torch.Tensor       # [S] float32 aggregation weight per loss token
     seq_index: torch.Tensor         # int64 (or int32), local sequence 0..S-1
-    rollout_logprobs: torch.Tensor | None = None  # sampler's, if old_logprobs are recomputed
+    rollout_logprobs: torch.Tensor | None = None  # pi_behav: the sampler's, when old_* are recomputed
     ref_logprobs: torch.Tensor | None = None      # reference model's, for KL
     entropy: torch.Tensor | None = None           # per-token entropy (with grad if bonus on)
 
@@ -126,12 +161,16 @@ def compute_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     if cfg.clip_ratio_c is not None:  # dual-clip: cap the loss of negative-advantage tokens
         pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.clip_ratio_c), pg)
 
-    tis = None
-    if cfg.tis_cap is not None and inp.rollout_logprobs is not None:
-        tis = torch.exp(
-            torch.where(mask, inp.old_logprobs - inp.rollout_logprobs, torch.zeros_like(log_ratio))
-        ).clamp(max=cfg.tis_cap).detach()
-        pg = pg * tis
+    # Decoupled PPO: log(pi_prox / pi_behav) of each loss token (0 off the mask, and
+    # everywhere when old log-probs are the sampler's own).
+    behav_log_w = behav_w = tis = None
+    if inp.rollout_logprobs is not None:
+        behav_log_w = torch.where(mask, inp.old_logprobs - inp.rollout_logprobs,
+                                  torch.zeros_like(log_ratio)).detach()
+        behav_w = torch.exp(behav_log_w)  # pi_prox / pi_behav, uncapped
+        if cfg.tis_cap is not None:
+            tis = behav_w.clamp(max=cfg.tis_cap)
+            pg = pg * tis
 
     per_tok = pg
     kl = None
@@ -159,5 +198,10 @@ def compute_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
             "kl": (kl * maskf).sum() if kl is not None else maskf.new_zeros(()),
             "entropy": (inp.entropy * maskf).sum() if inp.entropy is not None else maskf.new_zeros(()),
             "tis_weight": (tis * maskf).sum() if tis is not None else maskf.sum(),
+            # k3 = r - 1 - log r, r = pi_prox / pi_behav: KL(pi_behav || pi_prox) per token
+            "offpolicy_kl": ((behav_w - 1.0 - behav_log_w) * maskf).sum()
+            if behav_w is not None and behav_log_w is not None else maskf.new_zeros(()),
+            "tis_capped_frac": ((behav_w > cfg.tis_cap) & mask).to(maskf.dtype).sum()
+            if behav_w is not None and cfg.tis_cap is not None else maskf.new_zeros(()),
         }
     return LossOutputs(loss=loss, metrics=metrics)

@@ -11,10 +11,15 @@ micro-batches and then over the ranks, as its `reduce` says:
               readback (so every rank gets the same)
 
 The trainer reduces the optimizer steps of one areno step by `over_steps`
-(mean, last or sum) and logs the `logged` ones as `train/<name>`.
+(mean, last or sum) and logs the `logged` ones under their `key`
+(`train/<name>` unless the row names another: the behaviour/proximal
+mismatch of decoupled PPO is `offpolicy/*`).
 `source` says who produces a metric: `loss` (losses.compute_loss, once per
 micro-batch), `batch` (the micro-batch's counts), `optimizer` (once per
 optimizer step, after clipping) or `host`.
+
+`LOOP_METRICS` are the asynchronous loop's own (--off-policy-steps K >= 1):
+measured by the controller once per step, never on a device.
 
 No torch here: the controller imports this module.
 """
@@ -22,6 +27,7 @@ No torch here: the controller imports this module.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,11 +46,16 @@ class Metric:
     source: Source
     reduce: Reduce               # over micro-batches and ranks, within one optimizer step
     over_steps: OverSteps | None = "mean"  # over a step's optimizer steps; None: the rank keeps it
-    logged: bool = True          # written to metrics.jsonl as train/<name>
+    logged: bool = True          # written to metrics.jsonl under `key`
     help: str = ""
+    log_key: str | None = None   # the metrics.jsonl key; None: train/<name>
+
+    @property
+    def key(self) -> str:
+        return self.log_key or f"train/{self.name}"
 
 
-# Logged rows first, in the order of their train/<name> keys in metrics.jsonl.
+# Logged rows first, in the order of their keys in metrics.jsonl.
 _ROWS: tuple[Metric, ...] = (
     Metric("loss", "loss", "sum", help="the mini-batch's weighted policy loss (losses.py)"),
     Metric("clip_frac", "loss", "token_mean", help="fraction of loss tokens whose ratio was clipped"),
@@ -56,6 +67,13 @@ _ROWS: tuple[Metric, ...] = (
     Metric("logprob_diff", "loss", "token_mean",
            help="mean |train logp - rollout logp| before the update"),
     Metric("tis_weight", "loss", "token_mean", help="mean truncated-IS weight (1 when off)"),
+    Metric("offpolicy_kl", "loss", "token_mean", log_key="offpolicy/kl",
+           help="k3 estimate of KL(behaviour || proximal) per loss token: the sampler's "
+                "log-probs against the trainer's recomputed ones (0 without "
+                "--recompute-logprobs)"),
+    Metric("tis_capped_frac", "loss", "token_mean", log_key="offpolicy/tis_capped_frac",
+           help="fraction of loss tokens whose proximal/behaviour weight exceeded --tis-cap "
+                "and was capped (0 when off)"),
     Metric("loss_tokens", "loss", "sum", help="tokens in the loss: the token_mean denominator"),
     Metric("grad_norm", "optimizer", "max", help="gradient norm before clipping"),
     Metric("lr", "optimizer", "max", over_steps="last",
@@ -114,6 +132,46 @@ def reduce_opt_steps(opt_steps: list[dict[str, float]]) -> dict[str, float]:
 
 
 def train_metrics(opt_steps: list[dict[str, float]]) -> dict[str, float]:
-    """{train/<name>: value} of every logged metric (0.0 when no optimizer step ran)."""
+    """{key: value} of every logged metric (0.0 when no optimizer step ran)."""
     reduced = reduce_opt_steps(opt_steps)
-    return {f"train/{k}": float(reduced.get(k, 0.0)) for k in TRAIN_METRICS}
+    return {METRICS[k].key: float(reduced.get(k, 0.0)) for k in TRAIN_METRICS}
+
+
+# -- the asynchronous loop's metrics (--off-policy-steps K >= 1) -----------------
+@dataclass(frozen=True)
+class LoopMetric:
+    """A per-step metric of the asynchronous loop: its metrics.jsonl key, and how
+    the step's values (one per sample, or one per wait) become one."""
+
+    key: str
+    reduce: Literal["mean", "max", "sum"]
+    help: str
+
+
+# time/<phase> of the waits, in the order `areno plot` draws them with the phases.
+WAIT_PHASES: tuple[str, ...] = ("wait_batch", "wait_weights")
+LOOP_METRICS: tuple[LoopMetric, ...] = (
+    LoopMetric("rollout/policy_lag_mean", "mean",
+               "weight versions between the policy that sampled a trained sample and the one "
+               "it updates, averaged over the step's samples (0 when synchronous)"),
+    LoopMetric("rollout/policy_lag_max", "max", "the step's largest policy lag (<= K)"),
+    LoopMetric("time/wait_batch", "sum",
+               "seconds the training ranks waited for the step's batch from the engines"),
+    LoopMetric("time/wait_weights", "sum",
+               "seconds the rollout engines waited for new weights (at most K versions behind)"),
+)
+LOOP: dict[str, LoopMetric] = {m.key: m for m in LOOP_METRICS}
+
+
+def policy_lag_metrics(lags: Sequence[int] | np.ndarray) -> dict[str, float]:
+    """rollout/policy_lag_mean and _max of one step: lags[i] = the trainer's weight
+    version when it trains on sample i minus the version that sampled it."""
+    a = np.asarray(lags, dtype=np.float64)
+    return {"rollout/policy_lag_mean": float(a.mean()) if a.size else 0.0,
+            "rollout/policy_lag_max": float(a.max()) if a.size else 0.0}
+
+
+def wait_metrics(wait_batch_s: Sequence[float], wait_weights_s: Sequence[float]) -> dict[str, float]:
+    """time/wait_batch and time/wait_weights of one step: every wait summed."""
+    return {"time/wait_batch": float(sum(wait_batch_s)),
+            "time/wait_weights": float(sum(wait_weights_s))}

@@ -13,11 +13,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
     TimeRemainingColumn
 
 from areno.completions import FILE as COMPLETIONS_FILE
+from areno.metrics import WAIT_PHASES
 
 # The per-step line: the key figures in at most LINE_LIMIT characters (README:
 # "one line per step"); every metric, phase times included, goes to metrics.jsonl.
 LINE_LIMIT = 120
-PHASES: tuple[str, ...] = ("rollout", "decode", "reward", "materialize", "train", "weight_sync")
+# time/<phase> keys `areno plot` draws; the asynchronous loop's waits are metrics.WAIT_PHASES.
+PHASES: tuple[str, ...] = ("rollout", "decode", "reward", "materialize", "train", "weight_sync",
+                           *WAIT_PHASES)
 # (metric key, console label, format) of the update's figures; shown only for a
 # step that took an optimizer step (else they are all 0 and say nothing).
 TRAIN_COLUMNS: tuple[tuple[str, str, str], ...] = (

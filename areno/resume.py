@@ -7,7 +7,12 @@ optimizer, batch shape, seed) keeps its saved value: giving another one is a
 user error. What may change is where and how much is logged, saved and
 evaluated, the resources a step uses, how rewards are run, and the run's length
 (a longer --max-steps moves the LR schedule's horizon with it: step k then gets
-the LR a run started with the longer --max-steps gives it). Options not given
+the LR a run started with the longer --max-steps gives it). Of the asynchronous
+loop's two options, --rollout-world-size is a resource (how many processes
+sample, as --world-size and --tensor-parallel-size) and may change;
+--off-policy-steps may not: it decides which policy version samples each
+step's batch, that is the data a step trains on, and it brings
+--recompute-logprobs and --tis-cap with it, which change the loss. Options not given
 on the command line (or in --config) take the checkpoint's values, so
 `areno train --output-dir DIR --resume latest` continues the run as it was.
 """
@@ -23,6 +28,7 @@ from areno.config import TrainConfig
 from areno.configfile import read_config_file
 from areno.errors import UserError
 from areno.fieldcheck import flag_name
+from areno.offpolicy import check_off_policy
 
 # Where the run lives: always this invocation's, never the checkpoint's (a --save-path
 # not given is the one the run directory's config.yaml records).
@@ -36,7 +42,8 @@ MAY_CHANGE: frozenset[str] = frozenset({
     "eval_interval", "eval_n", "eval_max_prompts", "verbose",
     # resources (same math): engine, memory, parallelism of the update
     "rollout_engine", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_gb",
-    "max_tokens_per_micro", "grad_checkpointing", "world_size", "cpu_threads", "max_nan_steps",
+    "max_tokens_per_micro", "grad_checkpointing", "world_size", "rollout_world_size", "cpu_threads",
+    "max_nan_steps",
     "rank_heartbeat_timeout",
     # how rewards run (a fixed plugin or a longer timeout, say)
     "reward_fn_path", "reward_workers", "reward_timeout", "overlap_rewards", "on_reward_error",
@@ -62,6 +69,7 @@ def resume_config(cfg: TrainConfig, given: set[str]) -> TrainConfig:
         cfg = replace(cfg, save_path=recorded_save_path(Path(cfg.output_dir).expanduser()))
     saved = Resume.find(cfg).state.get("config")
     if not isinstance(saved, dict):
+        check_off_policy(cfg)
         return cfg  # an older checkpoint without its config: nothing to compare with
     names = [f.name for f in TrainConfig.fields()]
     merged = {n: (getattr(cfg, n) if n in LOCATION or n in given or n not in saved else saved[n])
@@ -76,6 +84,9 @@ def resume_config(cfg: TrainConfig, given: set[str]) -> TrainConfig:
             f"{'it' if len(fixed) == 1 else 'them'}, or start a new run in another --output-dir")
     out = TrainConfig(**merged)
     out.validate()
+    # validate() leaves these to the config in effect: --rollout-world-size, say, may be
+    # the checkpoint's
+    check_off_policy(out)
     if changed:
         print("areno: resuming with " + ", ".join(_change(n, saved[n], merged[n]) for n in changed),
               flush=True)

@@ -18,13 +18,18 @@ from areno.metrics import (
     DEVICE_MAXES,
     DEVICE_METRICS,
     DEVICE_SUMS,
+    LOOP,
+    LOOP_METRICS,
     LOSS_METRICS,
     METRICS,
     REPORTED,
     TRAIN_METRICS,
+    WAIT_PHASES,
     finalize_step,
+    policy_lag_metrics,
     reduce_opt_steps,
     train_metrics,
+    wait_metrics,
 )
 from areno.rewards import RewardResult
 from areno.rewards.plugin import RewardCounts
@@ -57,6 +62,8 @@ def test_table_is_consistent() -> None:
     # what the rank accumulates per micro-batch, plus what the optimizer sets once
     assert set(ACCUMULATED) | {"grad_norm", "lr"} == set(DEVICE_METRICS)
     assert set(TRAIN_METRICS) <= set(REPORTED)
+    keys = [METRICS[k].key for k in TRAIN_METRICS]
+    assert len(set(keys)) == len(keys)  # one metrics.jsonl key per logged metric
 
 
 def test_metrics_module_needs_no_torch() -> None:
@@ -111,10 +118,29 @@ def test_reduce_opt_steps_by_over_steps() -> None:
 
 
 def test_train_metrics_logs_every_train_metric_in_table_order() -> None:
-    assert list(train_metrics([])) == [f"train/{k}" for k in TRAIN_METRICS]
+    keys = [METRICS[k].key for k in TRAIN_METRICS]
+    assert keys[0] == "train/loss" and "offpolicy/kl" in keys  # train/<name> unless the row says
+    assert list(train_metrics([])) == keys
     assert set(train_metrics([]).values()) == {0.0}  # no optimizer step: all zero
     one = train_metrics([{k: 2.0 for k in REPORTED}])
-    assert list(one) == [f"train/{k}" for k in TRAIN_METRICS] and set(one.values()) == {2.0}
+    assert list(one) == keys and set(one.values()) == {2.0}
+
+
+def test_loop_metrics_are_declared_once_with_their_reductions() -> None:
+    keys = [m.key for m in LOOP_METRICS]
+    assert keys == ["rollout/policy_lag_mean", "rollout/policy_lag_max", "time/wait_batch",
+                    "time/wait_weights"]
+    assert set(keys).isdisjoint(METRICS[k].key for k in TRAIN_METRICS)
+    assert all(m.help for m in LOOP_METRICS)
+    assert [f"time/{p}" for p in WAIT_PHASES] == keys[2:]
+    assert policy_lag_metrics([0, 2, 1, 1]) == {"rollout/policy_lag_mean": 1.0,
+                                                "rollout/policy_lag_max": 2.0}
+    assert policy_lag_metrics([]) == {"rollout/policy_lag_mean": 0.0, "rollout/policy_lag_max": 0.0}
+    assert wait_metrics([0.5, 0.25], []) == {"time/wait_batch": 0.75, "time/wait_weights": 0.0}
+    assert set(policy_lag_metrics([1])) | set(wait_metrics([], [])) == set(LOOP)
+    from areno.reporting import PHASES
+
+    assert set(WAIT_PHASES) <= set(PHASES)  # areno plot draws them with the phases
 
 
 def test_step_metrics_come_from_the_step_result_alone() -> None:

@@ -70,3 +70,20 @@ def _vllm(spec: EngineSpec, model_path: str, on_gpu: bool, in_rank: bool) -> Any
     from areno.rollout.vllm import VLLMEngine
 
     return VLLMEngine(model_path, **kw)
+
+
+# Whether an engine's sampled-token log-probs are those of the distribution it
+# samples from, after temperature, top-k and top-p (the "processed" one): the
+# behaviour policy of decoupled PPO (losses.py). vLLM is started with
+# logprobs_mode="processed_logprobs" (rollout/vllm.py); transformers' are
+# recorded by the last logits processor, after areno's own warpers
+# (rollout/hf_logprobs.py). An engine reporting the raw distribution's under
+# top-p / top-k would make the weight pi_prox / pi_behav wrong: areno/offpolicy.py
+# then refuses --off-policy-steps.
+LOGPROBS_PROCESSED: dict[str, bool] = {"vllm": True, "hf": True}
+
+
+def engines_for(kind: str) -> tuple[str, ...]:
+    """The engines --rollout-engine kind may run: itself, and transformers where
+    vLLM does not import (make_engine's fallback)."""
+    return (kind, "hf") if kind == "vllm" else (kind,)

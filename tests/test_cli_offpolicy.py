@@ -1,0 +1,206 @@
+"""--off-policy-steps and --rollout-world-size (issue 20): the rules between them
+and the loss (areno/offpolicy.py), each refusal one line with exit 2 and no
+traceback; what K >= 1 turns on; K = 0 changing nothing; what a resume may
+change."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import yaml
+
+from areno import offpolicy
+from areno.backend.config import BackendConfig
+from areno.cli import main
+from areno.config import TrainConfig
+from areno.errors import UserError
+from areno.losses import LossConfig
+from areno.resume import MAY_CHANGE, resume_config
+from areno.settings import backend_config, engine_spec, sampling
+
+ASYNC = ["--off-policy-steps", "2", "--rollout-world-size", "2"]
+
+
+@pytest.fixture
+def files(tmp_path):
+    plugin = tmp_path / "reward.py"
+    plugin.write_text("def reward_fn(record):\n    return 1.0\n")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    return {"dataset_path": str(data), "reward_fn_path": str(plugin)}
+
+
+def refused(args, capsys) -> str:
+    rc = main(["train", *args])
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert rc == 2, out.err
+    assert len(lines) == 1 and lines[0].startswith("areno: error:"), out.err
+    assert "Traceback" not in out.err + out.out
+    return lines[0]
+
+
+BAD = [
+    (["--off-policy-steps", "1"], "--off-policy-steps 1 needs --rollout-world-size >= 1: colocated "
+     "engines share the training GPUs and sleep while the ranks train, so rollouts cannot overlap"),
+    (["--rollout-world-size", "3", "--tensor-parallel-size", "2"],
+     "--rollout-world-size 3 must be a multiple of --tensor-parallel-size 2"),
+    ([*ASYNC, "--tensor-parallel-size", "4"],
+     "--rollout-world-size 2 must be a multiple of --tensor-parallel-size 4"),
+    (["--off-policy-steps", "-1"], "--off-policy-steps must be >= 0"),
+    (["--rollout-world-size", "-2"], "--rollout-world-size must be >= 0"),
+    (["--off-policy-steps", "1.5"], "--off-policy-steps"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_each_refusal_is_one_line_exit_2(args, needle, capsys):
+    assert needle in refused(args, capsys)
+
+
+def test_recompute_turned_off_in_the_config_file_is_refused(tmp_path, capsys):
+    f = tmp_path / "run.yaml"
+    f.write_text(yaml.safe_dump({"off_policy_steps": 1, "rollout_world_size": 1,
+                                 "optimization": {"recompute_logprobs": False}}))
+    line = refused(["--config", str(f)], capsys)  # the switch has no --no- form: only --config says it
+    assert "--off-policy-steps 1 needs --recompute-logprobs" in line
+    assert "drop recompute_logprobs: false from --config" in line
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize("flags", [["--top-p", "0.9"], ["--top-k", "20"]])
+def test_truncated_sampling_is_refused_with_an_engine_reporting_raw_logprobs(
+        engine, flags, monkeypatch, capsys):
+    # Today both engines report the processed distribution's log-probs: pretend one does not.
+    monkeypatch.setitem(offpolicy.LOGPROBS_PROCESSED, engine, False)
+    line = refused([*ASYNC, "--rollout-engine", engine, *flags], capsys)
+    assert f"--off-policy-steps 2 with {' '.join(flags)}: the {engine} engine reports log-probs " \
+        "of the untruncated distribution" in line
+    assert f"drop {flags[0]}" in line
+
+
+def test_vllm_is_refused_when_its_fallback_reports_raw_logprobs(monkeypatch, capsys):
+    monkeypatch.setitem(offpolicy.LOGPROBS_PROCESSED, "hf", False)
+    assert "the hf engine" in refused([*ASYNC, "--rollout-engine", "vllm", "--top-p", "0.95"], capsys)
+
+
+def test_both_engines_report_processed_logprobs_so_truncated_sampling_is_allowed(files, capsys):
+    assert offpolicy.LOGPROBS_PROCESSED == {"vllm": True, "hf": True}
+    for engine in ("vllm", "hf"):
+        cfg = TrainConfig.from_sources(None, {**files, "off_policy_steps": 1, "rollout_world_size": 1,
+                                              "rollout_engine": engine, "top_p": 0.9, "top_k": 20})
+        assert (cfg.top_p, cfg.top_k) == (0.9, 20)
+    # the raw case does not depend on truncation: without top-p / top-k nothing is refused
+    offpolicy.check_off_policy(dataclasses.replace(cfg, top_p=1.0, top_k=-1))
+
+
+def test_k_turns_on_recompute_and_the_default_cap_and_says_so(files, capsys):
+    cfg = TrainConfig.from_sources(None, {**files, "off_policy_steps": 2, "rollout_world_size": 2})
+    assert cfg.recompute_logprobs is True and cfg.tis_cap == offpolicy.OFF_POLICY_TIS_CAP == 2.0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith(
+        "areno: --off-policy-steps 2 turns on --recompute-logprobs and --tis-cap 2 (decoupled PPO")
+    bc = backend_config(cfg, "m", "m", 1, "cpu", 10)
+    assert bc.recompute_logprobs and bc.loss.tis_cap == 2.0
+
+
+def test_k_keeps_a_given_cap_and_a_given_recompute_silently(files, capsys):
+    given = {**files, "off_policy_steps": 1, "rollout_world_size": 1, "tis_cap": 3.5}
+    cfg = TrainConfig.from_sources(None, given)
+    assert cfg.tis_cap == 3.5 and cfg.recompute_logprobs
+    assert capsys.readouterr().out.strip() == (
+        "areno: --off-policy-steps 1 turns on --recompute-logprobs (decoupled PPO: the trainer's "
+        "log-probs are the proximal policy, capped importance weights correct for the stale sampler)")
+    cfg = TrainConfig.from_sources(None, {**given, "recompute_logprobs": True})
+    assert cfg.tis_cap == 3.5 and capsys.readouterr().out == ""
+
+
+def test_config_yaml_records_what_k_turned_on(files, tmp_path, capsys):
+    from areno.run import make_output_dir
+
+    cfg = TrainConfig.from_sources(None, {**files, "off_policy_steps": 1, "rollout_world_size": 1,
+                                          "output_dir": str(tmp_path / "r")})
+    saved = yaml.safe_load((make_output_dir(cfg) / "config.yaml").read_text())
+    assert (saved["off_policy_steps"], saved["rollout_world_size"]) == (1, 1)
+    assert saved["recompute_logprobs"] is True and saved["tis_cap"] == 2.0
+
+
+def test_k0_leaves_every_setting_as_it_was(files, capsys):
+    """The defaults are K = 0, M = 0, and they change nothing: the same TrainConfig
+    as not giving them, no line printed, and the backend, loss, engine and
+    sampling settings of today's defaults."""
+    plain = TrainConfig.from_sources(None, files)
+    zero = TrainConfig.from_sources(None, {**files, "off_policy_steps": 0, "rollout_world_size": 0})
+    assert (plain.off_policy_steps, plain.rollout_world_size) == (0, 0)
+    assert zero == plain and capsys.readouterr().out == ""
+    assert plain.recompute_logprobs is False and plain.tis_cap is None
+    bc = backend_config(zero, "m", "m", 2, "cpu", 10)
+    assert bc == backend_config(plain, "m", "m", 2, "cpu", 10)
+    assert bc.loss == LossConfig()  # grpo, eps 0.2/0.2, no KL, entropy, TIS or dual-clip
+    assert bc.recompute_logprobs is False
+    assert bc == BackendConfig(
+        model_path="m", world_size=2, device="cpu", dtype="float32", strategy="auto", lr=1e-6,
+        weight_decay=0.0, warmup_steps=0, total_steps=10, min_lr_ratio=0.1, max_grad_norm=1.0,
+        grad_checkpointing=False, ppo_epochs=1, recompute_logprobs=False, loss=LossConfig(),
+        max_nan_steps=3, seed=0, ref_model_path="m", engine=None, cpu_threads=None,
+        heartbeat_timeout_s=0.0)
+    assert engine_spec(zero, "cpu", 64) == engine_spec(plain, "cpu", 64)
+    assert sampling(zero) == sampling(plain)
+    # the demo too
+    assert TrainConfig.from_sources(None, {"off_policy_steps": 0}) == TrainConfig.from_sources(None, {})
+
+
+def test_help_lists_the_options_and_the_cap_default():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "areno.cli", "train", "--help"],
+                         capture_output=True, text=True, env={"COLUMNS": "200", "PATH": ""})
+    assert out.returncode == 0
+    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", out.stdout).split())  # rich's panel borders
+    for flag in ("--off-policy-steps", "--rollout-world-size", "--recompute-logprobs"):
+        assert flag in text, flag
+    assert "off; 2 with --off-policy-steps >= 1" in text  # --tis-cap
+    assert "off; on with --off-policy-steps >= 1" in text  # --recompute-logprobs
+
+
+# -- resume ---------------------------------------------------------------------
+def test_resume_may_change_m_but_not_k(tmp_path, capsys):
+    from test_resume_changes import saved_run
+
+    saved_run(tmp_path, off_policy_steps=1, rollout_world_size=2, max_steps=2)
+    assert "rollout_world_size" in MAY_CHANGE and "off_policy_steps" not in MAY_CHANGE
+    capsys.readouterr()
+    given = {"resume": "latest", "output_dir": str(tmp_path), "rollout_world_size": 4}
+    cfg = resume_config(TrainConfig.from_sources(None, given), set(given))
+    # the checkpoint's K and what it turned on, the new M
+    assert (cfg.off_policy_steps, cfg.rollout_world_size) == (1, 4)
+    assert cfg.recompute_logprobs and cfg.tis_cap == 2.0
+    assert capsys.readouterr().out.strip() == "areno: resuming with --rollout-world-size 2 -> 4"
+
+    # the same K again, without the M and what K turned on: the checkpoint's, nothing printed
+    same = {"resume": "latest", "output_dir": str(tmp_path), "off_policy_steps": 1}
+    cfg = resume_config(TrainConfig.from_sources(None, same), set(same))
+    assert (cfg.off_policy_steps, cfg.rollout_world_size, cfg.tis_cap) == (1, 2, 2.0)
+    assert capsys.readouterr().out == ""
+
+    bad = {"resume": "latest", "output_dir": str(tmp_path), "off_policy_steps": 3}
+    with pytest.raises(UserError, match=r"^--resume: --off-policy-steps 1 -> 3: this option cannot "
+                                        "change when resuming"):
+        resume_config(TrainConfig.from_sources(None, bad), set(bad))
+    # M may change, but not to a placement K cannot run on
+    zero_m = {"resume": "latest", "output_dir": str(tmp_path), "rollout_world_size": 0}
+    with pytest.raises(UserError, match="--off-policy-steps 1 needs --rollout-world-size >= 1"):
+        resume_config(TrainConfig.from_sources(None, zero_m), set(zero_m))
+
+
+def test_a_synchronous_run_cannot_resume_asynchronous(tmp_path):
+    from test_resume_changes import saved_run
+
+    saved_run(tmp_path, max_steps=2)
+    given = {"resume": "latest", "output_dir": str(tmp_path), "off_policy_steps": 1,
+             "rollout_world_size": 1}
+    with pytest.raises(UserError, match=r"^--resume: --off-policy-steps 0 -> 1: this option cannot"):
+        resume_config(TrainConfig.from_sources(None, given), set(given))
