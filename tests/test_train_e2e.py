@@ -68,11 +68,14 @@ def test_gsm8k_two_steps(engine, tmp_path, tiny_chat_path):
         "--rollout-engine", engine, "--batch-size", "2", "--n-samples", "4",
         "--max-new-tokens", "16", "--max-steps", "2", "--world-size", "2",
         "--max-prompt-len", "256", "--reward-workers", "1", "--lr", "1e-4",
-        "--output-dir", str(run_dir), "--epochs", "2",
+        "--output-dir", str(run_dir), "--epochs", "2", "--temperature", "0.7", "--recompute-logprobs",
     ])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
+    # One optimizer step per rollout, at the weights that sampled it: the trainer's
+    # log-probs are the sampler's (logits / temperature), up to fp32 rounding.
+    assert all(m["train/logprob_diff"] < 1e-4 for m in metrics), [m["train/logprob_diff"] for m in metrics]
     for m in metrics:
         assert not GPU_ONLY_KEYS & m.keys()  # GPU only
         for key in documented_metric_keys():

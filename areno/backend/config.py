@@ -80,6 +80,9 @@ class BackendConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     ref_model_path: str | None = None
     """Reference model for KL; loaded only when loss.kl_coef > 0 (None = model_path)."""
+    temperature: float = 1.0
+    """The sampler's temperature: training log-probs (policy, old, reference, entropy)
+    are those of logits / temperature, the distribution the tokens were sampled from."""
     logprob_chunk_size: int = 4096
     """Positions per lm_head chunk: fp32 logits exist for at most this many positions."""
     max_nan_steps: int = 3

@@ -170,7 +170,8 @@ def chunked_logprobs(
 class PolicyModule(nn.Module):
     """forward(input_ids [B, T], position_ids [B, T], targets [B, T],
     attention_mask [B, T] | None, cu_seqlens [S+1] int32 | None, max_seqlen int | None)
-    -> (logp [B, T], entropy [B, T]) fp32.
+    -> (logp [B, T], entropy [B, T]) fp32, of the logits / `temperature` (the
+    sampler's, for training; 1 for the weight-sync probe, which engines score at 1).
 
     Packed layout: B = 1, attention_mask None, `cu_seqlens` (on the device) and
     `max_seqlen` (host int) from the pack: the attention kernel (attention.py)
@@ -184,7 +185,8 @@ class PolicyModule(nn.Module):
         self.hf = hf
         self.chunk_size = chunk_size
 
-    def forward(self, input_ids, position_ids, targets, attention_mask=None, cu_seqlens=None, max_seqlen=None):
+    def forward(self, input_ids, position_ids, targets, attention_mask=None, cu_seqlens=None, max_seqlen=None,
+                temperature: float = 1.0):
         kw: dict = {}
         if attention_mask is not None:
             attention_mask = padded_causal_mask(attention_mask)  # 4-D: used as is
@@ -201,7 +203,10 @@ class PolicyModule(nn.Module):
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False,
             **kw,
         )
-        return chunked_logprobs(out.last_hidden_state, self.hf.lm_head.weight, targets, self.chunk_size)
+        hidden = out.last_hidden_state
+        if temperature != 1.0:  # logits / T = (hidden / T) @ W^T: the chunks never hold unscaled logits
+            hidden = hidden / temperature
+        return chunked_logprobs(hidden, self.hf.lm_head.weight, targets, self.chunk_size)
 
 
 def cu_seqlens_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -96,7 +96,7 @@ def forward_logprobs(w: Wrapped, cfg: BackendConfig, mb: Micro) -> tuple[torch.T
     """(logp [L], entropy [L]) fp32 of a packed micro-batch (through the wrapped root)."""
     with autocast_ctx(cfg, w.strategy):
         lp, ent = w.root(mb.input_ids, mb.position_ids, mb.targets[None],
-                         cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen)
+                         cu_seqlens=mb.cu_seqlens, max_seqlen=mb.max_seqlen, temperature=cfg.temperature)
     return lp[0], ent[0]
 
 
