@@ -21,7 +21,7 @@ import torch
 from areno.backend.adapter_sync import adapter_tensors, sync_adapter
 from areno.rollout.engine import SamplingConfig
 from areno.rollout.lora import adapter_fingerprint_of, adapter_nbytes, lora_scaling
-from areno.rollout.probe import Probe, WeightSyncError, fingerprint_mismatch, probe_logprobs, verify_probe
+from areno.rollout.probe import Probe, WeightSyncError, fingerprint_mismatch, verify_probe
 
 MAX_MODEL_LEN = 128
 PROBE_IDS = np.arange(3, 40, dtype=np.int32)
@@ -203,7 +203,8 @@ def test_adapter_names_are_checked_strictly(engine, trainer):
         from peft import LoraConfig
 
         engine.load_adapter(sent, LoraConfig(r=64, lora_alpha=ALPHA, target_modules=TARGETS), bump(engine))
-    assert fingerprint_mismatch(engine.adapter_fingerprint(), adapter_fingerprint_of(sent, lora_config(), DTYPES[engine.dtype_name])) is None
+    want = adapter_fingerprint_of(sent, lora_config(), DTYPES[engine.dtype_name])
+    assert fingerprint_mismatch(engine.adapter_fingerprint(), want) is None
 
 
 def test_a_base_weight_push_keeps_the_adapter(engine, trainer, tiny_chat_model):
