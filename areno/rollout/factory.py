@@ -22,7 +22,8 @@ class EngineSpec:
     dtype: "float32" | "bfloat16": the engine's weights and compute.
     max_model_len: prompt + response tokens. tensor_parallel_size: ranks per engine.
     gpu_memory_utilization: vLLM's GPU share (GPU only). kv_cache_bytes: vLLM's KV
-    cache on CPU.
+    cache on CPU. max_lora_rank: > 0 serves a LoRA adapter of rank up to it
+    (`load_adapter`: rollout.vllm_lora, rollout.hf_lora); 0 is no LoRA.
     """
 
     kind: EngineKind = "vllm"
@@ -32,10 +33,13 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.5
     kv_cache_bytes: int = 256 << 20
+    max_lora_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ENGINE_KINDS:
             raise ValueError(f"unknown rollout engine {self.kind!r}; valid: {', '.join(ENGINE_KINDS)}")
+        if self.max_lora_rank < 0:
+            raise ValueError(f"max_lora_rank must be >= 0 (0: no LoRA), got {self.max_lora_rank}")
 
 
 def make_engine(spec: EngineSpec, model_path: str, device: Any = "cpu", *, in_rank: bool = False,
@@ -52,12 +56,13 @@ def make_engine(spec: EngineSpec, model_path: str, device: Any = "cpu", *, in_ra
     from areno.rollout.hf import HFEngine
 
     return HFEngine(model_path, dtype=spec.dtype, seed=spec.seed, max_model_len=spec.max_model_len,
-                    device=device), "hf"
+                    device=device, max_lora_rank=spec.max_lora_rank), "hf"
 
 
 def _vllm(spec: EngineSpec, model_path: str, on_gpu: bool, in_rank: bool) -> Any:
     kw: dict[str, Any] = dict(tensor_parallel_size=spec.tensor_parallel_size, dtype=spec.dtype,
-                              seed=spec.seed, max_model_len=spec.max_model_len)
+                              seed=spec.seed, max_model_len=spec.max_model_len,
+                              max_lora_rank=spec.max_lora_rank)
     if in_rank:
         # The engine runs in this process, inside the torch world the ranks formed
         # (TP groups of consecutive ranks); that needs V1's in-process engine core.

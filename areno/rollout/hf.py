@@ -11,7 +11,8 @@ distribution actually sampled, recorded step by step (hf_logprobs).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from areno.rollout.engine import (
     validate_sequence,
 )
 from areno.rollout.hf_logprobs import StepLogprobs, sampling_processors
+from areno.rollout.hf_lora import HFAdapters, base_named
 from areno.rollout.probe import Fingerprint, Probe, WeightSyncError, probe_logprobs, sum_squares, verify_probe
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,6 +42,8 @@ class HFEngine:
     prompt + response limit (None: config.max_position_embeddings). sleep:
     whether sleep() frees the weights (None: on CUDA only, where the trainer
     needs the memory; tests turn it on for CPU to run the same branch).
+    max_lora_rank: > 0 serves a LoRA adapter up to that rank (`load_adapter`;
+    rollout.hf_lora); sleep() then keeps the (frozen) base weights.
     """
 
     def __init__(
@@ -51,6 +55,7 @@ class HFEngine:
         max_model_len: int | None = None,
         device: str | torch.device | None = None,
         sleep: bool | None = None,
+        max_lora_rank: int = 0,
     ) -> None:
         from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -83,6 +88,7 @@ class HFEngine:
         # Each parameter once (a tied lm_head is the embedding's) with its shape,
         # for sleep()/wake_up() to free and reallocate (buffers are small and kept).
         self._params = [(p, p.shape) for p in self.model.parameters()]
+        self.adapters = HFAdapters(self.model, max_lora_rank) if max_lora_rank > 0 else None
 
     # -- sampling ------------------------------------------------------------
     def generate(
@@ -205,7 +211,7 @@ class HFEngine:
         """Copy HF-named tensors (any device/dtype) into the live parameters one at a
         time (no full state dict is ever built); every expected name must come."""
         self._check_awake(loading=True)
-        live = self.model.state_dict(keep_vars=True)
+        live = self._live_state()
         seen: set[str] = set()
         with torch.no_grad():
             for name, t in named_tensors:
@@ -226,7 +232,8 @@ class HFEngine:
         """Per module group, the fp64 sum of squares of every parameter the model
         holds (see rollout.probe), under every name it has: a tied lm_head.weight
         counts as the embedding again, as the trainer sends it."""
-        named = list(self.model.named_parameters(remove_duplicate=False))
+        named = [(n.replace(".base_layer.", "."), p) for n, p in self.model.named_parameters(remove_duplicate=False)
+                 if ".lora_" not in n]  # under LoRA: the base weights, as HF names them
         if "lm_head.weight" not in dict(named):
             named.append(("lm_head.weight", self.model.get_output_embeddings().weight))
         sums = torch.stack([sum_squares(t) for _, t in named]).cpu().tolist()
@@ -234,24 +241,62 @@ class HFEngine:
 
     def _push(self, weights: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            self.model.load_state_dict(weights, strict=False)
+            if not self._lora_injected():
+                self.model.load_state_dict(weights, strict=False)
+                return
+            live = self._live_state()  # names checked by the caller
+            for name, t in weights.items():
+                if name in live:
+                    live[name].copy_(t)
+
+    def _live_state(self) -> dict[str, torch.Tensor]:
+        """The model's state under HF names (a LoRA-wrapped layer's base_layer too)."""
+        if self._lora_injected():
+            return dict(base_named(self.model))
+        return self.model.state_dict(keep_vars=True)
+
+    def _lora_injected(self) -> bool:
+        return self.adapters is not None and self.adapters.injected
+
+    # -- LoRA adapter (rollout.hf_lora) ---------------------------------------
+    def load_adapter(self, tensors: Mapping[str, torch.Tensor], config: Any, version: int) -> None:
+        """Copy a peft adapter (saved names, LoraConfig) into the model's LoRA
+        layers (built at the first load); served from now on."""
+        self._check_awake()
+        self._lora_on().load(tensors, config, version)
+
+    def adapter_fingerprint(self) -> Fingerprint:
+        """What the model's LoRA layers hold (rollout.lora); empty before a load."""
+        self._check_awake()
+        return self._lora_on().fingerprint()
+
+    @property
+    def adapter_dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def _lora_on(self) -> HFAdapters:
+        if self.adapters is None:
+            raise RuntimeError("HFEngine: built without LoRA (max_lora_rank=0)")
+        return self.adapters
 
     # -- lifecycle -----------------------------------------------------------
     def sleep(self) -> None:
         """Free the weights' memory (GPU; see `sleep` in __init__) while the
         trainer runs. They are not copied to the host and back: the weight sync
         after training overwrites every one of them, so wake_up() only
-        reallocates and generating needs a full load first (as vLLM level 2)."""
-        if self.supports_sleep and not self._asleep:
+        reallocates and generating needs a full load first (as vLLM level 2).
+        Serving LoRA, nothing is freed: the frozen base is never sent again."""
+        if self.supports_sleep and not self._asleep and self.adapters is None:
             for p, _ in self._params:  # a new empty tensor: loaded (mmap) storages cannot shrink
                 p.data = p.data.new_empty(0)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self._asleep = self._discarded = True
+            self._discarded = True
+        self._asleep = self._asleep or self.supports_sleep
 
     def wake_up(self) -> None:
         """Reallocate what sleep() freed (uninitialised until the next load)."""
-        if self._asleep:
+        if self._asleep and self._discarded:
             for p, shape in self._params:
                 p.data = p.data.new_empty(shape)
         self._asleep = False

@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator, Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from areno.rollout.engine import (  # noqa: E402
 )
 from areno.rollout.probe import Fingerprint, Probe, WeightSyncError, verify_probe  # noqa: E402
 from areno.rollout.vllm_fingerprint import held_fingerprint  # noqa: E402
+from areno.rollout.vllm_lora import VLLMAdapters, lora_llm_kwargs  # noqa: E402
 from areno.rollout.vllm_outputs import FlatLogprobs, batch_from_request_outputs  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class VLLMEngine:
     gpu_memory_utilization: GPU share for weights + KV cache (GPU only).
     kv_cache_memory_bytes: explicit KV cache size; on CPU it defaults to
         CPU_KV_CACHE_BYTES. enable_sleep_mode: needed for sleep()/wake_up() on GPU.
+    max_lora_rank: > 0 serves LoRA adapters up to that rank (`load_adapter`;
+        see rollout.vllm_lora).
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class VLLMEngine:
         kv_cache_memory_bytes: int | None = None,
         enable_sleep_mode: bool = False,
         enable_prefix_caching: bool = True,
+        max_lora_rank: int = 0,
         **llm_kwargs: Any,
     ) -> None:
         from vllm.platforms import current_platform
@@ -108,9 +112,12 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        if max_lora_rank > 0:
+            kwargs.update(lora_llm_kwargs(max_lora_rank))
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
         mc = self.llm.llm_engine.model_config
+        self.adapters = VLLMAdapters(self.llm, max_lora_rank, mc.dtype) if max_lora_rank > 0 else None
         self.max_model_len: int = int(mc.max_model_len)
         self.vocab_size: int = int(mc.get_vocab_size())
         self.supports_sleep: bool = bool(
@@ -133,7 +140,7 @@ class VLLMEngine:
         self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int, sampling: SamplingConfig
     ) -> RolloutBatch:
         ids, offsets, _, prompts, params = self._requests(prompt_ids, prompt_offsets, n, sampling)
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora())
         return batch_from_request_outputs(outputs, ids, offsets, n)
 
     def generate_stream(
@@ -145,7 +152,7 @@ class VLLMEngine:
         the caller can decode and score them while the rest are still generating.
         Concatenated and put back in prompt order, the parts equal generate()."""
         _, offsets, pieces, prompts, params = self._requests(prompt_ids, prompt_offsets, n, sampling)
-        req_ids = self.llm.enqueue(prompts, params, use_tqdm=False)
+        req_ids = self.llm.enqueue(prompts, params, use_tqdm=False, lora_request=self._lora())
         # enqueue returns "<counter>-<suffix>"; finished outputs carry "<counter>".
         position = {rid.split("-", 1)[0]: i for i, rid in enumerate(req_ids)}
         engine = self.llm.llm_engine
@@ -204,7 +211,7 @@ class VLLMEngine:
         if HAS_FLAT_LOGPROBS:
             kw["flat_logprobs"] = True
         out = self.llm.generate([TokensPrompt(prompt_token_ids=ids.tolist())], SamplingParams(**kw),
-                                use_tqdm=False)[0]
+                                use_tqdm=False, lora_request=self._lora())[0]
         plp = out.prompt_logprobs
         if FlatLogprobs is not None and isinstance(plp, FlatLogprobs):
             # Position 0 is empty (no prefix); every other position holds the prompt token first.
@@ -228,6 +235,7 @@ class VLLMEngine:
             check_weight_names(weights, self._weight_names, self._optional_names)
         self._push(list(weights.items()))
         self._finish_wake()
+        self._restore_adapter()
         if not self.llm.reset_prefix_cache():
             raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running)")
         if probe is not None:
@@ -242,6 +250,7 @@ class VLLMEngine:
             raise RuntimeError("VLLMEngine.load_weights needs an in-process engine")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         self._finish_wake()
+        self._restore_adapter()
         if not self.llm.reset_prefix_cache():
             raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running)")
 
@@ -256,6 +265,36 @@ class VLLMEngine:
         holds (see rollout.probe and rollout.vllm_fingerprint)."""
         self._check_awake()
         return self.llm.apply_model(held_fingerprint)[0]
+
+    # -- LoRA adapter (rollout.vllm_lora) ----------------------------------------
+    def load_adapter(self, tensors: Mapping[str, torch.Tensor], config: Any, version: int) -> None:
+        """Serve this adapter (peft names and LoraConfig) from now on, as
+        "areno-v<version>" (strictly increasing); the previous one is removed."""
+        self._check_awake()
+        self._lora_on().load(tensors, config, version)
+
+    def adapter_fingerprint(self) -> Fingerprint:
+        """What the engine serves now (rollout.lora): A and scaled B of the
+        current adapter's slot; empty when it serves none."""
+        self._check_awake()
+        return self._lora_on().fingerprint()
+
+    @property
+    def adapter_dtype(self) -> torch.dtype:
+        return self.llm.llm_engine.model_config.dtype
+
+    def _lora_on(self) -> VLLMAdapters:
+        if self.adapters is None:
+            raise RuntimeError("VLLMEngine: built without LoRA (max_lora_rank=0)")
+        return self.adapters
+
+    def _lora(self) -> Any:
+        return None if self.adapters is None else self.adapters.request
+
+    def _restore_adapter(self) -> None:
+        """A base-weight reload removes every adapter (vLLM's reset_lora_state)."""
+        if self.adapters is not None:
+            self.adapters.restore()
 
     def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         if not self.multiprocess:
@@ -284,16 +323,21 @@ class VLLMEngine:
         """Free the KV cache and the weights (vLLM level 2) while the trainer
         runs. Level 1 would copy the weights to host memory and back every step,
         though the sync after training overwrites them all (reload_weights).
+        Serving LoRA, level 1: the base is never sent again (rollout.vllm_lora).
         A no-op where sleep mode is unsupported (CPU); see `supports_sleep`."""
         if self.supports_sleep and not self._asleep:
-            self.llm.sleep(level=SLEEP_LEVEL)
-            self._asleep = self._discarded = True
+            lora = self.adapters is not None
+            self.llm.sleep(level=1 if lora else SLEEP_LEVEL)
+            self._asleep, self._discarded = True, not lora
 
     def wake_up(self) -> None:
         """Reallocate the weights only (uninitialised); the next full load fills
-        them, then wakes the KV cache (`_finish_wake`): vLLM's order for updates."""
+        them, then wakes the KV cache (`_finish_wake`): vLLM's order for updates.
+        Serving LoRA: weights and KV cache back, the adapter re-added to its slot."""
         if self.supports_sleep and self._asleep:
-            self.llm.wake_up(tags=["weights"])
+            self.llm.wake_up(tags=None if self.adapters is not None else ["weights"])
+            self._asleep = False
+            self._restore_adapter()
         self._asleep = False
 
     def _finish_wake(self) -> None:
@@ -313,6 +357,8 @@ class VLLMEngine:
         if self._shm_dir is not None:
             shutil.rmtree(self._shm_dir, ignore_errors=True)
             self._shm_dir = None
+        if getattr(self, "adapters", None) is not None:
+            self.adapters.close()
 
     def _check_awake(self, loading: bool = False) -> None:
         if self.llm is None:
