@@ -12,6 +12,12 @@ picked up (and is removed by the next save).
         controller_rng.pt    the controller's python/numpy/torch RNG states
         backend/             optimizer, LR scheduler, RNG states of every rank
 
+With --lora-rank the model files are the adapter in peft's format instead
+(adapter_config.json, adapter_model.safetensors; the base model is the run's
+--ckpt, recorded as model_path and as the adapter's base_model_name_or_path),
+the optimizer state is the adapters' only, and --save-merged adds merged/, the
+merged model in HF format.
+
 `save_checkpoint` writes one; `Resume` finds the one --resume names and puts
 its state back (which options may change on resume is resume.py's).
 """

@@ -29,7 +29,7 @@ from areno.offpolicy import OFF_POLICY_TIS_CAP, check_off_policy, off_policy_def
 from areno.rollout.factory import EngineKind
 
 GROUPS = (
-    "Model", "Data", "Rollout", "Rewards", "Algorithm", "Optimization", "Parallelism",
+    "Model", "Data", "Rollout", "Rewards", "Algorithm", "Optimization", "LoRA", "Parallelism",
     "Logging and checkpoints",
 )
 
@@ -142,7 +142,10 @@ class TrainConfig:
     mask_overlong: bool = opt(False, "Drop completions cut by --max-new-tokens from the update.",
                               "Algorithm")
     # -- Optimization ----------------------------------------------------------
-    lr: float = opt(1e-6, "Peak AdamW learning rate.", "Optimization", gt=0.0)
+    lr: float | None = opt(
+        None, "Peak AdamW learning rate. Unset: 1e-6, or 10x that (1e-5) with --lora-rank > 0 "
+        "(LoRA wants a ~10x higher LR than full fine-tuning: Schulman et al., \"LoRA without "
+        "regret\", 2025).", "Optimization", gt=0.0, shown="1e-6; 1e-5 with --lora-rank > 0")
     weight_decay: float = opt(0.0, "AdamW weight decay.", "Optimization", ge=0.0)
     warmup_steps: int = opt(0, "Linear warmup optimizer steps before cosine decay.",
                             "Optimization", ge=0)
@@ -165,6 +168,23 @@ class TrainConfig:
         0.0, "Seconds a training rank may go without a heartbeat (stopped, frozen) before the run "
         "stops naming it; 0 = max(30, 3 x the longest gap between its heartbeats so far).",
         "Optimization", ge=0.0)
+    # -- LoRA --------------------------------------------------------------------
+    lora_rank: int = opt(
+        0, "Train LoRA adapters of this rank on the frozen model instead of all its weights "
+        "(0 = full fine-tuning). Checkpoints then hold the adapter (peft format), not the model.",
+        "LoRA", ge=0)
+    lora_alpha: float | None = opt(
+        None, "LoRA scaling numerator: the update is (alpha / rank) * B @ A.", "LoRA", gt=0.0,
+        shown="2 x --lora-rank")
+    lora_dropout: float = opt(0.0, "Dropout on the adapters' input during the update.", "LoRA",
+                              ge=0.0, lt=1.0)
+    lora_target_modules: str = opt(
+        "all-linear", "Comma-separated names of the decoder layers' linears to adapt (q_proj,v_proj), "
+        "or all-linear: every linear of attention and MLP (never lm_head or the embeddings).",
+        "LoRA")
+    save_merged: bool = opt(
+        False, "With --lora-rank: checkpoints also hold the merged full model (HF format) in "
+        "<step dir>/merged/.", "LoRA")
     # -- Parallelism -------------------------------------------------------------
     device: Literal["auto", Device] = opt("auto", "Training device (auto: cuda if present).",
                                           "Parallelism")
@@ -241,6 +261,12 @@ class TrainConfig:
         # the value that is used (an unknown --algo is left to validate()).
         if self.loss_agg is None:
             self.loss_agg = LOSS_AGG_BY_ALGO.get(self.algo, "token-mean")
+        # LoRA defaults that follow the rank (a bad rank is left to validate()).
+        lora = isinstance(self.lora_rank, int) and self.lora_rank > 0
+        if self.lr is None:
+            self.lr = FULL_FT_LR * (LORA_LR_FACTOR if lora else 1)
+        if self.lora_alpha is None and lora:
+            self.lora_alpha = float(2 * self.lora_rank)
 
     @property
     def is_demo(self) -> bool:
@@ -279,7 +305,10 @@ class TrainConfig:
             # The demo scores its built-in reward in-process; a user's plugin may
             # hang, so it keeps the workers that enforce --reward-timeout.
             own_plugin = not str(values["reward_fn_path"]).startswith("builtin:")
+            lora = isinstance(values.get("lora_rank"), int) and values["lora_rank"] > 0
             for k, v in DEMO_PRESET.items():
+                if k == "lr" and lora:  # LoRA: 10x the demo's full fine-tuning LR, as outside it
+                    v = v * LORA_LR_FACTOR
                 if not (own_plugin and k == "reward_workers"):
                     values.setdefault(k, v)
         cfg = cls(**values)
@@ -334,9 +363,36 @@ class TrainConfig:
                     self.world_size != self.nnodes * self.nproc_per_node:
                 raise UserError(f"--world-size ({self.world_size}) must be --nnodes x "
                                 f"--nproc-per-node ({self.nnodes} x {self.nproc_per_node})")
+        check_lora_options(self)
         if self.n_samples < 2:  # every mode's baseline is the group's own reward
             raise UserError(f"--n-samples must be >= 2 for --adv-mode {self.adv_mode} (a group "
                             "of one has no baseline: every advantage would be 0)")
+
+FULL_FT_LR = 1e-6  # --lr unset
+LORA_LR_FACTOR = 10.0  # --lr unset with --lora-rank > 0: FULL_FT_LR x this ("LoRA without regret")
+
+
+def lora_targets(value: str) -> tuple[str, ...]:
+    """--lora-target-modules -> module leaf names (("all-linear",) for all of them)."""
+    return tuple(t.strip() for t in value.split(",") if t.strip())
+
+
+def check_lora_options(cfg: "TrainConfig") -> None:
+    """The LoRA options against each other (the target names against the model: at start-up)."""
+    if cfg.lora_rank == 0:
+        given = [flag for flag, on in (("--lora-alpha", cfg.lora_alpha is not None),
+                                       ("--lora-dropout", cfg.lora_dropout != 0.0),
+                                       ("--lora-target-modules", cfg.lora_target_modules != "all-linear"),
+                                       ("--save-merged", cfg.save_merged)) if on]
+        if given:
+            raise UserError(f"{given[0]} needs --lora-rank > 0 (0 is full fine-tuning)")
+        return
+    targets = lora_targets(cfg.lora_target_modules)
+    if not targets:
+        raise UserError("--lora-target-modules: name at least one module (or all-linear)")
+    if "all-linear" in targets and len(targets) > 1:
+        raise UserError("--lora-target-modules: all-linear already names every linear; give it alone")
+
 
 # Embedded demo: hyper-parameters measured to make reward rise within minutes on
 # 2 CPU cores (see DESIGN.md, "embedded default").

@@ -12,6 +12,9 @@ from areno.config import GROUPS, TrainConfig, field_type
 from areno.errors import UserError
 
 
+RECORDED_PARAMS = "params"  # config.yaml: what the run measured (parameter counts), not an option
+
+
 def read_config_file(path: str) -> dict[str, Any]:
     p = Path(path).expanduser()
     if not p.is_file():
@@ -29,6 +32,8 @@ def read_config_file(path: str) -> dict[str, Any]:
         k = str(key).replace("-", "_")
         if k in fields:
             flat[k] = value
+        elif k == RECORDED_PARAMS and k not in fields:  # a run's config.yaml read back as --config
+            continue
         elif k.lower() in groups and isinstance(value, dict):
             for sub, v in value.items():
                 s = str(sub).replace("-", "_")

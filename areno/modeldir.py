@@ -32,7 +32,8 @@ MAX_HEADER = 100 << 20  # the format's own limit on the header's size
 @dataclass(frozen=True)
 class Weights:
     """What a model directory's weight files hold: element count and bytes on disk
-    (None where a pytorch_model.bin cannot be counted without loading it)."""
+    (None where a pytorch_model.bin cannot be counted without loading it). For a LoRA
+    adapter directory: the adapter's."""
 
     params: int | None
     nbytes: int
@@ -48,6 +49,8 @@ def check_model_dir(path: str | Path, flag: str, instead: str) -> Weights | None
     where = f"{flag} {path}"
     if not any(d.iterdir()):
         raise UserError(f"{where}: the directory is empty; {instead}")
+    if is_adapter_dir(d) and not (d / "config.json").is_file():  # a LoRA checkpoint
+        return check_adapter_dir(d, flag, instead)
     if not (d / "config.json").is_file():
         raise UserError(f"{where}: no config.json (not a Hugging Face model directory); {instead}")
     _check_config(d / "config.json", where, instead)
@@ -123,3 +126,52 @@ def safetensors_params(path: Path, where: str, instead: str) -> int:
         raise UserError(f"{where}: {path.name} is truncated: its header declares "
                         f"{8 + n + end} bytes, the file has {size}; {instead}")
     return sum(math.prod(t["shape"]) for t in tensors)
+
+
+# -- LoRA adapter directories (peft's save_pretrained layout) ---------------------
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def adapter_config(path: str | Path) -> dict | None:
+    """A directory's adapter_config.json (a peft LoRA adapter), or None when it has none."""
+    p = Path(path).expanduser() / ADAPTER_CONFIG
+    if not p.is_file():
+        return None
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, ValueError):
+        cfg = None
+    if not isinstance(cfg, dict):
+        raise UserError(f"{path}: {ADAPTER_CONFIG} is not valid JSON")
+    return cfg
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    return (Path(path).expanduser() / ADAPTER_CONFIG).is_file()
+
+
+def adapter_base(path: str | Path, flag: str) -> str:
+    """The base model an adapter directory was trained on (its base_model_name_or_path)."""
+    base = (adapter_config(path) or {}).get("base_model_name_or_path")
+    if not isinstance(base, str) or not base:
+        raise UserError(f"{flag} {path}: {ADAPTER_CONFIG} names no base_model_name_or_path")
+    return base
+
+
+def check_adapter_dir(path: str | Path, flag: str, instead: str) -> Weights:
+    """UserError unless `path` is a whole LoRA adapter directory: adapter_config.json
+    of a LoRA adapter, adapter_model.safetensors as long as its header says, and
+    tokenizer files. Returns what the adapter's weights hold."""
+    d = Path(path).expanduser()
+    where = f"{flag} {path}"
+    cfg = adapter_config(d) or {}
+    if str(cfg.get("peft_type", "")).upper() != "LORA" or not cfg.get("r"):
+        raise UserError(f"{where}: {ADAPTER_CONFIG} is not a LoRA adapter's (peft_type LORA, r > 0); "
+                        f"{instead}")
+    f = d / ADAPTER_WEIGHTS
+    if not f.is_file():
+        raise UserError(f"{where}: {ADAPTER_WEIGHTS} is missing; {instead}")
+    if not any((d / t).is_file() for t in TOKENIZER_FILES):
+        raise UserError(f"{where}: no tokenizer files beside the adapter; {instead}")
+    return Weights(safetensors_params(f, where, instead), f.stat().st_size)

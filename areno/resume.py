@@ -38,7 +38,8 @@ MAY_CHANGE: frozenset[str] = frozenset({
     # run length
     "max_steps", "epochs",
     # logging, checkpoints, evaluation
-    "report_to", "log_completions", "save_interval", "keep_last", "no_save", "eval_dataset_path", "eval_split",
+    "report_to", "log_completions", "save_interval", "keep_last", "no_save", "save_merged", "eval_dataset_path",
+    "eval_split",
     "eval_interval", "eval_n", "eval_max_prompts", "verbose",
     # resources (same math): engine, memory, parallelism of the update
     "rollout_engine", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_gb",

@@ -30,7 +30,8 @@ from areno.errors import UserError
 from areno.hub import check_model_id
 from areno.interrupt import made_run_dir
 from areno.leftovers import clean_leftovers
-from areno.modeldir import MODEL_DIR_FIX, Weights, check_model_dir
+from areno.configfile import RECORDED_PARAMS
+from areno.modeldir import MODEL_DIR_FIX, Weights, adapter_base, check_model_dir, is_adapter_dir
 from areno.modelinfo import check_model
 from areno.multinode import controller_port, start_local_ranks
 from areno.multinode import stop as stop_ranks
@@ -122,16 +123,19 @@ def output_dir_for(cfg: TrainConfig, resume: Resume) -> Path:
     return Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def make_output_dir(cfg: TrainConfig, resume: Resume | None = None, out: Path | None = None) -> Path:
+def make_output_dir(cfg: TrainConfig, resume: Resume | None = None, out: Path | None = None,
+                    params: dict | None = None) -> Path:
     """The run directory `out` (output_dir_for's when None), with the run's config.yaml
-    written into it (after resume.validate: an existing run there may be a user error)."""
+    written into it (after resume.validate: an existing run there may be a user error).
+    params: {trainable, total} parameter counts (LoRA runs), recorded under `params`
+    (a key --config skips, so the file still works as a --config)."""
     resume = resume or Resume()
     out = out or output_dir_for(cfg, resume)
     resume.validate(cfg, out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         with open(out / "config.yaml", "w") as f:
-            yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+            yaml.safe_dump(cfg.to_dict() | ({RECORDED_PARAMS: params} if params else {}), f, sort_keys=False)
     except OSError as e:
         raise UserError(f"--output-dir {out}: cannot write there ({e.strerror})") from None
     return out
@@ -146,9 +150,11 @@ def lock_run_dirs(cfg: TrainConfig, out: Path) -> contextlib.AbstractContextMana
     return runlock.hold(dirs)
 
 
-def check_save_room(cfg: TrainConfig, out: Path, weights: Weights | None, device: str) -> None:
+def check_save_room(cfg: TrainConfig, out: Path, weights: Weights | None, device: str,
+                    lora_params: int | None = None) -> None:
     """Before the first step: the checkpoint directory can be written and has room for
-    one checkpoint (estimated from the model's weights), unless nothing is saved."""
+    one checkpoint (estimated from the model's weights; under LoRA, lora_params: the
+    adapter's, fp32, plus the merged model with --save-merged), unless nothing is saved."""
     if cfg.no_save or cfg.eval_only:
         return
     root = checkpoint_root(cfg, out)
@@ -160,7 +166,12 @@ def check_save_room(cfg: TrainConfig, out: Path, weights: Weights | None, device
     except OSError as e:
         raise UserError(f"{flag} {root}: checkpoints cannot be written there ({e.strerror}); "
                         f"choose another {flag}, or pass --no-save") from None
-    if weights is not None:
+    if lora_params:
+        need = checkpoint_bytes(lora_params, 0, 4)  # fp32 adapters and their AdamW moments
+        if cfg.save_merged and weights is not None:
+            need += weights.params * 4 if weights.params is not None else weights.nbytes
+        check_free_space(root, need, flag)
+    elif weights is not None:
         item = getattr(torch, settings.resolved_dtype(cfg, device)).itemsize  # the trained dtype
         check_free_space(root, checkpoint_bytes(weights.params, weights.nbytes, item), flag)
 
@@ -246,12 +257,25 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
     base_model = resume.base_model if resume.ckpt else model_path_for(cfg)
     model_path = str(resume.ckpt) if resume.ckpt else base_model
     weights = check_model_dir(model_path, "--resume" if resume.ckpt else "--ckpt", MODEL_DIR_FIX)
+    adapter = None
+    if is_adapter_dir(model_path):  # a LoRA checkpoint: its base model + the adapter
+        adapter = model_path
+        base_model = base_model if resume.ckpt else adapter_base(model_path, "--ckpt")
+        model_path = base_model
+        weights = check_model_dir(base_model, "--ckpt", MODEL_DIR_FIX)
+    lora = settings.lora_spec(cfg, adapter)
+    params = None
+    if lora is not None:  # the target names against the model, before anything is written
+        from areno.backend.lora import lora_plan
+
+        trainable, total = lora_plan(model_path, lora)
+        params = {"trainable": trainable, "total": total}
     out = output_dir_for(cfg, resume)
     logs.enter_context(lock_run_dirs(cfg, out))  # before anything in it is changed
-    make_output_dir(cfg, resume, out)
+    make_output_dir(cfg, resume, out, params=params)
     made_run_dir(out)  # an interrupt before the first step names what was written
     logs.enter_context(third_party_to_log(out, cfg.verbose))
-    check_save_room(cfg, out, weights, device)
+    check_save_room(cfg, out, weights, device, lora_params=params and params["trainable"])
     tokenizer = load_tokenizer(model_path)
     rows, prompts = (None, None) if cfg.eval_only else load_data(cfg, tokenizer)
     evalset = load_eval_data(cfg, tokenizer) if cfg.eval_dataset_path else None
@@ -266,7 +290,8 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
             timeout=cfg.reward_timeout, on_error=cfg.on_reward_error))
         # The ranks hold the rollout engines, so an eval-only run starts them too.
         spec = None if engine is not None else settings.engine_spec(cfg, device, longest)
-        bcfg = settings.backend_config(cfg, model_path, base_model, world_size, device, max(total, 1), spec)
+        bcfg = settings.backend_config(cfg, model_path, base_model, world_size, device, max(total, 1), spec,
+                                       lora=lora)
         if cfg.nnodes > 1:  # node 0: the controller, plus this node's ranks
             bcfg = replace(bcfg, launcher="external", listen_port=controller_port(cfg.master_port))
             ranks = start_local_ranks(cfg.nnodes, 0, nproc, cfg.master_addr, cfg.master_port)
@@ -285,6 +310,10 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
                   total_steps=total, step=resume.step, evalset=evalset,
                   max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
         logger.info(start_line(run, resume, device))
+        if lora is not None:
+            logger.info(lora_line(lora, params))
+            if lora.adapter_path is not None:  # the engines hold the base model: give them the trained one
+                run.sync_weights()
         resume.restore_rng()  # last: engine and backend start-up may reseed the global RNGs
         yield run
 
@@ -318,3 +347,11 @@ def start_line(run: Run, resume: Resume, device: str) -> str:
     model_path = str(resume.ckpt) if resume.ckpt else run.model_path
     return (f"areno: {model_path} on {device} x{run.world_size}, {what}"
             + (f", resumed at step {run.step}" if resume.ckpt else "") + f"; run dir {run.output_dir}")
+
+
+def lora_line(lora: Any, params: dict) -> str:
+    """The LoRA run's parameter counts, one line."""
+    t, n = params["trainable"], params["total"]
+    return (f"LoRA r={lora.rank} alpha={lora.alpha:g} on {', '.join(lora.target_modules)}: "
+            f"{t:,} trainable of {n:,} parameters ({100 * t / n:.2f}%)"
+            + (f"; adapter from {lora.adapter_path}" if lora.adapter_path else ""))

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 
-from areno.backend.config import BackendConfig
-from areno.config import TrainConfig
+from areno.backend.config import BackendConfig, LoraSpec
+from areno.config import TrainConfig, lora_targets
+from areno.errors import UserError
+from areno.modeldir import adapter_config
 from areno.losses import LossConfig
 from areno.rollout.engine import SamplingConfig
 from areno.rollout.factory import EngineSpec
@@ -42,10 +44,12 @@ def engine_spec(cfg: TrainConfig, device: str, max_prompt_len: int) -> EngineSpe
 
 
 def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_size: int,
-                   device: str, total_steps: int, engine: EngineSpec | None = None) -> BackendConfig:
+                   device: str, total_steps: int, engine: EngineSpec | None = None,
+                   lora: LoraSpec | None = None) -> BackendConfig:
     """The backend's settings. model_path: the policy to load (a checkpoint when
     resuming); base_model: the reference model; total_steps: rollout steps of the
-    run (the LR schedule counts optimizer steps)."""
+    run (the LR schedule counts optimizer steps); lora: lora_spec's (under LoRA
+    model_path is the base model, the adapter is lora.adapter_path)."""
     low, high = cfg.loss_eps()
     loss = LossConfig(algo=cfg.algo, clip_eps_low=low, clip_eps_high=high, kl_coef=cfg.kl_coef,
                       kl_type=cfg.kl_type, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap,
@@ -59,5 +63,27 @@ def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_siz
         grad_checkpointing=cfg.grad_checkpointing, ppo_epochs=cfg.ppo_epochs,
         recompute_logprobs=cfg.recompute_logprobs, loss=loss, temperature=cfg.temperature, max_nan_steps=cfg.max_nan_steps,
         seed=cfg.seed, ref_model_path=base_model, engine=engine, cpu_threads=cfg.cpu_threads,
-        heartbeat_timeout_s=cfg.rank_heartbeat_timeout,
+        heartbeat_timeout_s=cfg.rank_heartbeat_timeout, lora=lora,
     )
+
+
+def lora_spec(cfg: TrainConfig, adapter: str | None = None) -> LoraSpec | None:
+    """The LoRA adapters the ranks train (None: full fine-tuning). adapter: a saved
+    adapter directory to start from (a LoRA checkpoint being resumed or evaluated);
+    its adapter_config.json then says rank, alpha, dropout and targets."""
+    if adapter is not None:
+        saved = adapter_config(adapter) or {}
+        r = int(saved.get("r") or 0)
+        if cfg.lora_rank and cfg.lora_rank != r:
+            raise UserError(f"--lora-rank {cfg.lora_rank}: the adapter at {adapter} has rank {r}; "
+                            f"drop --lora-rank (or give {r})")
+        targets = saved.get("target_modules") or ["all-linear"]
+        targets = [targets] if isinstance(targets, str) else sorted(targets)
+        return LoraSpec(rank=r, alpha=float(saved.get("lora_alpha") or 2 * r),
+                        dropout=float(saved.get("lora_dropout") or 0.0), target_modules=tuple(targets),
+                        adapter_path=str(adapter), save_merged=cfg.save_merged)
+    if cfg.lora_rank == 0:
+        return None
+    return LoraSpec(rank=cfg.lora_rank, alpha=float(cfg.lora_alpha or 2 * cfg.lora_rank),
+                    dropout=cfg.lora_dropout, target_modules=lora_targets(cfg.lora_target_modules),
+                    save_merged=cfg.save_merged)

@@ -57,7 +57,7 @@ def test_help_shows_every_flag_whole_with_its_default_at_100_columns():
             assert flag_name(f.name) in words, (columns, f.name)
     # one [default: ...] per option, and the demo's own value where it differs
     assert text.count("[default:") >= len(TrainConfig.fields())
-    assert "[default: 1e-06; demo: 0.0003]" in " ".join(text.replace("│", " ").split())
+    assert "[default: 1e-6; 1e-5 with --lora-rank > 0; demo: 0.0003]" in " ".join(text.replace("│", " ").split())
     flat = " ".join(text.replace("│", " ").split())
     for key, value in DEMO_PRESET.items():
         default = next(f.default for f in TrainConfig.fields() if f.name == key)

@@ -17,6 +17,36 @@ from areno.losses import LossConfig
 AttnImpl = Literal["auto", "varlen", "flash_attention_2", "flex", "sdpa", "eager"]
 Launcher = Literal["spawn", "external"]
 
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapters on the policy (backend/lora.py); the base weights stay frozen."""
+
+    rank: int
+    """r: the adapters' inner dimension (> 0)."""
+    alpha: float
+    """Scaling numerator: the update is (alpha / rank) * B @ A."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input during the update (0 = none)."""
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """Leaf names of the decoder layers' linears to adapt; ('all-linear',) = all of them
+    (attention and MLP; never lm_head or the embeddings)."""
+    adapter_path: str | None = None
+    """A saved adapter directory to start from (resume, an adapter --ckpt); None = fresh (B = 0)."""
+    save_merged: bool = False
+    """Checkpoints also hold the merged full model in HF format, in merged/."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"backend.lora.rank: must be >= 1, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"backend.lora.alpha: must be > 0, got {self.alpha!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"backend.lora.dropout: must be in [0, 1), got {self.dropout!r}")
+        if not self.target_modules:
+            raise ValueError("backend.lora.target_modules: must name at least one module")
+
+
 DEVICES: tuple[str, ...] = typing.get_args(Device)
 DTYPES: tuple[str, ...] = typing.get_args(DType)
 STRATEGIES: tuple[str, ...] = typing.get_args(Strategy)
@@ -83,6 +113,9 @@ class BackendConfig:
     temperature: float = 1.0
     """The sampler's temperature: training log-probs (policy, old, reference, entropy)
     are those of logits / temperature, the distribution the tokens were sampled from."""
+    lora: LoraSpec | None = None
+    """LoRA adapters (None: full fine-tuning). With kl_coef > 0 the reference
+    log-probs come from the same model with its adapters off: no second model."""
     logprob_chunk_size: int = 4096
     """Positions per lm_head chunk: fp32 logits exist for at most this many positions."""
     max_nan_steps: int = 3
@@ -188,7 +221,7 @@ class BackendConfig:
 
     @property
     def needs_ref_model(self) -> bool:
-        return self.loss.kl_coef > 0
+        return self.loss.kl_coef > 0 and self.lora is None  # LoRA: the adapters-off model
 
 
 def rank_cpu_threads(cpus: int, local_ranks: int) -> int:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from areno.backend.config import BackendConfig
 from areno.backend.handoff import LocalPack
 from areno.backend.hooks import RankHooks
+from areno.backend.lora import adapters_disabled, dropout_active
 from areno.backend.model import Wrapped, autocast_ctx
 from areno.losses import LossInputs, compute_loss
 from areno.metrics import DEVICE_METRICS, DEVICE_SUMS, METRICS, finalize_step
@@ -138,6 +139,9 @@ class RankTrainer:
             micros = hooks.before_update(micros)
         old = no_grad_logprobs(self.w, cfg, micros) if cfg.recompute_logprobs else None
         ref = no_grad_logprobs(self.ref, cfg, micros) if self.ref is not None else None
+        if cfg.lora is not None and cfg.loss.kl_coef > 0:  # the base model: this one, adapters off
+            with adapters_disabled(self.w.policy.hf):
+                ref = no_grad_logprobs(self.w, cfg, micros)
         results = []
         for epoch in range(cfg.ppo_epochs):
             for k in range(K):
@@ -155,7 +159,8 @@ class RankTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         for m, mb in enumerate(micros):
             with self._grad_sync(last=m == len(micros) - 1):
-                lp, ent = forward_logprobs(self.w, cfg, mb)
+                with dropout_active(self.w.policy.hf, cfg.lora is not None and cfg.lora.dropout > 0):
+                    lp, ent = forward_logprobs(self.w, cfg, mb)
                 inp = LossInputs(
                     logprobs=lp,
                     old_logprobs=old[m] if old is not None else mb.rollout_logprobs,

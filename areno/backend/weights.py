@@ -109,10 +109,12 @@ def iter_full_state(hf: nn.Module, names: list[str]) -> Iterator[tuple[str, torc
             yield name, t
 
 
-def write_export(hf: nn.Module, layout: WeightLayout, buf, *, is_writer: bool) -> None:
-    """Gather every tensor; rank 0 (`is_writer`) copies it into its slot of `buf`."""
+def write_export(named: Iterator[tuple[str, torch.Tensor]], layout: WeightLayout, buf, *,
+                 is_writer: bool) -> None:
+    """Gather every tensor of `named` (iter_full_state, or lora.merged_state, over the
+    layout's names); rank 0 (`is_writer`) copies it into its slot of `buf`."""
     entries = {e.name: e for e in layout.entries}
-    for name, full in iter_full_state(hf, [e.name for e in layout.entries]):
+    for name, full in named:
         if is_writer:
             e = entries[name]
             dst = torch.frombuffer(buf, dtype=_DTYPES[e.dtype], count=e.numel, offset=e.offset)
@@ -169,9 +171,15 @@ def save_hf_dir(hf_config, named: Iterator[tuple[str, torch.Tensor]], out_dir: P
     # save_pretrained derives generation_config.json from the model config (an eos
     # list [2, 0] becomes 2) and training turned use_cache off: a checkpoint must
     # sample like its source, so the source's files win.
-    for f in _AUX_FILES:
-        if (src_dir / f).is_file():
-            shutil.copy2(src_dir / f, out_dir / f)
+    copy_aux_files(src_dir, out_dir)
     _copy_use_cache(src_dir / "config.json", out_dir / "config.json")
     (out_dir / "areno_export.json").write_text(json.dumps({"source": str(src_dir)}) + "\n")
     honour_umask(out_dir)  # transformers writes model.safetensors 0600
+
+
+def copy_aux_files(src_dir: Path, out_dir: Path) -> None:
+    """The source's tokenizer and generation files, verbatim, into out_dir."""
+    for f in _AUX_FILES:
+        if (src_dir / f).is_file():
+            shutil.copy2(src_dir / f, out_dir / f)
+    honour_umask(out_dir)

@@ -27,10 +27,12 @@ from areno.backend.engine_host import (
 )
 from areno.backend.handoff import LocalPack, RankHandoff, map_region
 from areno.backend.hooks import load_rank_hooks
+from areno.backend.lora import adapter_state, apply_lora, merged_state, param_counts, save_adapter
 from areno.backend.model import PolicyModule, load_hf_model, resolve_attn_implementation, wrap_policy
 from areno.backend.step import RankTrainer, autocast_ctx
 from areno.backend.weights import (
     WeightLayout,
+    copy_aux_files,
     cpu_skeleton,
     hf_state_names,
     iter_full_state,
@@ -70,11 +72,14 @@ class RankWorker:
         hf = load_hf_model(cfg.model_path, attn, self.device)
         self.hf_config = hf.config
         self.vocab_size = int(hf.config.get_text_config().vocab_size)
-        self.export_names = hf_state_names(hf)
+        self.export_names = hf_state_names(hf)  # the base model's names (LoRA: merged on export)
         self.export_meta = state_meta(hf, cfg.export_dtype)
-        self.hf = hf
         self.flop_shape = flop_shape(hf)  # before FSDP2 turns the weights into DTensors
         self.num_params = sum(p.numel() for p in hf.parameters())
+        if cfg.lora is not None:  # adapters in, base frozen; before any wrapper
+            hf = apply_lora(hf, cfg.lora, cfg.model_path, cfg.lora.adapter_path)
+        self.hf = hf
+        self.trainable_params, _ = param_counts(hf)
         self.wrapped = wrap_policy(PolicyModule(hf, cfg.logprob_chunk_size), cfg, self.device)
         ref = None
         if cfg.needs_ref_model:
@@ -105,6 +110,7 @@ class RankWorker:
             # for perf/mfu in the controller, which never touches CUDA
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
             "flop_shape": self.flop_shape, "cpu_threads": torch.get_num_threads(),
+            "params": self.num_params, "trainable_params": self.trainable_params,
         }
 
     def close(self) -> None:
@@ -153,7 +159,7 @@ class RankWorker:
         compute in (see rollout.probe)."""
         t0 = time.perf_counter()
         dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
-        stream = WeightStream(iter_full_state(self.hf, self.export_names), dtype, fingerprint=self.fingerprinted)
+        stream = WeightStream(self.full_state(), dtype, fingerprint=self.fingerprinted)
         self.engine.load_weights(stream)
         if self.fingerprinted:
             verify_fingerprint(self.engine, stream, self.rank)
@@ -193,11 +199,11 @@ class RankWorker:
 
         writer = self.rank == 0
         if not writer:
-            write_export(self.hf, layout, None, is_writer=False)
+            write_export(self.full_state(), layout, None, is_writer=False)
             return None
         buf = map_region(segment, 0, layout.nbytes, writable=True) if segment else bytearray(layout.nbytes)
         t0 = time.perf_counter()
-        write_export(self.hf, layout, buf, is_writer=True)
+        write_export(self.full_state(), layout, buf, is_writer=True)
         t1 = time.perf_counter()
         skeleton = cpu_skeleton(self.hf_config, layout.views(buf))
         probe = Probe.from_model(skeleton, probe_ids, engine_dtype=engine_dtype)
@@ -207,14 +213,31 @@ class RankWorker:
             out["payload"] = bytes(buf)  # controller on another host (rare; torchrun)
         return out
 
+    def full_state(self):
+        """(HF name, full tensor) of what the engine and an HF checkpoint hold: the
+        weights, or under LoRA the merged base + adapter weights (lora.merged_state)."""
+        if self.cfg.lora is not None:
+            return merged_state(self.hf, self.export_names)
+        return iter_full_state(self.hf, self.export_names)
+
     def cmd_save_pretrained(self, path: str) -> None:
-        full = iter_full_state(self.hf, self.export_names)
-        if self.rank == 0:
-            cpu = ((n, t.to("cpu", copy=True)) for n, t in full)
-            save_hf_dir(self.hf_config, cpu, Path(path), Path(self.cfg.model_path))
-        else:
-            for _ in full:
-                pass
+        """The model in HF format; under LoRA the adapter in peft's format instead (and,
+        with save_merged, the merged model in merged/)."""
+        lora = self.cfg.lora
+        if lora is not None:
+            tensors = {n: t.to("cpu", copy=True) for n, t in adapter_state(self.hf)}
+            if self.rank == 0:
+                save_adapter(self.hf, lora, self.cfg.model_path, tensors, Path(path))
+                copy_aux_files(Path(self.cfg.model_path), Path(path))
+        if lora is None or lora.save_merged:
+            out = Path(path) if lora is None else Path(path) / "merged"
+            full = self.full_state()
+            if self.rank == 0:
+                cpu = ((n, t.to("cpu", copy=True)) for n, t in full)
+                save_hf_dir(self.hf_config, cpu, out, Path(self.cfg.model_path))
+            else:
+                for _ in full:
+                    pass
         dist.barrier()
 
     def cmd_save_state(self, path: str) -> None:
@@ -245,7 +268,7 @@ class RankWorker:
 
     def cmd_full_state(self) -> dict | None:
         """Every exported tensor, gathered to CPU (tests and debugging; pickled)."""
-        out = {n: t.to("cpu", copy=True) for n, t in iter_full_state(self.hf, self.export_names)}
+        out = {n: t.to("cpu", copy=True) for n, t in self.full_state()}
         return out if self.rank == 0 else None
 
     def cmd_debug(self, action: str, seconds: float = 0.0) -> None:
