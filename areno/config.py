@@ -22,6 +22,8 @@ from areno.choices import (
     LOSS_AGG_BY_ALGO, AdvantageMode, Algo, Device, DType, KLType, LossAgg, OnError, Strategy,
 )
 from areno.errors import UserError
+from areno.loraopts import FULL_FT_LR, LORA_LR_FACTOR, check_lora_options
+from areno.tasks.arith import DEMO_PRESET
 from areno.fieldcheck import base_type, check_value
 from areno.modeldir import MODEL_DIR_FIX, check_model_dir
 from areno.multinode import check_authkey
@@ -367,57 +369,6 @@ class TrainConfig:
         if self.n_samples < 2:  # every mode's baseline is the group's own reward
             raise UserError(f"--n-samples must be >= 2 for --adv-mode {self.adv_mode} (a group "
                             "of one has no baseline: every advantage would be 0)")
-
-FULL_FT_LR = 1e-6  # --lr unset
-LORA_LR_FACTOR = 10.0  # --lr unset with --lora-rank > 0: FULL_FT_LR x this ("LoRA without regret")
-
-
-def lora_targets(value: str) -> tuple[str, ...]:
-    """--lora-target-modules -> module leaf names (("all-linear",) for all of them)."""
-    return tuple(t.strip() for t in value.split(",") if t.strip())
-
-
-def check_lora_options(cfg: "TrainConfig") -> None:
-    """The LoRA options against each other (the target names against the model: at start-up)."""
-    if cfg.lora_rank == 0:
-        given = [flag for flag, on in (("--lora-alpha", cfg.lora_alpha is not None),
-                                       ("--lora-dropout", cfg.lora_dropout != 0.0),
-                                       ("--lora-target-modules", cfg.lora_target_modules != "all-linear"),
-                                       ("--save-merged", cfg.save_merged)) if on]
-        if given:
-            raise UserError(f"{given[0]} needs --lora-rank > 0 (0 is full fine-tuning)")
-        return
-    targets = lora_targets(cfg.lora_target_modules)
-    if not targets:
-        raise UserError("--lora-target-modules: name at least one module (or all-linear)")
-    if "all-linear" in targets and len(targets) > 1:
-        raise UserError("--lora-target-modules: all-linear already names every linear; give it alone")
-
-
-# Embedded demo: hyper-parameters measured to make reward rise within minutes on
-# 2 CPU cores (see DESIGN.md, "embedded default").
-DEMO_PRESET: dict[str, Any] = {
-    "reward_fn_path": "builtin:arith",
-    "chat_template": False,
-    "lr": 3e-4,
-    "max_new_tokens": 3,
-    "batch_size": 16,
-    "n_samples": 8,
-    # 600 steps (with the cosine decay over them): the 20-step mean reward passes 0.9
-    # near step 250 and ends near 0.98 (seeds 0-2; README); 400 ended at 0.91 (seed 0).
-    "max_steps": 600,
-    "epochs": 1000,  # 55 prompts make 3 batches an epoch: --max-steps bounds the demo
-    "warmup_steps": 0,
-    "min_lr_ratio": 0.1,
-    "reward_workers": 0,
-    # transformers' generate: for a 2-layer model vLLM's fixed CPU costs per step
-    # (scheduling, re-packing the weights on every sync) and its ~15 s start-up
-    # outweigh the model's compute (docs/PERFORMANCE.md, "The demo's step").
-    "rollout_engine": "hf",
-    "max_prompt_len": 16,
-    "kv_cache_gb": 0.25,
-}
-
 
 def _check_reward_timeout(given: dict[str, Any]) -> None:
     """--reward-timeout with --reward-workers 0, both given: in-process scoring

@@ -289,7 +289,8 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
             resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,
             timeout=cfg.reward_timeout, on_error=cfg.on_reward_error))
         # The ranks hold the rollout engines, so an eval-only run starts them too.
-        spec = None if engine is not None else settings.engine_spec(cfg, device, longest)
+        lora_rank = lora.rank if lora else 0
+        spec = None if engine is not None else settings.engine_spec(cfg, device, longest, lora_rank)
         bcfg = settings.backend_config(cfg, model_path, base_model, world_size, device, max(total, 1), spec,
                                        lora=lora)
         if cfg.nnodes > 1:  # node 0: the controller, plus this node's ranks

@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 
 from areno.backend.config import BackendConfig, LoraSpec
-from areno.config import TrainConfig, lora_targets
+from areno.config import TrainConfig
+from areno.loraopts import lora_targets
 from areno.errors import UserError
 from areno.modeldir import adapter_config
 from areno.losses import LossConfig
@@ -30,8 +31,9 @@ def sampling(cfg: TrainConfig) -> SamplingConfig:
                           max_tokens=cfg.max_new_tokens)
 
 
-def engine_spec(cfg: TrainConfig, device: str, max_prompt_len: int) -> EngineSpec:
-    """The rollout engine every rank builds beside its policy."""
+def engine_spec(cfg: TrainConfig, device: str, max_prompt_len: int, lora_rank: int = 0) -> EngineSpec:
+    """The rollout engine every rank builds beside its policy (lora_rank > 0: it
+    serves the ranks' adapters of that rank over the base model)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # vLLM logs several lines per weight push at INFO/WARNING; the step line is ours.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -40,7 +42,7 @@ def engine_spec(cfg: TrainConfig, device: str, max_prompt_len: int) -> EngineSpe
                       max_model_len=max(max_prompt_len + cfg.max_new_tokens, 64),
                       tensor_parallel_size=cfg.tensor_parallel_size,
                       gpu_memory_utilization=cfg.gpu_memory_utilization,
-                      kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)))
+                      kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)), max_lora_rank=lora_rank)
 
 
 def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_size: int,

@@ -215,6 +215,8 @@ def train_step(run: Run, step: int, timer: PhaseTimer | None = None) -> dict[str
             run.sync_weights()
     elapsed = time.perf_counter() - t_step
     perf = dict(getattr(run.backend, "last_perf", {}))  # perf/train_tokens_per_s, perf/mfu (GPU)
+    if opt_steps and "sync_mb" in run.backend.last_timings:
+        perf["perf/sync_mb"] = run.backend.last_timings["sync_mb"]
     if "peak_gpu_mem_gb" in train_timings:  # GPU only: the largest rank's allocator peak
         perf["perf/peak_gpu_mem_gb"] = train_timings["peak_gpu_mem_gb"]
     return step_metrics(StepResult(

@@ -8,8 +8,9 @@
 #                      engine's peak memory at 1024 new tokens (scripts/gpu_check.py)
 #   cli.txt, cli_*.json  the real CLI on the default path (`areno train`, default
 #                      strategy, one GPU, bf16, transformers engine): the demo, then
-#                      the Qwen3-0.6B-shaped model; phases, peak memory per train
-#                      phase, and the run's own weight-sync check verdict
+#                      the Qwen3-0.6B-shaped model, full fine-tuning and LoRA r=8
+#                      (issue 19: peak memory and step time with and without); phases,
+#                      peak memory per train phase, and the run's own weight-sync check verdict
 #   lm_head.txt/.json  lm_head backward in bf16 vs fp32 (scripts/bench_lm_head.py)
 # Exit 0 when every part passes.
 #
@@ -46,7 +47,7 @@ KILL_AFTER=5
 SCALE=1; [[ $SMOKE == 1 ]] && SCALE=4  # CI's shared CPUs, not the GPU budget, set the smoke's pace
 
 # step NAME LIMIT_S CMD...: CMD under timeout (SIGTERM at LIMIT_S, SIGKILL KILL_AFTER s later),
-# its exit code and seconds appended to steps.jsonl. GPU limits: 40+130+45+150+55 (+5 each) = 445 s.
+# its exit code and seconds appended to steps.jsonl. GPU limits: 35+100+35+110+90+45 (+5 each) = 445 s.
 step() {
   local name=$1 limit=$(($2 * SCALE)); shift 2
   local t0=$SECONDS rc=0
@@ -69,35 +70,40 @@ fi
 : >"$OUTDIR/steps.jsonl"
 
 # 0. the Qwen3-0.6B-shaped random model (tiny on CPU), its prompts and reward plugin
-step build 40 "$PY" scripts/gpu_check_cli.py build "$WORK/big" $([[ $SMOKE == 1 ]] && echo --cpu-smoke) \
+step build 35 "$PY" scripts/gpu_check_cli.py build "$WORK/big" $([[ $SMOKE == 1 ]] && echo --cpu-smoke) \
   >"$OUTDIR/build.log" 2>&1 || { echo "FAIL build (see build.log)"; tail -5 "$OUTDIR/build.log"; }
 
 # 1. attention kernels and the transformers engine's peak memory at 1024 new tokens
-step engine 130 "$PY" scripts/gpu_check.py --model-dir "$WORK/big/model" --out "$OUTDIR/gpu_check.txt" \
+step engine 100 "$PY" scripts/gpu_check.py --model-dir "$WORK/big/model" --out "$OUTDIR/gpu_check.txt" \
   $([[ $SMOKE == 1 ]] && echo --cpu-smoke)
 
 # 2. the real CLI, default strategy, transformers engine, bf16
 {
   status=0  # this block's own verdict (it runs in a subshell, under tee)
   echo "areno gpu_check: the CLI ($([[ $SMOKE == 1 ]] && echo 'CPU smoke' || echo GPU))"
-  step cli_demo 45 "${AR[@]}" train "${DEV[@]}" --rollout-engine hf --max-steps $DEMO_STEPS --no-save \
+  step cli_demo 35 "${AR[@]}" train "${DEV[@]}" --rollout-engine hf --max-steps $DEMO_STEPS --no-save \
       --output-dir "$OUTDIR/runs/demo" >"$OUTDIR/runs/demo.log" 2>&1
   "$PY" scripts/gpu_check_cli.py summary "$OUTDIR/runs/demo" --title "demo, bf16, hf engine" \
       --log "$OUTDIR/runs/demo.log" --steps $DEMO_STEPS --json "$OUTDIR/cli_demo.json" \
     || { echo "FAIL demo run (see runs/demo.log)"; tail -5 "$OUTDIR/runs/demo.log"; status=1; }
-  step cli_qwen3 150 "${AR[@]}" train "${DEV[@]}" --rollout-engine hf --ckpt "$WORK/big/model" \
-      --dataset-path "$WORK/big/prompts.jsonl" --reward-fn-path "$WORK/big/reward.py" \
-      --no-chat-template --max-steps $BIG_STEPS "${BIG[@]}" --no-save \
-      --output-dir "$OUTDIR/runs/qwen3_0.6b" >"$OUTDIR/runs/qwen3_0.6b.log" 2>&1
-  "$PY" scripts/gpu_check_cli.py summary "$OUTDIR/runs/qwen3_0.6b" --title "Qwen3-0.6B shape, bf16, hf engine" \
-      --log "$OUTDIR/runs/qwen3_0.6b.log" --steps $BIG_STEPS --json "$OUTDIR/cli_qwen3.json" \
-    || { echo "FAIL Qwen3-0.6B-shaped run (see runs/qwen3_0.6b.log)"; tail -5 "$OUTDIR/runs/qwen3_0.6b.log"; status=1; }
+  # qwen_run NAME LIMIT_S LORA_RANK: the Qwen3-0.6B shape, full fine-tuning (0) or LoRA
+  qwen_run() {
+    step "cli_$1" "$2" "${AR[@]}" train "${DEV[@]}" --rollout-engine hf --ckpt "$WORK/big/model" \
+        --lora-rank "$3" --dataset-path "$WORK/big/prompts.jsonl" --reward-fn-path "$WORK/big/reward.py" \
+        --no-chat-template --max-steps $BIG_STEPS "${BIG[@]}" --no-save \
+        --output-dir "$OUTDIR/runs/$1" >"$OUTDIR/runs/$1.log" 2>&1
+    "$PY" scripts/gpu_check_cli.py summary "$OUTDIR/runs/$1" --title "$1: Qwen3-0.6B shape, bf16, hf engine" \
+        --log "$OUTDIR/runs/$1.log" --steps $BIG_STEPS --json "$OUTDIR/cli_$1.json" \
+      || { echo "FAIL $1 run (see runs/$1.log)"; tail -5 "$OUTDIR/runs/$1.log"; status=1; }
+  }
+  qwen_run qwen3 110 0
+  qwen_run qwen3_lora8 90 8  # issue 19: only the adapter trains and syncs
   [[ $status == 0 ]] && echo "CLI: ALL PASS"
 } 2>&1 | tee "$OUTDIR/cli.txt"
 grep -q "CLI: ALL PASS" "$OUTDIR/cli.txt" || status=1
 
 # 3. lm_head backward, bf16 (now) vs fp32 (before issue 17 2c): scripts/bench_lm_head.py
-step lm_head 55 "$PY" scripts/bench_lm_head.py "${LMHEAD[@]}" --out "$OUTDIR/lm_head.json" \
+step lm_head 45 "$PY" scripts/bench_lm_head.py "${LMHEAD[@]}" --out "$OUTDIR/lm_head.json" \
   >"$OUTDIR/lm_head.txt" 2>&1 || { echo "FAIL lm_head bench (see lm_head.txt)"; tail -5 "$OUTDIR/lm_head.txt"; }
 
 exit $status

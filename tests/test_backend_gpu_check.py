@@ -27,12 +27,12 @@ def test_gpu_check_cpu_smoke_passes(tmp_path: Path) -> None:
         assert line in report
     assert json.loads((tmp_path / "gpu_check.json").read_text())["engine"]["new_tokens"] == 16
     assert "CLI: ALL PASS" in cli, cli
-    assert cli.count("median seconds per steady step") == 2 and "weight_sync" in cli
-    for name, steps in (("cli_demo", 3), ("cli_qwen3", 2)):
+    assert cli.count("median seconds per steady step") == 3 and "weight_sync" in cli
+    for name, steps in (("cli_demo", 3), ("cli_qwen3", 2), ("cli_qwen3_lora8", 2)):
         run = json.loads((tmp_path / f"{name}.json").read_text())
         assert run["ok"] and run["weight_sync_check"] == dict(run["weight_sync_check"], passed=True, syncs=steps)
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps][:4] == ["build", "engine", "cli_demo", "cli_qwen3"]
+    assert [s["step"] for s in steps][:5] == ["build", "engine", "cli_demo", "cli_qwen3", "cli_qwen3_lora8"]
     assert all(s["rc"] == 0 for s in steps), steps
 
 
@@ -62,6 +62,6 @@ def test_every_gpu_step_has_a_limit_and_they_fit_one_450s_call() -> None:
 
     text = (ROOT / "scripts" / "gpu_check.sh").read_text()
     kill_after = int(re.search(r"^KILL_AFTER=(\d+)$", text, re.M).group(1))
-    limits = [int(n) for n in re.findall(r"^\s*step [a-z0-9_]+ (\d+) ", text, re.M)]
-    assert len(limits) == 5 and sum(limits) + kill_after * len(limits) <= 450, limits
+    limits = [int(n) for n in re.findall(r"^\s*(?:step|qwen_run) [a-z0-9_]+ (\d+) ", text, re.M)]
+    assert len(limits) == 6 and sum(limits) + kill_after * len(limits) <= 450, limits
     assert 'timeout --signal=TERM --kill-after=$KILL_AFTER "$limit"' in text

@@ -234,7 +234,8 @@ def test_bad_lora_options_are_one_line_user_errors(args, msg, areno_cache, tmp_p
 
 
 def test_lora_lr_default_is_ten_times_full_fine_tuning() -> None:
-    from areno.config import DEMO_PRESET, FULL_FT_LR, TrainConfig
+    from areno.config import DEMO_PRESET, TrainConfig
+    from areno.loraopts import FULL_FT_LR
 
     demo = TrainConfig.from_sources(None, {})
     assert demo.lr == DEMO_PRESET["lr"] and demo.lora_alpha is None

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from areno.backend.adapter_sync import adapter_tensors, sync_adapter
+from areno.backend.adapter_sync import sync_adapter
 from areno.rollout.engine import SamplingConfig
 from areno.rollout.lora import adapter_fingerprint_of, adapter_nbytes, lora_scaling
 from areno.rollout.probe import Probe, WeightSyncError, fingerprint_mismatch, verify_probe
@@ -33,6 +33,14 @@ ALPHA = 5
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CASES = [("hf", "float32"), ("hf", "bfloat16"), ("vllm", "float32"), ("vllm", "bfloat16")]
 
+
+
+def adapter_tensors(peft_model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The in-test peft model's adapter as peft saves it (names of adapter_model.safetensors)."""
+    from peft.utils import get_peft_model_state_dict
+
+    return {n: t.detach().to(dtype or t.dtype, copy=True)
+            for n, t in get_peft_model_state_dict(peft_model, save_embedding_layers=False).items()}
 
 def lora_config(**kw):
     from peft import LoraConfig
@@ -99,7 +107,7 @@ def test_engine_on_the_base_model_fails_the_check(engine, trainer, tiny_chat_mod
     assert engine.adapter_fingerprint().sums == {}
     monkeypatch.setattr(engine, "load_adapter", lambda *a, **k: None)
     with pytest.raises(WeightSyncError, match="rank 3"):
-        sync_adapter(engine, trainer, lora_config(), bump(engine), rank=3)
+        sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), bump(engine), rank=3)
     with pytest.raises(WeightSyncError, match="probe failed"):
         verify_probe(engine, probe_for(trainer, engine))
     # the base is what the engine scores
@@ -107,7 +115,7 @@ def test_engine_on_the_base_model_fails_the_check(engine, trainer, tiny_chat_mod
 
 
 def test_sync_serves_the_adapter_exactly(engine, trainer):
-    out = sync_adapter(engine, trainer, lora_config(), bump(engine))
+    out = sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), bump(engine))
     dtype = DTYPES[engine.dtype_name]
     sent = adapter_tensors(trainer, dtype)
     assert out["adapter_bytes"] == adapter_nbytes(sent) > 0 and out["adapter_tensors"] == len(sent)
@@ -123,7 +131,7 @@ def test_sync_serves_the_adapter_exactly(engine, trainer):
 
 def test_prompt_logprobs_follow_the_adapter(engine, trainer):
     """The probe, run on the adapted model: within the uncalibrated bound."""
-    sync_adapter(engine, trainer, lora_config(), bump(engine))
+    sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), bump(engine))
     diff = verify_probe(engine, probe_for(trainer, engine))
     assert diff <= probe_for(trainer, engine).tolerance
 
@@ -131,7 +139,7 @@ def test_prompt_logprobs_follow_the_adapter(engine, trainer):
 def test_generate_follows_the_adapter(engine, trainer, ref_logprobs, make_prompts):
     """Sampled tokens' log-probs are the peft model's (fp32: 1e-4, as the
     engine contract; bf16: the probe's bound)."""
-    sync_adapter(engine, trainer, lora_config(), bump(engine))
+    sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), bump(engine))
     ids, off = make_prompts([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]])
     batch = engine.generate(ids, off, 2, SamplingConfig(max_tokens=8, seed=4, ignore_eos=True))
     ref = ref_logprobs(as_engine_dtype(trainer, engine), batch)
@@ -146,19 +154,19 @@ def test_generate_follows_the_adapter(engine, trainer, ref_logprobs, make_prompt
 def test_engine_left_on_the_previous_adapter_fails_the_check(engine, trainer, monkeypatch):
     """Version k served; the trainer steps and sends k+1. An engine that keeps k
     (the load skipped, or the old tensors loaded under the new version) fails."""
-    sync_adapter(engine, trainer, lora_config(), bump(engine))
+    sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), bump(engine))
     stale = adapter_tensors(trainer)
     stepped = copy.deepcopy(trainer)
     randomize(stepped, seed=7, scale=0.21)
     real_load = engine.load_adapter
     monkeypatch.setattr(engine, "load_adapter", lambda *a, **k: None)
     with pytest.raises(WeightSyncError, match="not the trainer's"):
-        sync_adapter(engine, stepped, lora_config(), bump(engine))
+        sync_adapter(engine, adapter_tensors(stepped).items(), lora_config(), bump(engine))
     monkeypatch.setattr(engine, "load_adapter", lambda t, c, v: real_load(stale, c, v))
     with pytest.raises(WeightSyncError, match="not the trainer's"):
-        sync_adapter(engine, stepped, lora_config(), bump(engine))
+        sync_adapter(engine, adapter_tensors(stepped).items(), lora_config(), bump(engine))
     monkeypatch.undo()
-    sync_adapter(engine, stepped, lora_config(), bump(engine))  # a real load of k+1 passes
+    sync_adapter(engine, adapter_tensors(stepped).items(), lora_config(), bump(engine))  # a real load of k+1 passes
     verify_probe(engine, probe_for(stepped, engine))
 
 
@@ -210,7 +218,7 @@ def test_adapter_names_are_checked_strictly(engine, trainer):
 def test_a_base_weight_push_keeps_the_adapter(engine, trainer, tiny_chat_model):
     """Under LoRA the base is not resent, but a full push must still work and
     leave the adapter served (vLLM's reload removes every adapter: re-added)."""
-    sync_adapter(engine, trainer, lora_config(), bump(engine))
+    sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), bump(engine))
     base = {k: v.clone() for k, v in tiny_chat_model.state_dict().items()}
     engine.update_weights(base.items())
     assert fingerprint_mismatch(engine.adapter_fingerprint(),
@@ -227,7 +235,7 @@ def test_vllm_adapter_names_are_versioned_and_old_ones_removed(engine, trainer):
     seen = []
     for _ in range(3):
         v = bump(engine)
-        sync_adapter(engine, trainer, lora_config(), v)
+        sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), v)
         req = engine.adapters.request
         assert req.lora_name == f"areno-v{v}" and req.lora_int_id == v + 1
         assert engine.adapters.loaded_ids() == {v + 1}  # list_loras: the previous version is gone
@@ -241,10 +249,10 @@ def test_vllm_fingerprint_reads_the_slot_not_the_bookkeeping(engine, trainer, mo
     an adapter in no slot, and the fingerprint (read on the worker) is empty."""
     if engine.kind != "vllm":
         pytest.skip("vLLM only")
-    sync_adapter(engine, trainer, lora_config(), bump(engine))
+    sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), bump(engine))
     monkeypatch.setattr(engine.llm.llm_engine, "add_lora", lambda request: True)
     with pytest.raises(WeightSyncError, match="not the trainer's"):
-        sync_adapter(engine, trainer, lora_config(), bump(engine))
+        sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), bump(engine))
     assert engine.adapter_fingerprint().sums == {}
 
 
@@ -254,7 +262,7 @@ def test_vllm_lora_sleeps_at_level_1_and_re_adds_the_adapter(engine, trainer, mo
     adapter is re-added to its slot, and the engine serves it without a load."""
     if engine.kind != "vllm":
         pytest.skip("vLLM only")
-    sync_adapter(engine, trainer, lora_config(), bump(engine))
+    sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), bump(engine))
     calls = []
     monkeypatch.setattr(engine, "supports_sleep", True)
     monkeypatch.setattr(engine.llm, "sleep", lambda level: calls.append(("sleep", level)))
@@ -273,7 +281,7 @@ def test_vllm_lora_sleeps_at_level_1_and_re_adds_the_adapter(engine, trainer, mo
 def test_hf_lora_sleep_keeps_the_base_and_the_adapter(engine, trainer):
     if engine.kind != "hf":
         pytest.skip("transformers only")
-    sync_adapter(engine, trainer, lora_config(), bump(engine))
+    sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), bump(engine))
     engine.supports_sleep = True
     try:
         engine.sleep()

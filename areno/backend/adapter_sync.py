@@ -16,6 +16,7 @@ current adapter.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -24,33 +25,19 @@ from areno.rollout.lora import adapter_fingerprint_of, adapter_nbytes
 from areno.rollout.probe import check_fingerprint
 
 
-@torch.no_grad()
-def adapter_tensors(peft_model: Any, dtype: torch.dtype | None = None,
-                    adapter_name: str = "default") -> dict[str, torch.Tensor]:
-    """peft's saved adapter state (names as in adapter_model.safetensors), each
-    tensor whole (an FSDP2 DTensor is gathered with `full_tensor()`) and a fresh
-    copy in `dtype` (None: its own) on its device."""
-    from peft.utils import get_peft_model_state_dict
-
-    out: dict[str, torch.Tensor] = {}
-    for name, t in get_peft_model_state_dict(peft_model, adapter_name=adapter_name,
-                                                     save_embedding_layers=False).items():
-        if hasattr(t, "full_tensor"):
-            t = t.full_tensor()
-        out[name] = t.detach().to(dtype if dtype is not None else t.dtype, copy=True)
-    return out
-
-
-def sync_adapter(engine: Any, peft_model: Any, config: Any, version: int, *, rank: int = 0,
-                 dtype: torch.dtype | None = None) -> dict:
-    """Gather the adapter, `engine.load_adapter(tensors, config, version)`, and
-    check the engine's `adapter_fingerprint()` exactly (WeightSyncError naming
-    the rank and group otherwise; skipped where the engine's fingerprint is not
-    exact, a TP shard). dtype None: the engine's (`engine.adapter_dtype`).
+def sync_adapter(engine: Any, named: Iterable[tuple[str, torch.Tensor]], config: Any, version: int, *,
+                 rank: int = 0) -> dict:
+    """`named`: the adapter as (peft saved name, full tensor), e.g. backend.lora's
+    `adapter_state` (every rank iterates it to the end: FSDP2 gathers). Copies it
+    in the engine's dtype (`engine.adapter_dtype`), `engine.load_adapter(tensors,
+    config, version)`, and checks the engine's `adapter_fingerprint()` exactly
+    (WeightSyncError naming the rank and group otherwise; skipped where the
+    engine's fingerprint is not exact, a TP shard).
     Returns {adapter_bytes, adapter_tensors, gather_s, load_s, check_s}."""
     t0 = time.perf_counter()
-    dtype = dtype if dtype is not None else getattr(engine, "adapter_dtype", None)
-    tensors = adapter_tensors(peft_model, dtype)
+    dtype = getattr(engine, "adapter_dtype", None)
+    with torch.no_grad():
+        tensors = {n: t.detach().to(dtype if dtype is not None else t.dtype, copy=True) for n, t in named}
     exact = getattr(engine, "fingerprint_exact", True)
     want = adapter_fingerprint_of(tensors, config) if exact else None  # before the engine may keep them
     t1 = time.perf_counter()

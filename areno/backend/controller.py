@@ -215,7 +215,9 @@ class TorchBackend:
         replies = self._gather(stream, self.config.command_timeout_s)
         self.last_timings = {"sync_load_s": max(r["load_s"] for r in replies),
                              "sync_probe_s": max(r["probe_s"] for r in replies),
-                             "sync_s": time.perf_counter() - t0}
+                             "sync_s": time.perf_counter() - t0,
+                             # one engine's load (TP members each get a whole copy); LoRA: the adapter only
+                             "sync_mb": max(r["sync_bytes"] for r in replies) / 2**20}
         probed = [r for r in replies if "probe_diff" in r]
         if probed:
             self.last_timings.update(probe_diff=max(r["probe_diff"] for r in probed),

@@ -103,6 +103,7 @@ class WeightStream:
         self._named, self._dtype, self._fingerprint = named, dtype, fingerprint
         self.names: list[str] = []
         self._sums: list[tuple[str, torch.Tensor, int]] = []
+        self._bytes = 0
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self._named:
@@ -110,7 +111,13 @@ class WeightStream:
             if self._fingerprint:
                 self._sums.append((name, sum_squares(c), c.numel()))
             self.names.append(name)
+            self._bytes += c.numel() * c.element_size()
             yield name, c
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes sent so far, in the engine's dtype."""
+        return self._bytes
 
     def fingerprint(self) -> Fingerprint:
         """What was sent, grouped as engines report it (one device read)."""

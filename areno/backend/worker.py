@@ -27,7 +27,8 @@ from areno.backend.engine_host import (
 )
 from areno.backend.handoff import LocalPack, RankHandoff, map_region
 from areno.backend.hooks import load_rank_hooks
-from areno.backend.lora import adapter_state, apply_lora, merged_state, param_counts, save_adapter
+from areno.backend.adapter_sync import sync_adapter
+from areno.backend.lora import ADAPTER, adapter_state, apply_lora, merged_state, param_counts, save_adapter
 from areno.backend.model import PolicyModule, load_hf_model, resolve_attn_implementation, wrap_policy
 from areno.backend.step import RankTrainer, autocast_ctx
 from areno.backend.weights import (
@@ -158,13 +159,20 @@ class RankWorker:
         computes (probe, when due) against this rank's trainer, in the dtype both
         compute in (see rollout.probe)."""
         t0 = time.perf_counter()
-        dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
-        stream = WeightStream(self.full_state(), dtype, fingerprint=self.fingerprinted)
-        self.engine.load_weights(stream)
-        if self.fingerprinted:
-            verify_fingerprint(self.engine, stream, self.rank)
+        if self.cfg.lora is not None:  # the base is in the engine already: only the adapter travels
+            peft = self.hf.areno_peft
+            sent = sync_adapter(self.engine, adapter_state(self.hf), peft.peft_config[ADAPTER],
+                                self.syncs + 1, rank=self.rank)
+            nbytes = sent["adapter_bytes"]
+        else:
+            dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
+            stream = WeightStream(self.full_state(), dtype, fingerprint=self.fingerprinted)
+            self.engine.load_weights(stream)
+            if self.fingerprinted:
+                verify_fingerprint(self.engine, stream, self.rank)
+            nbytes = stream.nbytes
         t1 = time.perf_counter()
-        out = {"load_s": t1 - t0, "probe_s": 0.0}
+        out = {"load_s": t1 - t0, "probe_s": 0.0, "sync_bytes": nbytes}
         if probe_due(self.syncs, self.fingerprinted):
             out.update(self._probe(probe_ids))
             out["probe_s"] = time.perf_counter() - t1
