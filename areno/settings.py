@@ -59,5 +59,5 @@ def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_siz
         grad_checkpointing=cfg.grad_checkpointing, ppo_epochs=cfg.ppo_epochs,
         recompute_logprobs=cfg.recompute_logprobs, loss=loss, max_nan_steps=cfg.max_nan_steps,
         seed=cfg.seed, ref_model_path=base_model, engine=engine, cpu_threads=cfg.cpu_threads,
-        heartbeat_timeout_s=cfg.rank_heartbeat_timeout,
+        heartbeat_timeout_s=cfg.rank_heartbeat_timeout, rollout_world_size=cfg.rollout_world_size,
     )
