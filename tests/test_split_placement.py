@@ -28,15 +28,15 @@ def backend_config(path, m: int, **kw):
                          rollout_world_size=m, **kw)
 
 
-def test_engine_processes_sample_and_load_each_trained_version_checked(tiny_arith_path):
+def test_engine_processes_sample_and_load_each_trained_version_checked(tiny_chat_path):
     from areno.backend.controller import TorchBackend
     from areno.backend.rank_engines import RankEngines
     from areno.rollout.engine import SamplingConfig
 
     sampling = SamplingConfig(max_tokens=4, seed=3)
-    with TorchBackend(backend_config(tiny_arith_path, 0)) as be:
+    with TorchBackend(backend_config(tiny_chat_path, 0)) as be:
         colocated = RankEngines(be).generate(*PROMPTS, 2, sampling)
-    with TorchBackend(backend_config(tiny_arith_path, 1)) as be:
+    with TorchBackend(backend_config(tiny_chat_path, 1)) as be:
         assert be.hellos[0]["engine"] is None and be.engine_hellos[0]["engine"] == "hf"
         engines = RankEngines(be)
         assert engines.num_engines == 1 and engines.groups == [[1]]
@@ -53,23 +53,24 @@ def test_engine_processes_sample_and_load_each_trained_version_checked(tiny_arit
         rank_debug(be, "noop")  # the ranks still answer after the engine commands
 
 
-def test_a_corrupted_region_fails_the_engine_process_check(tiny_arith_path):
+def test_a_corrupted_region_fails_the_engine_process_check(tiny_chat_path):
     from areno.backend.controller import TorchBackend
     from areno.backend.errors import BackendError
 
-    with TorchBackend(backend_config(tiny_arith_path, 1)) as be:
+    with TorchBackend(backend_config(tiny_chat_path, 1)) as be:
         be.train(make_split(1))
         region = be.publish_weights()
-        be._weights.buf[region.layout.entries[0].offset] ^= 0x40  # one byte of the first tensor
+        entry = next(e for e in region.layout.entries if ".layers." in e.name)
+        be._weights.buf[entry.offset + 2] ^= 0x40  # one mantissa bit of one weight of a layer
         stream = be.peers.broadcast("load_region", [1], region=region)
         with pytest.raises(BackendError, match="WeightSyncError"):
             stream.gather(60)
 
 
-def test_a_dead_engine_process_stops_the_backend_within_seconds(tiny_arith_path):
+def test_a_dead_engine_process_stops_the_backend_within_seconds(tiny_chat_path):
     from areno.backend.controller import TorchBackend
 
-    with TorchBackend(backend_config(tiny_arith_path, 1, shutdown_grace_s=2.0)) as be:
+    with TorchBackend(backend_config(tiny_chat_path, 1, shutdown_grace_s=2.0)) as be:
         killed = time.monotonic()
         os.kill(be.engine_hellos[0]["pid"], signal.SIGKILL)
         with pytest.raises(KeyboardInterrupt):  # the watchdog interrupts the main thread
