@@ -95,3 +95,16 @@ def test_demo_with_an_engine_process_follows_the_colocated_learning_curve(tmp_pa
     colocated, split = run("colocated", []), run("split", ["--rollout-world-size", "1"])
     assert len(split) == 6 and all("train/loss" in r for r in split)
     assert split == colocated
+
+
+def test_engine_processes_need_one_node_and_an_engine(monkeypatch):
+    from areno.backend.config import BackendConfig
+    from areno.config import TrainConfig
+    from areno.errors import UserError
+    from areno.run import check_placement
+
+    monkeypatch.setenv("ARENO_BACKEND_AUTHKEY", "0" * 32)
+    with pytest.raises(UserError, match=r"--rollout-world-size 1: .*--nnodes 1"):
+        check_placement(TrainConfig.from_sources(overrides=dict(rollout_world_size=1, nnodes=2)), 1, 2, "cpu")
+    with pytest.raises(ValueError, match="rollout_world_size.*only with an engine"):
+        BackendConfig(model_path="m", rollout_world_size=1)
