@@ -84,6 +84,9 @@ class TrainConfig:
     n_samples: int = opt(8, "Completions per prompt (the GRPO group size).", "Rollout", ge=1)
     max_new_tokens: int = opt(1024, "Maximum tokens generated per completion.", "Rollout", ge=1)
     tensor_parallel_size: int = opt(1, "vLLM tensor-parallel size.", "Rollout", ge=1)
+    rollout_world_size: int = opt(
+        0, "Engine processes that do not train, beside the ranks (split placement; on GPU each "
+        "takes its own GPUs after the ranks'); 0 = colocated: each rank holds an engine.", "Rollout", ge=0)
     gpu_memory_utilization: float = opt(
         0.5, "Fraction of GPU memory vLLM may take (colocated with training).", "Rollout",
         gt=0.0, le=1.0)

@@ -19,7 +19,7 @@ import yaml
 
 from areno import evaluate as evaluation
 from areno import settings
-from areno.backend.rollout import RankEngines
+from areno.backend.rank_engines import EngineView, RankEngines
 from areno import runlock
 from areno.checkpoint import Resume, check_free_space, checkpoint_bytes, checkpoint_root, save_checkpoint
 from areno.config import TrainConfig
@@ -61,7 +61,7 @@ class Run:
     sampling: SamplingConfig
     scorer: RewardScorer
     backend: Any
-    engine: Any
+    engine: EngineView
     logger: RunLogger
     world_size: int
     total_steps: int
@@ -83,15 +83,6 @@ class Run:
         self.logger.log(step, m, advance=False)
         self.logger.info(f"eval step {step}: " + " ".join(
             f"{k.split('/', 1)[1]} {v:.3f}" for k, v in m.items() if k != "eval/prompts"))
-
-    def sync_weights(self) -> None:
-        """New weights into the engines: each rank loads its own engine on its device;
-        an injected engine (benchmarks) gets them through export_weights."""
-        if getattr(self.engine, "backend", None) is self.backend:
-            self.backend.sync_weights()
-        else:
-            named, probe = self.backend.export_weights()
-            self.engine.update_weights(named, probe)
 
     def save(self, step: int) -> Path:
         """Write a checkpoint of `step` (atomic; pruned to --keep-last)."""
@@ -176,6 +167,22 @@ def check_save_room(cfg: TrainConfig, out: Path, weights: Weights | None, device
         check_free_space(root, checkpoint_bytes(weights.params, weights.nbytes, item), flag)
 
 
+def check_placement(cfg: TrainConfig, nproc: int, world_size: int, device: str) -> None:
+    """Where the engines go, checked before any rank starts: in the ranks
+    (check_tensor_parallel), or --rollout-world-size processes of their own."""
+    m, tp = cfg.rollout_world_size, cfg.tensor_parallel_size
+    if not m:
+        check_tensor_parallel(tp, nproc, world_size, device)
+        return
+    flag = f"--rollout-world-size {m}"
+    if cfg.nnodes > 1:
+        raise UserError(f"{flag}: engine processes run beside the controller; use it with --nnodes 1")
+    gpus = visible_gpus() if device == "cuda" else 0
+    if device == "cuda" and world_size + m * tp > gpus:
+        raise UserError(f"{flag}: {world_size} rank(s) + {m} engine(s) x {tp} GPU(s) need "
+                        f"{world_size + m * tp} GPUs, {gpus} visible; lower it")
+
+
 def check_tensor_parallel(tp: int, nproc: int, world_size: int, device: str) -> None:
     """--tensor-parallel-size against the ranks (an engine spans tp consecutive ranks of
     one node) and the GPUs that would hold them: one line, before any rank starts."""
@@ -252,7 +259,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
     clean_leftovers()  # shared memory of areno processes that were SIGKILLed
     device = resolve_device(cfg)
     nproc, world_size = ranks_for(cfg, device)
-    check_tensor_parallel(cfg.tensor_parallel_size, nproc, world_size, device)
+    check_placement(cfg, nproc, world_size, device)
     resume = Resume.find(cfg)  # a bad checkpoint is one line here (checkpoint.check_checkpoint)
     base_model = resume.base_model if resume.ckpt else model_path_for(cfg)
     model_path = str(resume.ckpt) if resume.ckpt else base_model

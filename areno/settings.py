@@ -63,9 +63,10 @@ def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_siz
         total_steps=total_steps * cfg.mini_batches * cfg.ppo_epochs,
         min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm or None,
         grad_checkpointing=cfg.grad_checkpointing, ppo_epochs=cfg.ppo_epochs,
-        recompute_logprobs=cfg.recompute_logprobs, loss=loss, temperature=cfg.temperature, max_nan_steps=cfg.max_nan_steps,
+        recompute_logprobs=cfg.recompute_logprobs, loss=loss, temperature=cfg.temperature,
+        max_nan_steps=cfg.max_nan_steps,
         seed=cfg.seed, ref_model_path=base_model, engine=engine, cpu_threads=cfg.cpu_threads,
-        heartbeat_timeout_s=cfg.rank_heartbeat_timeout, lora=lora,
+        heartbeat_timeout_s=cfg.rank_heartbeat_timeout, lora=lora, rollout_world_size=cfg.rollout_world_size,
     )
 
 

@@ -205,14 +205,12 @@ def train_step(run: Run, step: int, timer: PhaseTimer | None = None) -> dict[str
             step, cfg.log_completions, run.tokenizer, run.prompts.texts, prompt_idx, batch,
             scored.rewards, adv))
     defer_interrupts()  # from the update on, an interrupt waits for the step to end
-    with timer("train"):
-        run.engine.sleep()
+    with timer("train"):  # each rank sleeps its own engine meanwhile (RankWorker.cmd_train)
         opt_steps = run.backend.train(split) if split.pack.num_seqs else []
         train_timings = dict(run.backend.last_timings) if opt_steps else {}
-        run.engine.wake_up()
     with timer("weight_sync"):
         if opt_steps:
-            run.sync_weights()
+            run.engine.sync_weights()
     elapsed = time.perf_counter() - t_step
     perf = dict(getattr(run.backend, "last_perf", {}))  # perf/train_tokens_per_s, perf/mfu (GPU)
     if opt_steps and "sync_mb" in run.backend.last_timings:

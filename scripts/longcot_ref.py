@@ -91,11 +91,8 @@ def ref_train_step(run: Any, timer: PhaseTimer) -> Callable[[], dict[str, float]
         with timer.span("pack"):
             split, order = ref_build_split(lr, adv, run.world_size, cfg.max_tokens_per_micro)
     with timer("train"):
-        run.engine.sleep()
         run.backend.train(split)
-        run.engine.wake_up()
     with timer("weight_sync"):
-        named, probe = run.backend.export_weights()
-        run.engine.update_weights(named, probe)
+        run.engine.sync_weights()
     ref_stats(lr.logprobs)  # the reference's rollout log-prob statistics
     return lambda: ref_pickled_handoff(lr, adv, split, order)

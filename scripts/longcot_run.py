@@ -71,18 +71,24 @@ def measure_step(run: Any, mode: str, step: int, ranks: RankLog) -> dict:
     if [len(r) for r in recs] != [1] * run.world_size:
         raise RuntimeError(f"rank probes: expected one record per rank for the step, got {[len(r) for r in recs]} "
                            f"(is ARENO_RANK_HOOKS reaching the ranks?)")
-    row.update(rank_figures([r[0] for r in recs], run.engine.timeline["t_sleep"]), **extra)
+    row.update(rank_figures([r[0] for r in recs], train_span(timer.spans)[0]), **extra)
     if kind == "reference":
         row["critical_pickled_s"] = row["critical_s"] - row["crit_handoff_s"] + extra["pickle_s"]
     return row
 
 
+def train_span(spans: list) -> tuple[float, float]:
+    """(start, end) of the step's "train" phase: what brackets backend.train."""
+    (a, z), = [(a, z) for p, a, z, _ in spans if p == "train"]
+    return a, z
+
+
 def controller_figures(spans: list, eng: dict, t_step: float, t_end: float) -> dict:
     """The controller's figures of one step from its PhaseTimer spans and the
-    engine's timeline (generation; sleep/wake around backend.train; their timings)."""
+    engine's timeline (generation; the weight sync; the train's and sync's timings)."""
     lt = eng["train"]
-    t_gen_end, t_enter = eng["t_gen_end"], eng["t_sleep"]
-    check = max(0.0, (eng["t_wake"] - t_enter) - lt["total_s"])  # the input check before the write
+    t_gen_end, (t_enter, t_exit) = eng["t_gen_end"], train_span(spans)
+    check = max(0.0, (t_exit - t_enter) - lt["total_s"])  # the input check before the write
     t_hand = t_enter + check + lt["handoff_write_s"]
     crit = t_hand - t_gen_end
 
@@ -101,7 +107,7 @@ def controller_figures(spans: list, eng: dict, t_step: float, t_end: float) -> d
         stream_parts=eng.get("parts", 1),
         handoff_write_s=lt["handoff_write_s"], handoff_check_s=check,
         train_s=lt["total_s"] - lt["handoff_write_s"], rank_train_s=lt["train_s"],
-        export_s=eng["export"].get("export_s", 0.0),
+        export_s=eng["export"].get("publish_s", 0.0),
         host_outside_s=max(0.0, eng["t_start"] - t_step) + max(0.0, t_end - eng["t_update_weights"]),
         step_s=t_end - t_step,
     )

@@ -9,15 +9,15 @@ gen_time * len_i / max_len, and a group is done when its longest sample is.
 `generate` returns after gen_time; `generate_stream` yields groups in finishing
 order, at least `min_groups` per part, each part at its finishing time; the host
 work done on a part does not delay the next one (the engine is modelled as
-running on its own device). update_weights ignores the weights and the probe;
-sleep/wake_up/shutdown do nothing but note the time.
+running on its own device). sync_weights runs the real shared-memory
+transport's writer side (the ranks gather, rank 0 writes the region and its
+probe reference: `backend.publish_weights`) and loads nothing.
 
 The engine's `timeline` is the bench's clock for the step (time.monotonic, as
 PhaseTimer spans and the rank probes): when generation started and ended, and
-when the trainer put the engine to sleep and woke it, which bracket
-`backend.train` (the trainer calls nothing else between them). At wake_up and
-update_weights it copies `timings_source.last_timings` (the backend's public
-timings of the train and the export call) before the next call replaces them.
+when the weight sync ended. At sync_weights it copies
+`timings_source.last_timings` (the backend's public timings of the train
+call, then of the publish) before the next call replaces them.
 """
 
 from __future__ import annotations
@@ -94,8 +94,6 @@ class SyntheticEngine:
     """A RolloutEngine returning precomputed responses after a simulated
     generation time (see the module docstring). Call prepare(prompts) once the
     Run's PromptSet exists; responses are keyed by the prompt's token ids."""
-
-    supports_sleep = False
 
     def __init__(self, *, n: int, resp_len: int, max_new_tokens: int, vocab: tuple[int, int],
                  gen_time_s: float, seed: int = 0) -> None:
@@ -220,21 +218,17 @@ class SyntheticEngine:
         self.timeline = {"t_start": t0, "t_gen_end": t_end, "parts": 1, "late_s": time.monotonic() - t_end}
         return ListRollouts(prompts, responses, logprobs, group_of, rewards=[]), finish
 
-    def update_weights(self, named_tensors: Any, probe: Any = None) -> None:
-        """Ignores the weights and the probe (nothing to load, nothing checked)."""
-        self.timeline.update(t_update_weights=time.monotonic(), export=self._source_timings())
+    def sync_weights(self) -> dict:
+        """The backend publishes its weights (the real writer side); nothing is loaded."""
+        src = self.timings_source
+        train = self._source_timings()
+        src.publish_weights()
+        self.timeline.update(t_update_weights=time.monotonic(), train=train, export=self._source_timings())
+        return self.timeline["export"]
 
     def prompt_logprobs(self, ids: np.ndarray) -> np.ndarray:
 
         return np.zeros(max(0, len(ids) - 1), dtype=np.float32)
-
-    def sleep(self) -> None:
-        """The trainer calls backend.train next: its start on the bench's clock."""
-        self.timeline["t_sleep"] = time.monotonic()
-
-    def wake_up(self) -> None:
-        """backend.train has returned: its end, and its timings before export replaces them."""
-        self.timeline.update(t_wake=time.monotonic(), train=self._source_timings())
 
     def _source_timings(self) -> dict:
         return dict(getattr(self.timings_source, "last_timings", {}))

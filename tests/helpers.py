@@ -176,8 +176,8 @@ def split_pack(pack: TrainPack, world_size: int, max_tokens: int, *, num_minibat
 def rank_debug(be, actions: dict[int, str] | str, seconds: float = 0.0) -> None:
     """Run a test action ('sleep', 'raise', 'barrier', 'noop': RankWorker.cmd_debug)
     on every rank of a TorchBackend, or {rank: action} (others: 'noop')."""
-    stream = be._start("debug")
+    stream = be.open_stream("debug")
     for r in range(be.world_size):
         action = actions if isinstance(actions, str) else actions.get(r, "noop")
-        be._send(r, "debug", stream=stream, action=action, seconds=seconds)
-    be._gather(stream, be.config.command_timeout_s)
+        stream.send(r, "debug", action=action, seconds=seconds)
+    stream.gather(be.config.command_timeout_s)

@@ -110,7 +110,7 @@ def main(model: str, kind: str, dtype: str, port: str, which: str = "all") -> di
         return out
     attempt("corrupted", lambda named: load((n, t * 1.01 if n == CORRUPT else t) for n, t in named))
     attempt("correct_again", load)
-    w.syncs = PROBE_EVERY_FINGERPRINTED
+    w.sync_check.syncs = PROBE_EVERY_FINGERPRINTED
     attempt("calibrated", load)
     train_step(0)
     attempt("stale", lambda named: [None for _ in named])

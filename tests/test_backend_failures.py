@@ -87,7 +87,7 @@ from test_backend_units import make_split
 if __name__ == "__main__":
     be = TorchBackend(BackendConfig(model_path={model!r}, world_size=1))
     be.train(make_split(1))
-    be.export_weights()
+    be.publish_weights()
     print(" ".join(map(str, be.rank_pids)), flush=True)
     print(" ".join(list_segments(os.getpid())), flush=True)
     if {how!r} == "sigkill":

@@ -16,6 +16,7 @@ import torch
 from areno.backend import BackendConfig, TorchBackend
 from areno.backend.config import rank_cpu_threads
 from areno.backend.handoff import list_segments
+from areno.backend.weight_sync import region_tensors
 from test_backend_units import make_split
 
 pytestmark = pytest.mark.slow
@@ -71,7 +72,7 @@ def test_one_rank_and_two_ranks_make_the_same_update(first_step, tiny_chat_model
     be1, be2, s1, s2, m1, m2 = first_step
     assert (be1.strategy, be2.strategy) == ("single", "fsdp2")
     cpus = len(os.sched_getaffinity(0))
-    assert [h["cpu_threads"] for h in be2._hellos] == [rank_cpu_threads(cpus, 2)] * 2
+    assert [h["cpu_threads"] for h in be2.hellos] == [rank_cpu_threads(cpus, 2)] * 2
     assert_states_close(s1, s2)
     start = tiny_chat_model.state_dict()
     assert any(not torch.equal(s1[k], start[k]) for k in start), "weights did not move"
@@ -93,23 +94,32 @@ def test_a_few_steps_on_a_fixed_pack_lower_the_loss(first_step) -> None:
     assert be2.last_timings["handoff_write_s"] < 0.5
 
 
-def test_export_weights_hf_names_values_and_probe_load_into_engine(first_step, tiny_chat_path, tiny_chat_model) -> None:
+def test_published_weights_load_into_an_engine_of_another_process_and_pass_its_check(
+        first_step, tiny_chat_path, tiny_chat_model) -> None:
+    """The shared-memory transport: rank 0 writes the region, this process (not a
+    rank) reads it into its own engine; the fingerprint and the probe hold, and
+    a region that is not what was published fails the check."""
+    from areno.backend.engine_host import reports_fingerprint
+    from areno.backend.weight_sync import SyncCheck, load_region
     from areno.rollout.hf import HFEngine
-    from areno.rollout.probe import probe_logprobs
+    from areno.rollout.probe import WeightSyncError
 
     _, be2, *_ = first_step
-    named, probe = be2.export_weights()
-    named = list(named)
-    names = [n for n, _ in named]
+    region = be2.publish_weights()
+    names = [e.name for e in region.layout.entries]
     assert set(names) == set(tiny_chat_model.state_dict().keys()) | {"lm_head.weight"}
     assert "lm_head.weight" in names and not any(n.startswith(("module.", "_orig_mod.", "hf.")) for n in names)
     full = be2.full_state_dict()
-    for n, t in named:
+    for n, t in region_tensors(be2._weights.buf, region.layout):
         assert torch.equal(t, full[n]), n
     engine = HFEngine(tiny_chat_path, dtype="float32", device="cpu")
-    engine.update_weights(named, probe)  # strict names + probe check
-    np_lp = probe_logprobs(engine.model, probe.token_ids)
-    assert abs(np_lp - probe.expected_logprobs).max() < 1e-4
+    check = SyncCheck(reports_fingerprint(engine), rank=0)
+    out = load_region(engine, region, check)
+    assert region.probe is not None and out["probe_diff"] <= out["probe_tolerance"]
+    with torch.no_grad():
+        engine.model.lm_head.weight.mul_(1.01)  # what the engine holds is no longer what was sent
+    with pytest.raises(WeightSyncError, match="rank 0"):
+        check.check(engine, region.fingerprint, None)
 
 
 def test_save_pretrained_and_resume_on_another_world_size(first_step, tmp_path) -> None:
@@ -190,8 +200,8 @@ def test_torchrun_launch_with_bytes_transport_matches_spawn(first_step, tiny_cha
         with TorchBackend(cfg) as be:
             m = be.train(make_split(2))
             assert [x["loss"] for x in m] == pytest.approx([x["loss"] for x in m2], rel=1e-4)
-            named, probe = be.export_weights()
-            assert_states_close(dict(named), s2)
+            region = be.publish_weights()  # rank 0 sends the bytes inline: no shared memory with it
+            assert_states_close(dict(region_tensors(be._weights.buf, region.layout)), s2)
         assert proc.wait(timeout=60) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
     finally:
         os.environ.pop("ARENO_BACKEND_AUTHKEY", None)

@@ -289,30 +289,29 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_chat_path, monkeypatc
         torch.testing.assert_close(states[0][k], states[1][k], atol=1e-6, rtol=1e-5)
 
 
-def test_bfloat16_export_and_probe_from_the_exported_bytes(tiny_chat_path, monkeypatch) -> None:
-    """The GPU path exports bf16: the probe must be computed from those bytes."""
+def test_bfloat16_publish_writes_the_engines_dtype_and_an_engine_loading_it_passes(tiny_chat_path,
+                                                                                     monkeypatch) -> None:
+    """The GPU path syncs bf16: the region holds the trainer's weights in bf16 and
+    a bf16 engine loading it matches the fingerprint and the trainer's probe."""
     from areno.backend.handoff import ShmSegment
-    from areno.backend.weights import WeightLayout, probe_ids
-    from areno.rollout.probe import probe_logprobs
+    from areno.backend.weight_sync import SyncCheck, WeightLayout, WeightRegion, load_region, region_tensors
+    from areno.backend.weights import probe_ids
+    from areno.rollout.hf import HFEngine
 
-    with local_worker(tiny_chat_path, monkeypatch, export_dtype="bfloat16") as worker:
+    with local_worker(tiny_chat_path, monkeypatch, dtype="bfloat16") as worker:
         layout = WeightLayout.build(worker.export_meta)
         seg = ShmSegment("weights")
         try:
             seg.ensure(layout.nbytes, headroom=0.0)
-            ids = probe_ids(worker.vocab_size)
-            out = worker.cmd_export(seg.name, layout, ids, "bfloat16")
-            named = dict(layout.views(seg.buf))
-            assert all(t.dtype == torch.bfloat16 for t in named.values())
+            out = worker.cmd_publish_weights(seg.name, layout, probe_ids(worker.vocab_size))
             full = worker.cmd_full_state()
-            for n, t in named.items():
-                assert torch.equal(t, full[n].to(torch.bfloat16)), n
-            from transformers import AutoModelForCausalLM
-
-            ref = AutoModelForCausalLM.from_pretrained(tiny_chat_path, dtype=torch.float32)
-            ref.load_state_dict({n: t.float() for n, t in named.items()}, strict=False)
-            np.testing.assert_allclose(out["probe"].expected_logprobs, probe_logprobs(ref, ids), atol=1e-5)
-            del named
+            for n, t in region_tensors(seg.buf, layout):
+                assert t.dtype == torch.bfloat16 and torch.equal(t, full[n].to(torch.bfloat16)), n
+            engine = HFEngine(tiny_chat_path, dtype="bfloat16", device="cpu")
+            region = WeightRegion(seg.name, layout, out["fingerprint"], out["probe"])
+            got = load_region(engine, region, SyncCheck(True, 0))
+            assert got["probe_diff"] <= got["probe_tolerance"]
+            engine.shutdown()
         finally:
             seg.unlink()
 

@@ -1,6 +1,7 @@
 """The RolloutEngine contract, run against every engine with the tiny fp32 model:
 batch layout, finish reasons, stop tokens, log-probs against a transformers
-forward, seeds, weight updates and the probe, sleep/wake, input checks.
+forward, seeds, weight loads and their check (backend/weight_sync.py), sleep/wake,
+input checks.
 
 One engine per kind serves the whole module (the `engine` fixture is module
 scoped and parametrised, so pytest runs every hf test, then every vllm test);
@@ -19,7 +20,9 @@ import torch
 
 from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP
 from areno.rollout.engine import RolloutEngine, SamplingConfig
-from areno.rollout.probe import Probe, WeightSyncError, probe_logprobs, verify_probe
+from areno.backend.engine_host import WeightStream, check_engine_names, reports_fingerprint
+from areno.backend.weight_sync import ProbeRef, SyncCheck
+from areno.rollout.probe import PROBE_ROUNDING_UNITS, WeightSyncError, probe_logprobs
 
 MAX_MODEL_LEN = 128
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [19, 20, 21], [22, 23]]
@@ -54,7 +57,7 @@ def original_state(tiny_chat_model):
 @pytest.fixture
 def restore_weights(engine, original_state):
     yield
-    engine.update_weights(original_state.items(), probe=None)
+    engine.load_weights(original_state.items())
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +68,23 @@ def eos_ids(tiny_chat_path):
     return tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
 
 
-def without(weights, name: str):
-    """A weight push (a dict or a list of pairs, as the engine's _push takes it) minus `name`."""
-    kept = [(k, v) for k, v in (weights.items() if isinstance(weights, dict) else weights) if k != name]
-    return dict(kept) if isinstance(weights, dict) else kept
+def without(weights: dict, name: str) -> dict:
+    """A set of weights minus `name`."""
+    return {k: v for k, v in weights.items() if k != name}
+
+
+def probe_ref(model, tolerance: float) -> ProbeRef:
+    """The trainer's side of the probe from `model`, with an uncalibrated tolerance
+    of `tolerance` (SyncCheck's bound is PROBE_ROUNDING_UNITS units)."""
+    return ProbeRef(PROBE_IDS, probe_logprobs(model, PROBE_IDS), tolerance / PROBE_ROUNDING_UNITS, 1.0)
+
+
+def sent(state: dict):
+    """The fingerprint of `state` as the trainer's WeightStream computes it."""
+    stream = WeightStream(iter(state.items()), torch.float32)
+    for _ in stream:
+        pass
+    return stream.fingerprint()
 
 
 # -- generation --------------------------------------------------------------------
@@ -107,7 +123,7 @@ def test_max_tokens_finishes_with_length(engine, make_prompts):
 
 def test_eos_finishes_with_stop_and_later_tokens_dropped(engine, make_prompts, original_state, always_eos_state,
                                                          eos_ids, restore_weights):
-    engine.update_weights(always_eos_state(original_state, eos_ids[0]).items())
+    engine.load_weights(always_eos_state(original_state, eos_ids[0]).items())
     ids, off = make_prompts(PROMPTS)
     b = engine.generate(ids, off, 2, SamplingConfig(max_tokens=8))
     np.testing.assert_array_equal(b.response_lengths, np.ones(10))
@@ -173,57 +189,58 @@ def test_bad_input_raises_value_error(engine, make_prompts, prompts, n, match):
 # -- weights, probe, sleep ---------------------------------------------------------
 
 
-def test_update_weights_changes_logprobs_to_new_weights(engine, tiny_chat_model, original_state, perturbed_state,
-                                                        ref_logprobs, make_prompts, restore_weights):
+def test_loaded_weights_pass_the_sync_check_and_change_the_logprobs(engine, tiny_chat_model, original_state,
+                                                                     perturbed_state, ref_logprobs, make_prompts,
+                                                                     restore_weights):
     new_model = copy.deepcopy(tiny_chat_model)
     new_model.load_state_dict(perturbed_state(original_state, seed=1))
     before = engine.prompt_logprobs(PROBE_IDS)
-    engine.update_weights(new_model.state_dict().items(), probe=Probe.from_model(new_model, PROBE_IDS, 1e-4))
+    engine.load_weights(new_model.state_dict().items())
+    out = SyncCheck(reports_fingerprint(engine), 0).check(engine, sent(new_model.state_dict()),
+                                                          probe_ref(new_model, 1e-4))
+    assert out["probe_diff"] <= out["probe_tolerance"] == pytest.approx(1e-4)
     assert np.abs(engine.prompt_logprobs(PROBE_IDS) - before).max() > 1e-2
     ids, off = make_prompts(PROMPTS)
     b = engine.generate(ids, off, 2, SamplingConfig(temperature=0.9, max_tokens=12))
     np.testing.assert_allclose(b.response_logprobs, ref_logprobs(new_model, b, 0.9), atol=1e-4, rtol=0)
 
 
-def test_missing_tensor_raises_and_loads_nothing(engine, original_state, perturbed_state):
+def test_a_load_missing_a_tensor_fails_the_sync_check(engine, original_state, perturbed_state, restore_weights):
     new = perturbed_state(original_state, seed=2)
-    del new["lm_head.weight"]
-    before = engine.prompt_logprobs(PROBE_IDS)
-    with pytest.raises(WeightSyncError, match="missing 1 .*lm_head.weight"):
-        engine.update_weights(new.items())
-    np.testing.assert_array_equal(engine.prompt_logprobs(PROBE_IDS), before)
+    check = SyncCheck(reports_fingerprint(engine), 0)
+    with pytest.raises(WeightSyncError, match=r"missing 1 .*model.norm.weight|\(model: sum of squares"):
+        engine.load_weights((n, t) for n, t in new.items() if n != "model.norm.weight")
+        check.check(engine, sent(new), None)
 
 
-def test_unknown_and_repeated_tensor_names_raise(engine, original_state):
+def test_unknown_tensor_names_are_refused_up_front(engine, original_state):
     with pytest.raises(ValueError, match="model.bogus.weight"):
-        engine.update_weights(list(original_state.items()) + [("model.bogus.weight", torch.zeros(2))])
-    with pytest.raises(ValueError, match="twice"):
-        engine.update_weights(list(original_state.items()) + [("lm_head.weight", torch.zeros(1))])
+        check_engine_names(engine, list(original_state) + ["model.bogus.weight"])
 
 
-def test_probe_catches_update_that_silently_drops_a_tensor(engine, tiny_chat_model, original_state,
-                                                          perturbed_state, restore_weights, monkeypatch):
-    # restore_weights comes before monkeypatch: torn down after it, so the
-    # weights are restored through the real _push
+def test_probe_catches_a_load_that_silently_drops_a_tensor(engine, tiny_chat_model, original_state,
+                                                           perturbed_state, restore_weights):
     new_model = copy.deepcopy(tiny_chat_model)
     new_model.load_state_dict(perturbed_state(original_state, seed=3))
-    probe = Probe.from_model(new_model, PROBE_IDS, 1e-4)
-    push = engine._push
-    monkeypatch.setattr(engine, "_push", lambda w: push(without(w, "lm_head.weight")))
+    probe = probe_ref(new_model, 1e-4)
+    check = SyncCheck(False, 0)  # the probe alone, as for an engine without a fingerprint
+    # the lm_head keeps its old values: an update that dropped it
+    dropped = {n: (t if n != "lm_head.weight" else original_state[n]) for n, t in new_model.state_dict().items()}
+    engine.load_weights(dropped.items())
     with pytest.raises(WeightSyncError, match=r"probe failed.*max \d"):
-        engine.update_weights(new_model.state_dict().items(), probe=probe)
-    monkeypatch.setattr(engine, "_push", lambda w: None)  # the whole update ignored
+        check.check(engine, None, probe)
+    engine.load_weights(original_state.items())  # the whole update ignored
     with pytest.raises(WeightSyncError, match="probe failed"):
-        engine.update_weights(new_model.state_dict().items(), probe=probe)
+        check.check(engine, None, probe)
 
 
-def test_verify_probe_returns_max_diff(engine, tiny_chat_model):
+def test_the_probe_check_returns_the_max_diff(engine, tiny_chat_model):
     tol = 1e-5 if type(engine).__name__ == "HFEngine" else 1e-4  # the HF forward is the reference's own
-    probe = Probe(PROBE_IDS, probe_logprobs(tiny_chat_model, PROBE_IDS), tolerance=tol)
-    assert verify_probe(engine, probe) <= tol
-    shifted = Probe(PROBE_IDS, probe.expected_logprobs + np.float32(0.5), tolerance=0.1)
+    probe = probe_ref(tiny_chat_model, tol)
+    assert SyncCheck(False, 0).check(engine, None, probe)["probe_diff"] <= tol
+    shifted = ProbeRef(probe.ids, probe.ref + np.float32(0.5), 0.1 / PROBE_ROUNDING_UNITS, 1.0)
     with pytest.raises(WeightSyncError, match=r"max 0\.5"):
-        verify_probe(engine, shifted)
+        SyncCheck(False, 0).check(engine, None, shifted)
 
 
 def test_sleep_wake_round_trip(engine, original_state):

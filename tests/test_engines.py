@@ -14,7 +14,7 @@ import pytest
 
 from areno.backend.errors import BackendError
 from areno.backend.launch import free_port
-from areno.backend.rollout import assign_groups
+from areno.backend.rank_engines import assign_groups
 from areno.rollout.probe import PROBE_ROUNDING_UNITS, probe_tolerance
 from helpers import rank_debug
 
@@ -96,7 +96,7 @@ def test_two_ranks_both_generate_and_overlap_equals_plain(tiny_arith_path, tmp_p
     from areno.backend.config import BackendConfig
     from areno.backend.controller import TorchBackend
     from areno.rollout.factory import EngineSpec
-    from areno.backend.rollout import RankEngines
+    from areno.backend.rank_engines import RankEngines
     from test_overlap import _check_engine
 
     cfg = BackendConfig(model_path=str(tiny_arith_path), world_size=2,
@@ -145,17 +145,17 @@ def test_an_interrupt_during_a_draining_command_leaves_the_backend_usable(tiny_c
         threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
 
     with TorchBackend(BackendConfig(model_path=str(tiny_chat_path), world_size=1)) as be:
-        stream = be._broadcast("debug", drain_s=5.0, action="sleep", seconds=1.5)
+        stream = be.peers.broadcast("debug", range(be.world_size), drain_s=5.0, action="sleep", seconds=1.5)
         interrupt_soon()
         t0 = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
-            be._gather(stream, 30)
+            stream.gather(30)
         assert time.monotonic() - t0 < 5
         rank_debug(be, "noop")  # still usable: the sleep's reply was drained
-        stream = be._broadcast("debug", action="sleep", seconds=1.5)
+        stream = be.peers.broadcast("debug", range(be.world_size), action="sleep", seconds=1.5)
         interrupt_soon()
         with pytest.raises(KeyboardInterrupt):
-            be._gather(stream, 30)
+            stream.gather(30)
         with pytest.raises(BackendError):
             rank_debug(be, "noop")
 
@@ -184,7 +184,7 @@ def test_a_rollout_left_suspended_is_settled_before_the_next_command(tiny_arith_
     rollout's late replies for its own."""
     from areno.backend.config import BackendConfig
     from areno.backend.controller import TorchBackend
-    from areno.backend.rollout import RankEngines
+    from areno.backend.rank_engines import RankEngines
     from areno.rollout.engine import SamplingConfig
     from areno.rollout.factory import EngineSpec
 
@@ -207,7 +207,8 @@ def test_an_interrupt_between_a_rollouts_sends_and_its_first_read_is_drained(tin
     must not take for its own (the clean-clone failure of the SIGINT test)."""
     from areno.backend.config import BackendConfig
     from areno.backend.controller import TorchBackend
-    from areno.backend.rollout import RankEngines
+    from areno.backend.rank_engines import RankEngines
+    from areno.backend.replies import ReplyStream
     from areno.rollout.engine import SamplingConfig
     from areno.rollout.factory import EngineSpec
 
@@ -216,9 +217,9 @@ def test_an_interrupt_between_a_rollouts_sends_and_its_first_read_is_drained(tin
     with TorchBackend(cfg) as be:
         def interrupted(*a, **k):
             raise KeyboardInterrupt
-            yield  # a generator, as _events is
+            yield  # a generator, as ReplyStream.events is
 
-        monkeypatch.setattr(be, "_events", interrupted)
+        monkeypatch.setattr(ReplyStream, "events", interrupted)
         with pytest.raises(KeyboardInterrupt):
             list(RankEngines(be).generate_stream(np.array([5, 12, 3, 13], np.int32), np.array([0, 2, 4]), 2,
                                                  SamplingConfig(max_tokens=3, seed=1)))

@@ -48,7 +48,7 @@ class SignalsAt:
 def test_an_interrupt_inside_a_rollouts_send_or_read_leaves_the_backend_usable(tiny_arith_path, tmp_path):
     from areno.backend.config import BackendConfig
     from areno.backend.controller import TorchBackend
-    from areno.backend.rollout import RankEngines
+    from areno.backend.rank_engines import RankEngines
     from areno.rollout.engine import SamplingConfig
     from areno.rollout.factory import EngineSpec
 

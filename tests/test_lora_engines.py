@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from areno.backend.adapter_sync import sync_adapter
+from areno.backend.adapter_sync import load_adapter
 from areno.rollout.engine import SamplingConfig
 from areno.rollout.lora import adapter_fingerprint_of, adapter_nbytes, lora_scaling
-from areno.rollout.probe import Probe, WeightSyncError, fingerprint_mismatch, verify_probe
+from areno.rollout.probe import (WeightSyncError, check_fingerprint, check_logprobs, fingerprint_mismatch,
+                                 probe_logprobs, probe_tolerance, reduction_length, rounding_unit)
 
 MAX_MODEL_LEN = 128
 PROBE_IDS = np.arange(3, 40, dtype=np.int32)
@@ -94,8 +95,31 @@ def as_engine_dtype(model, engine):
     return copy.deepcopy(model).to(DTYPES[engine.dtype_name]) if engine.dtype_name != "float32" else model
 
 
+class Probe:
+    """The trainer-side probe of `model` for `engine`: its log-probs in the engine's
+    dtype and the uncalibrated bound (rollout.probe.probe_tolerance)."""
+
+    def __init__(self, model, engine) -> None:
+        m = as_engine_dtype(model, engine)
+        self.ref, scale = probe_logprobs(m, PROBE_IDS, with_scale=True)
+        self.tolerance = probe_tolerance(rounding_unit(engine.dtype_name, scale, reduction_length(m.config)), None)
+
+
 def probe_for(model, engine) -> Probe:
-    return Probe.from_model(as_engine_dtype(model, engine), PROBE_IDS, engine_dtype=engine.dtype_name)
+    return Probe(model, engine)
+
+
+def verify_probe(engine, probe: Probe) -> float:
+    """max |engine - trainer| log-prob; WeightSyncError ('probe failed') beyond the bound."""
+    return check_logprobs(engine.prompt_logprobs(PROBE_IDS), probe.ref, probe.tolerance)
+
+
+def sync_adapter(engine, named, config, version: int, rank: int = 0) -> dict:
+    """What a rank's SyncCheck does with an adapter: load it, then the exact check."""
+    want, info = load_adapter(engine, named, config, version)
+    if want is not None:
+        check_fingerprint(engine.adapter_fingerprint(), want, rank)
+    return info
 
 
 # -- the checks fail when the engine does not serve the adapter sent -------------------

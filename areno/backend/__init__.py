@@ -3,7 +3,9 @@ train one policy on SplitPacks handed over through shared memory.
 
     with TorchBackend(BackendConfig(model_path=..., world_size=2)) as backend:
         metrics = backend.train(split)              # one dict per optimizer step
-        named, probe = backend.export_weights()     # -> engine.update_weights(named, probe)
+        backend.sync_weights()                      # each rank's own engine, in-process
+        region = backend.publish_weights()          # or: shared memory, for an engine elsewhere
+        weight_sync.load_region(engine, region, SyncCheck(...))   # in that engine's process
 
 Importing this package does not import transformers or touch a GPU.
 """

@@ -125,11 +125,10 @@ class BackendConfig:
     # rollout
     engine: EngineSpec | None = None
     """Each rank builds this rollout engine beside its policy (None: no engine;
-    rollouts come from elsewhere and weights leave through export_weights)."""
-
-    # export
-    export_dtype: DType | None = None
-    """dtype of exported weights (None = the master dtype, float32)."""
+    rollouts come from elsewhere and weights leave through publish_weights)."""
+    rollout_world_size: int = 0
+    """Split placement: this many engine processes (backend/engine_proc.py) build
+    `engine` instead of the ranks; 0 = colocated (every rank builds its own)."""
 
     # processes
     launcher: Launcher = "spawn"
@@ -167,8 +166,6 @@ class BackendConfig:
         ):
             if getattr(self, name) not in allowed:
                 bad(name, getattr(self, name), f"expected one of {', '.join(allowed)}")
-        if self.export_dtype is not None and self.export_dtype not in DTYPES:
-            bad("export_dtype", self.export_dtype, f"expected None or one of {', '.join(DTYPES)}")
         if not self.model_path:
             bad("model_path", self.model_path, "must name a model directory")
         if self.world_size < 1:
@@ -198,7 +195,12 @@ class BackendConfig:
         for name in ("startup_timeout_s", "command_timeout_s", "collective_timeout_s", "shutdown_grace_s"):
             if not getattr(self, name) > 0:
                 bad(name, getattr(self, name), "must be > 0")
-        if self.engine is not None and self.world_size % self.engine.tensor_parallel_size:
+        if self.rollout_world_size < 0 or (self.rollout_world_size and self.engine is None):
+            bad("rollout_world_size", self.rollout_world_size, "must be >= 0, and > 0 only with an engine")
+        if self.rollout_world_size and self.launcher != "spawn":
+            bad("rollout_world_size", self.rollout_world_size, "engine processes need launcher='spawn'")
+        colocated = self.engine is not None and not self.rollout_world_size
+        if colocated and self.world_size % self.engine.tensor_parallel_size:
             bad("engine.tensor_parallel_size", self.engine.tensor_parallel_size,
                 f"must divide world_size {self.world_size}")
         if self.device == "cpu" and self.attn_implementation in ("flash_attention_2", "varlen", "flex"):

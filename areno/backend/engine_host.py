@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from areno.rollout.engine import SamplingConfig, check_weight_names
-from areno.rollout.probe import Fingerprint, check_fingerprint, sum_squares
+from areno.rollout.probe import Fingerprint, sum_squares
 
 
 @dataclass(frozen=True)
@@ -131,12 +131,6 @@ def reports_fingerprint(engine: Any) -> bool:
     """Whether `engine` can report an exact fingerprint of what it holds (decided
     once: it turns on the stream's sums, the exact check and the probe schedule)."""
     return hasattr(engine, "weights_fingerprint") and getattr(engine, "fingerprint_exact", True)
-
-
-def verify_fingerprint(engine: Any, stream: WeightStream, rank: int) -> None:
-    """Exact check (see rollout.probe): the engine's fingerprint of what it holds
-    must equal that of what the trainer sent."""
-    check_fingerprint(engine.weights_fingerprint(), stream.fingerprint(), rank)
 
 
 @contextmanager

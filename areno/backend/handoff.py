@@ -114,8 +114,7 @@ def _check_room(size: int) -> None:
     if free < size:
         raise OSError(
             f"{SHM_DIR} has {free / 2**20:.0f} MiB free, the backend needs {size / 2**20:.0f} MiB "
-            "for one shared-memory segment; enlarge it (docker: --shm-size=16g) or export in "
-            "bfloat16 (BackendConfig.export_dtype)"
+            "for one shared-memory segment; enlarge it (docker: --shm-size=16g)"
         )
 
 

@@ -72,7 +72,7 @@ class HeartbeatWatch:
         return None
 
 
-def stuck_rank_error(watch: "HeartbeatWatch | None", procs: list, what: str):
+def stuck_rank_error(watch: "HeartbeatWatch | None", procs: list, what: str, label=lambda r: f"rank {r}"):
     """The BackendError for a rank silent past the bound, after SIGKILLing it
     (it may be stopped: SIGTERM would wait for a SIGCONT); None when all beat."""
     import os
@@ -89,6 +89,6 @@ def stuck_rank_error(watch: "HeartbeatWatch | None", procs: list, what: str):
         os.kill(pid, signal.SIGKILL)
     except OSError:
         pass
-    return BackendError(f"{what}: rank {r} (pid {pid}) sent no heartbeat for {gap:.0f}s (bound "
+    return BackendError(f"{what}: {label(r)} (pid {pid}) sent no heartbeat for {gap:.0f}s (bound "
                         f"{watch.bound():g}s, --rank-heartbeat-timeout): stopped or frozen, so it "
                         "was killed", rank=r)

@@ -22,8 +22,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def spawn_ranks(cfg: BackendConfig, conns: list[Connection | None], beats: Any = None) -> list:
-    """Start world_size rank processes (spawn context); fills conns[r]; returns the
-    processes. beats: the heartbeat slots ([world_size] shared float64) they write."""
+    """Start world_size rank processes, then rollout_world_size engine processes
+    (spawn context); fills conns[r]; returns the processes. beats: the heartbeat
+    slots ([world_size + rollout_world_size] shared float64) they write."""
     import torch.multiprocessing as tmp
 
     from areno.backend.rank import spawn_main
@@ -33,16 +34,19 @@ def spawn_ranks(cfg: BackendConfig, conns: list[Connection | None], beats: Any =
     # PR_SET_PDEATHSIG fires when the spawning *thread* exits: only safe from the main thread
     pdeathsig = threading.current_thread() is threading.main_thread()
     procs = []
-    for r in range(cfg.world_size):
+    for r in range(cfg.world_size + cfg.rollout_world_size):
         parent, child = ctx.Pipe(duplex=True)
-        env = {
-            "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "RANK": str(r),
-            "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r),
-            "LOCAL_WORLD_SIZE": str(cfg.world_size),
-        }
+        if r < cfg.world_size:
+            env = {
+                "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "RANK": str(r),
+                "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r),
+                "LOCAL_WORLD_SIZE": str(cfg.world_size),
+            }
+        else:  # an engine process of split placement (engine_proc.py): no process group
+            env = {"ARENO_PEER_INDEX": str(r)}
         p = ctx.Process(
             target=spawn_main, args=(cfg, child, env, os.getpid(), pdeathsig, beats),
-            name=f"areno-rank{r}", daemon=True,
+            name=f"areno-rank{r}" if r < cfg.world_size else f"areno-engine{r - cfg.world_size}", daemon=True,
         )
         p.start()
         child.close()

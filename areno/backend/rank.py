@@ -46,7 +46,7 @@ def spawn_main(cfg: BackendConfig, conn: Connection, env: dict[str, str], parent
     """Target of the controller's spawn processes; beats: heartbeat slots (heartbeat.py)."""
     die_with_parent(parent_pid, use_pdeathsig)
     if beats is not None:
-        start_beating(beats, int(env["RANK"]))
+        start_beating(beats, int(env.get("ARENO_PEER_INDEX", env.get("RANK"))))
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/runlog.py)
     _quiet()
     os.environ.update(env)
@@ -99,12 +99,18 @@ def _sees_segment(marker: tuple[str, bytes]) -> bool:
 
 
 def serve(cfg: BackendConfig, conn: Connection, *, same_host: bool) -> None:
-    """Build the worker, report ready, then run commands until shutdown or EOF."""
-    rank = int(os.environ["RANK"])
+    """Build the worker (a RankWorker, or an EngineWorker in an engine process of
+    split placement: ARENO_PEER_INDEX set), report ready, then run commands until
+    shutdown or EOF."""
+    engine_proc = "ARENO_PEER_INDEX" in os.environ
+    rank = int(os.environ["ARENO_PEER_INDEX" if engine_proc else "RANK"])
     try:
-        from areno.backend.worker import RankWorker
+        if engine_proc:
+            from areno.backend.engine_proc import EngineWorker as Worker
+        else:
+            from areno.backend.worker import RankWorker as Worker
 
-        worker = RankWorker(cfg, same_host=same_host)
+        worker = Worker(cfg, same_host=same_host)
         worker.emit = lambda part: conn.send(("part", part))
         conn.send(("ok", worker.hello()))
     except BaseException as e:  # noqa: BLE001 - reported, then exit

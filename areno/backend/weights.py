@@ -8,11 +8,8 @@ vLLM's `load_weights` and `from_pretrained` take them; `lm_head.weight` is
 always there (for tied embeddings it is the embedding matrix again; a saved
 checkpoint of a tied model leaves it out, as transformers does).
 
-Export: the controller owns a shared-memory segment laid out by
-`WeightLayout`; rank 0 copies each gathered tensor into its slot, then builds
-the weight-sync `Probe` with an fp32 CPU forward over exactly those bytes
-(a meta-device skeleton loaded with `assign=True`, no copy), so the probe
-checks what the engine will load, not the training model.
+How the tensors reach a rollout engine (in-process or through a shared-memory
+region) is weight_sync.py's.
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +25,6 @@ from torch import nn
 
 from areno.fileperms import honour_umask
 
-_ALIGN = 64
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Tokenizer / generation files copied next to saved weights so the directory loads alone.
 _AUX_FILES = (
@@ -38,39 +32,6 @@ _AUX_FILES = (
     "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json",
     "generation_config.json", "areno_tiny.json",
 )
-
-
-@dataclass(frozen=True)
-class WeightEntry:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-
-    @property
-    def numel(self) -> int:
-        return int(np.prod(self.shape)) if self.shape else 1
-
-
-@dataclass(frozen=True)
-class WeightLayout:
-    entries: tuple[WeightEntry, ...]
-    nbytes: int
-
-    @staticmethod
-    def build(meta: list[tuple[str, str, tuple[int, ...]]]) -> "WeightLayout":
-        entries, off = [], 0
-        for name, dtype, shape in meta:
-            entries.append(WeightEntry(name, dtype, tuple(shape), off))
-            n = int(np.prod(shape)) if shape else 1
-            off += -(-n * _DTYPES[dtype].itemsize // _ALIGN) * _ALIGN
-        return WeightLayout(tuple(entries), off)
-
-    def views(self, buf) -> Iterator[tuple[str, torch.Tensor]]:
-        """Zero-copy (name, tensor) views of a buffer written with this layout."""
-        for e in self.entries:
-            t = torch.frombuffer(buf, dtype=_DTYPES[e.dtype], count=e.numel, offset=e.offset)
-            yield e.name, t.view(e.shape)
 
 
 def _tensor_table(hf: nn.Module) -> dict[str, torch.Tensor]:
@@ -88,13 +49,10 @@ def hf_state_names(hf: nn.Module) -> list[str]:
     return list(_tensor_table(hf))
 
 
-def state_meta(hf: nn.Module, export_dtype: str | None) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(name, dtype, global shape) per exported tensor, in export order."""
-    out = []
-    for name, t in _tensor_table(hf).items():
-        dt = export_dtype or str(t.dtype).removeprefix("torch.")
-        out.append((name, dt if dt in _DTYPES else "float32", tuple(t.shape)))
-    return out
+def state_meta(hf: nn.Module, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, global shape) per exported tensor, in export order: what a
+    weight sync sends (every tensor in the engines' `dtype`)."""
+    return [(name, dtype, tuple(t.shape)) for name, t in _tensor_table(hf).items()]
 
 
 def iter_full_state(hf: nn.Module, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -107,19 +65,6 @@ def iter_full_state(hf: nn.Module, names: list[str]) -> Iterator[tuple[str, torc
             if hasattr(t, "full_tensor"):
                 t = t.full_tensor()
             yield name, t
-
-
-def write_export(named: Iterator[tuple[str, torch.Tensor]], layout: WeightLayout, buf, *,
-                 is_writer: bool) -> None:
-    """Gather every tensor of `named` (iter_full_state, or lora.merged_state, over the
-    layout's names); rank 0 (`is_writer`) copies it into its slot of `buf`."""
-    entries = {e.name: e for e in layout.entries}
-    for name, full in named:
-        if is_writer:
-            e = entries[name]
-            dst = torch.frombuffer(buf, dtype=_DTYPES[e.dtype], count=e.numel, offset=e.offset)
-            dst.copy_(full.reshape(-1))
-        del full
 
 
 def cpu_skeleton(hf_config, named: Iterator[tuple[str, torch.Tensor]]) -> nn.Module:

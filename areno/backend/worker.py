@@ -23,28 +23,17 @@ from areno.backend.engine_host import (
     generate_into,
     logit_scale_of,
     reports_fingerprint,
-    verify_fingerprint,
 )
 from areno.backend.handoff import LocalPack, RankHandoff, map_region
 from areno.backend.hooks import load_rank_hooks
-from areno.backend.adapter_sync import sync_adapter
+from areno.backend.adapter_sync import load_adapter
 from areno.backend.lora import ADAPTER, adapter_state, apply_lora, merged_state, param_counts, save_adapter
 from areno.backend.model import PolicyModule, load_hf_model, resolve_attn_implementation, wrap_policy
 from areno.backend.step import RankTrainer, autocast_ctx
-from areno.backend.weights import (
-    WeightLayout,
-    copy_aux_files,
-    cpu_skeleton,
-    hf_state_names,
-    iter_full_state,
-    save_hf_dir,
-    state_meta,
-    write_export,
-)
+from areno.backend.weight_sync import ProbeRef, SyncCheck, WeightLayout
+from areno.backend.weights import copy_aux_files, hf_state_names, iter_full_state, save_hf_dir, state_meta
 from areno.perf import flop_shape
-from areno.rollout.probe import (
-    check_logprobs, probe_due, probe_scale, probe_tolerance, reduction_length, rounding_unit,
-)
+from areno.rollout.probe import probe_scale, reduction_length, rounding_unit
 
 
 class RankWorker:
@@ -74,7 +63,7 @@ class RankWorker:
         self.hf_config = hf.config
         self.vocab_size = int(hf.config.get_text_config().vocab_size)
         self.export_names = hf_state_names(hf)  # the base model's names (LoRA: merged on export)
-        self.export_meta = state_meta(hf, cfg.export_dtype)
+        self.export_meta = state_meta(hf, cfg.dtype)  # the engines' dtype: what a sync sends
         self.flop_shape = flop_shape(hf)  # before FSDP2 turns the weights into DTensors
         self.num_params = sum(p.numel() for p in hf.parameters())
         if cfg.lora is not None:  # adapters in, base frozen; before any wrapper
@@ -91,16 +80,14 @@ class RankWorker:
         self.hooks = load_rank_hooks()  # no-ops unless ARENO_RANK_HOOKS names some (benchmarks)
         self.emit = None  # set by serve(): sends one ("part", ...) message mid-command
         self.engine, self.engine_kind = None, None
-        self.syncs = 0  # weight syncs done (the probe runs when probe_due)
-        self.fingerprinted = False  # the engine reports what it holds: the exact check runs
-        self.probe_calibration: float | None = None  # the first matched sync's probe diff
-        if cfg.engine is not None:
+        self.sync_check: SyncCheck | None = None  # this rank's engine's checks (weight_sync.py)
+        if cfg.engine is not None and not cfg.rollout_world_size:  # split: engine processes build it
             # Before the engine claims its share: the AdamW states do not exist yet.
             check_engine_budget(cfg.engine, self.device, footprint(*filter(None, (self.wrapped.root, ref))),
                                 self.num_params, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
             self.engine, self.engine_kind = make_engine(cfg.engine, cfg.model_path, self.device, in_rank=True)
             check_engine_names(self.engine, self.export_names)
-            self.fingerprinted = reports_fingerprint(self.engine)
+            self.sync_check = SyncCheck(reports_fingerprint(self.engine), self.rank)
 
     def hello(self) -> dict:
         return {
@@ -154,36 +141,60 @@ class RankWorker:
 
     @torch.no_grad()
     def cmd_sync_weights(self, probe_ids: np.ndarray) -> dict:
-        """Every rank gathers the full weights tensor by tensor straight into its own
-        engine (same device), then checks what the engine holds (fingerprint) and
-        computes (probe, when due) against this rank's trainer, in the dtype both
-        compute in (see rollout.probe)."""
+        """In-process transport (weight_sync.py): every rank gathers the full weights
+        tensor by tensor straight into its own engine (same device), then checks
+        what the engine holds (fingerprint) and computes (probe, when due)
+        against this rank's trainer, in the dtype both compute in."""
         t0 = time.perf_counter()
+        check = self.sync_check
         if self.cfg.lora is not None:  # the base is in the engine already: only the adapter travels
-            peft = self.hf.areno_peft
-            sent = sync_adapter(self.engine, adapter_state(self.hf), peft.peft_config[ADAPTER],
-                                self.syncs + 1, rank=self.rank)
-            nbytes = sent["adapter_bytes"]
+            sent, info = load_adapter(self.engine, adapter_state(self.hf),
+                                      self.hf.areno_peft.peft_config[ADAPTER], check.syncs + 1)
+            held, nbytes = (self.engine.adapter_fingerprint() if check.fingerprinted else None), info["adapter_bytes"]
         else:
-            dtype = torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
-            stream = WeightStream(self.full_state(), dtype, fingerprint=self.fingerprinted)
+            stream = WeightStream(self.full_state(), self._engine_dtype, fingerprint=check.fingerprinted)
             self.engine.load_weights(stream)
-            if self.fingerprinted:
-                verify_fingerprint(self.engine, stream, self.rank)
-            nbytes = stream.nbytes
+            sent, held, nbytes = (stream.fingerprint() if check.fingerprinted else None), None, stream.nbytes
         t1 = time.perf_counter()
-        out = {"load_s": t1 - t0, "probe_s": 0.0, "sync_bytes": nbytes}
-        if probe_due(self.syncs, self.fingerprinted):
-            out.update(self._probe(probe_ids))
-            out["probe_s"] = time.perf_counter() - t1
-            if self.fingerprinted and self.probe_calibration is None:
-                self.probe_calibration = out["probe_diff"]  # identical weights: the pair's own noise
-        self.syncs += 1
-        return out
+        probe = self._probe_ref(probe_ids) if check.probe_due else None
+        out = check.check(self.engine, sent, probe, held=held)
+        return out | {"load_s": t1 - t0, "probe_s": time.perf_counter() - t1, "sync_bytes": nbytes}
 
-    def _probe(self, probe_ids: np.ndarray) -> dict:
-        """{probe_diff: max |engine - trainer| log-prob, probe_tolerance, probe_scale, probe_unit};
-        WeightSyncError beyond the tolerance."""
+    @torch.no_grad()
+    def cmd_publish_weights(self, segment: str | None, layout: WeightLayout,
+                            probe_ids: np.ndarray | None) -> dict | None:
+        """Shared-memory transport (weight_sync.py): every rank gathers; rank 0 writes
+        the full weights into `segment` with `layout` and returns what a reader
+        checks them against: {fingerprint, probe (a ProbeRef when probe_ids are
+        given), gather_s, probe_s} (+ payload, the region's bytes, when segment is
+        None: a controller on another host)."""
+        t0 = time.perf_counter()
+        stream = WeightStream(self.full_state(), self._engine_dtype, fingerprint=self.rank == 0)
+        mem = None
+        if self.rank == 0:
+            mem = map_region(segment, 0, layout.nbytes, writable=True) if segment else bytearray(layout.nbytes)
+            layout.write(mem, stream)
+            if segment:
+                mem.close()
+        else:
+            for _ in stream:  # FSDP2 gathers are collectives: every rank joins each
+                pass
+        t1 = time.perf_counter()
+        # The trainer forward is a collective too (FSDP2): every rank runs it.
+        probe = self._probe_ref(probe_ids) if probe_ids is not None else None
+        if self.rank != 0:
+            return None
+        out = {"fingerprint": stream.fingerprint(), "probe": probe, "gather_s": t1 - t0,
+               "probe_s": time.perf_counter() - t1}
+        return out if segment else out | {"payload": bytes(mem)}
+
+    @property
+    def _engine_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.cfg.dtype == "bfloat16" else torch.float32
+
+    def _probe_ref(self, probe_ids: np.ndarray) -> ProbeRef:
+        """The trainer's log-probs of the probe sequence under its current weights
+        (the engine must reproduce them: weight_sync.SyncCheck) and their rounding unit."""
         ids = torch.from_numpy(probe_ids.astype(np.int64)).to(self.device)
         with autocast_ctx(self.cfg, self.wrapped.strategy), logit_scale_of(self.hf) as scales:
             ref, _ = self.wrapped.root(ids[None, :-1], torch.arange(ids.numel() - 1, device=self.device)[None],
@@ -194,32 +205,8 @@ class RankWorker:
             self.wrapped.root.reshard()
         ref = ref[0].float().cpu().numpy()
         scale = probe_scale(scales[0], ref)
-        got = self.engine.prompt_logprobs(probe_ids)
         unit = rounding_unit(self.cfg.dtype, scale, reduction_length(self.hf_config))
-        tol = probe_tolerance(unit, self.probe_calibration)
-        diff = check_logprobs(got, ref, tol, f" on rank {self.rank}")
-        return {"probe_diff": diff, "probe_tolerance": tol, "probe_scale": scale, "probe_unit": unit}
-
-    def cmd_export(self, segment: str | None, layout: WeightLayout, probe_ids: np.ndarray,
-                   engine_dtype: str) -> dict | None:
-        """Gather full weights (all ranks); rank 0 writes them and builds the probe."""
-        from areno.rollout.probe import Probe
-
-        writer = self.rank == 0
-        if not writer:
-            write_export(self.full_state(), layout, None, is_writer=False)
-            return None
-        buf = map_region(segment, 0, layout.nbytes, writable=True) if segment else bytearray(layout.nbytes)
-        t0 = time.perf_counter()
-        write_export(self.full_state(), layout, buf, is_writer=True)
-        t1 = time.perf_counter()
-        skeleton = cpu_skeleton(self.hf_config, layout.views(buf))
-        probe = Probe.from_model(skeleton, probe_ids, engine_dtype=engine_dtype)
-        del skeleton
-        out = {"probe": probe, "gather_s": t1 - t0, "probe_s": time.perf_counter() - t1}
-        if segment is None:
-            out["payload"] = bytes(buf)  # controller on another host (rare; torchrun)
-        return out
+        return ProbeRef(np.ascontiguousarray(probe_ids, dtype=np.int32), ref, unit, scale)
 
     def full_state(self):
         """(HF name, full tensor) of what the engine and an HF checkpoint hold: the

@@ -7,14 +7,14 @@ transformers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from areno.rollout.batch import RolloutBatch
-from areno.rollout.probe import Probe, WeightSyncError
+from areno.rollout.probe import WeightSyncError
 
 if TYPE_CHECKING:
     import torch
@@ -24,7 +24,6 @@ __all__ = [
     "RolloutEngine",
     "validate_prompts",
     "check_weight_names",
-    "Probe",
     "WeightSyncError",
 ]
 
@@ -93,11 +92,9 @@ class RolloutEngine(Protocol):
         those p groups) as groups finish, so they can be scored meanwhile."""
         ...
 
-    def update_weights(
-        self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], probe: Probe | None = None
-    ) -> None:
-        """Load a full set of HF-named weights; with a probe, raise
-        WeightSyncError unless the engine then scores it as the trainer does."""
+    def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
+        """Load a full set of HF-named weights, one tensor at a time (the caller
+        checks the result: backend/weight_sync.py)."""
         ...
 
     def prompt_logprobs(self, ids: np.ndarray) -> np.ndarray:
@@ -199,14 +196,3 @@ def prompt_seeds(seed: int, num_prompts: int) -> np.ndarray:
     prompts (nor two steps seeded step and step+1) share a random stream."""
     ss = np.random.SeedSequence(seed)
     return (ss.generate_state(num_prompts, dtype=np.uint64) >> np.uint64(1)).astype(np.int64)
-
-
-def named_tensor_dict(named_tensors: Iterable[tuple[str, Any]] | Mapping[str, Any]) -> dict[str, Any]:
-    """Collect a weight push into a dict; duplicate names raise ValueError."""
-    items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    out: dict[str, Any] = {}
-    for name, t in items:
-        if name in out:
-            raise ValueError(f"weight update names tensor {name!r} twice")
-        out[name] = t
-    return out

@@ -21,15 +21,13 @@ from transformers.cache_utils import DynamicCache
 from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch, csr_take, offsets_from_lengths
 from areno.rollout.engine import (
     SamplingConfig,
-    check_weight_names,
-    named_tensor_dict,
     prompt_seeds,
     validate_prompts,
     validate_sequence,
 )
 from areno.rollout.hf_logprobs import StepLogprobs, sampling_processors
 from areno.rollout.hf_lora import HFAdapters, base_named
-from areno.rollout.probe import Fingerprint, Probe, WeightSyncError, probe_logprobs, sum_squares, verify_probe
+from areno.rollout.probe import Fingerprint, WeightSyncError, probe_logprobs, sum_squares
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -196,17 +194,6 @@ class HFEngine:
         return probe_logprobs(self.model, ids)
 
     # -- weights -------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], probe: Probe | None = None) -> None:
-        """Strict by name (unknown -> ValueError, missing -> WeightSyncError),
-        copied into the existing parameters, then the probe is checked."""
-        self._check_awake(loading=True)
-        weights = named_tensor_dict(named_tensors)
-        check_weight_names(weights, self._weight_names, self._optional_names)
-        self._push(weights)
-        self._discarded = False
-        if probe is not None:
-            verify_probe(self, probe)
-
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (any device/dtype) into the live parameters one at a
         time (no full state dict is ever built); every expected name must come."""
@@ -238,16 +225,6 @@ class HFEngine:
             named.append(("lm_head.weight", self.model.get_output_embeddings().weight))
         sums = torch.stack([sum_squares(t) for _, t in named]).cpu().tolist()
         return Fingerprint.of((n, s, t.numel()) for (n, t), s in zip(named, sums))
-
-    def _push(self, weights: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            if not self._lora_injected():
-                self.model.load_state_dict(weights, strict=False)
-                return
-            live = self._live_state()  # names checked by the caller
-            for name, t in weights.items():
-                if name in live:
-                    live[name].copy_(t)
 
     def _live_state(self) -> dict[str, torch.Tensor]:
         """The model's state under HF names (a LoRA-wrapped layer's base_layer too)."""

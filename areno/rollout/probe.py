@@ -209,43 +209,6 @@ def check_logprobs(got: np.ndarray, ref: np.ndarray, tolerance: float, where: st
     return worst
 
 
-@dataclass(frozen=True)
-class Probe:
-    """token_ids: [L] int32 (L >= 2); expected_logprobs: [L-1] float32, the
-    log-prob of token i+1 given tokens 0..i under the new weights;
-    tolerance: largest acceptable max |engine - expected| (the uncalibrated
-    bound of the engine's dtype and the logits' scale, unless given)."""
-
-    token_ids: np.ndarray
-    expected_logprobs: np.ndarray
-    tolerance: float
-
-    def __post_init__(self) -> None:
-        ids, exp = self.token_ids, self.expected_logprobs
-        if not isinstance(ids, np.ndarray) or ids.dtype != np.int32 or ids.ndim != 1 or ids.size < 2:
-            raise ValueError("Probe.token_ids: expected a 1-D int32 array of at least 2 tokens")
-        if not isinstance(exp, np.ndarray) or exp.dtype != np.float32 or exp.shape != (ids.size - 1,):
-            raise ValueError(
-                f"Probe.expected_logprobs: expected float32 of shape ({ids.size - 1},), "
-                f"got {getattr(exp, 'dtype', type(exp))} {getattr(exp, 'shape', '')}"
-            )
-        if not np.all(np.isfinite(exp)):
-            raise ValueError("Probe.expected_logprobs: not all finite")
-        if not self.tolerance > 0:
-            raise ValueError(f"Probe.tolerance: must be > 0, got {self.tolerance}")
-
-    @classmethod
-    def from_model(cls, model: "torch.nn.Module", token_ids: Any, tolerance: float | None = None,
-                   engine_dtype: str = "float32") -> "Probe":
-        """Build the probe from the trainer's model (after the optimizer step);
-        tolerance None: the uncalibrated bound for `engine_dtype` (`probe_tolerance`)."""
-        ids = np.ascontiguousarray(token_ids, dtype=np.int32)
-        lp, scale = probe_logprobs(model, ids, with_scale=True)
-        if tolerance is None:
-            tolerance = probe_tolerance(rounding_unit(engine_dtype, scale, reduction_length(model.config)), None)
-        return cls(ids, lp, tolerance)
-
-
 def probe_logprobs(model: "torch.nn.Module", ids: np.ndarray, with_scale: bool = False):
     """[L] token ids -> [L-1] float32: log p(ids[i+1] | ids[:i+1]) from one
     transformers forward (and, with_scale, its `probe_scale`); logits
@@ -262,10 +225,3 @@ def probe_logprobs(model: "torch.nn.Module", ids: np.ndarray, with_scale: bool =
         lp = torch.log_softmax(logits, dim=-1).gather(-1, x[0, 1:, None])[:, 0]
     out = lp.cpu().numpy().astype(np.float32, copy=False)
     return (out, probe_scale(float(logits.abs().max()), out)) if with_scale else out
-
-
-def verify_probe(engine: Any, probe: Probe) -> float:
-    """Score `probe` with `engine.prompt_logprobs`; return max |diff|, or raise
-    WeightSyncError when it exceeds probe.tolerance."""
-    got = np.asarray(engine.prompt_logprobs(probe.token_ids), dtype=np.float32)
-    return check_logprobs(got, probe.expected_logprobs, probe.tolerance)

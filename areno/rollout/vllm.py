@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
-import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,13 +35,11 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths  # noqa: E402
 from areno.rollout.engine import (  # noqa: E402
     SamplingConfig,
-    check_weight_names,
-    named_tensor_dict,
     prompt_seeds,
     validate_prompts,
     validate_sequence,
 )
-from areno.rollout.probe import Fingerprint, Probe, WeightSyncError, verify_probe  # noqa: E402
+from areno.rollout.probe import Fingerprint, WeightSyncError  # noqa: E402
 from areno.rollout.vllm_fingerprint import held_fingerprint  # noqa: E402
 from areno.rollout.vllm_lora import VLLMAdapters, lora_llm_kwargs  # noqa: E402
 from areno.rollout.vllm_outputs import FlatLogprobs, batch_from_request_outputs  # noqa: E402
@@ -131,7 +126,6 @@ class VLLMEngine:
             int(pc.world_size) == 1 or pc.distributed_executor_backend == "external_launcher")
         self.multiprocess: bool = not in_process
         self._weight_names, self._optional_names = _checkpoint_names(mc)
-        self._shm_dir: Path | None = None
         self._asleep = False
         self._discarded = False  # level-2 sleep freed weights and KV cache; a full load restores them
 
@@ -221,26 +215,6 @@ class VLLMEngine:
         return np.array([d[t].logprob for d, t in zip(plp[1:], tok)], dtype=np.float32)
 
     # -- weights -------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], probe: Probe | None = None) -> None:
-        """Reload all weights in place (HF checkpoint names), reset the prefix
-        cache (its KV was computed by the old weights), then check the probe.
-
-        In-process engines get the tensors through `collective_rpc("reload_weights",
-        weights_iterator=...)`; a multiprocess engine cannot receive tensors over
-        RPC, so they go through a safetensors file under /dev/shm.
-        """
-        self._check_awake(loading=True)
-        weights = named_tensor_dict(named_tensors)
-        if self._weight_names is not None:
-            check_weight_names(weights, self._weight_names, self._optional_names)
-        self._push(list(weights.items()))
-        self._finish_wake()
-        self._restore_adapter()
-        if not self.llm.reset_prefix_cache():
-            raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running)")
-        if probe is not None:
-            verify_probe(self, probe)
-
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream a full set of HF-named tensors (any device) into the in-process
         model, one at a time, then reset the prefix cache. Names are checked once,
@@ -296,28 +270,6 @@ class VLLMEngine:
         if self.adapters is not None:
             self.adapters.restore()
 
-    def _push(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        if not self.multiprocess:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-            return
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._write_shm(weights))})
-
-    def _write_shm(self, weights: list[tuple[str, torch.Tensor]]) -> Path:
-        """Write the weights as one safetensors file in a per-engine directory
-        under /dev/shm (replaced atomically on every push, removed at shutdown).
-        The directory outlives the push because vLLM points its model config at it."""
-        from safetensors.torch import save_file
-
-        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        if self._shm_dir is None:
-            self._shm_dir = base / f"areno-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            self._shm_dir.mkdir(mode=0o700)
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights}
-        tmp = self._shm_dir / ".model.safetensors.tmp"
-        save_file(tensors, str(tmp))
-        os.replace(tmp, self._shm_dir / "model.safetensors")
-        return self._shm_dir
-
     # -- lifecycle -----------------------------------------------------------
     def sleep(self) -> None:
         """Free the KV cache and the weights (vLLM level 2) while the trainer
@@ -354,9 +306,6 @@ class VLLMEngine:
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
             del llm
-        if self._shm_dir is not None:
-            shutil.rmtree(self._shm_dir, ignore_errors=True)
-            self._shm_dir = None
         if getattr(self, "adapters", None) is not None:
             self.adapters.close()
 

@@ -1,5 +1,5 @@
-"""RankEngines: the RolloutEngine the trainer sees, backed by the engines inside
-the ranks (see engine_host.py). The controller only splits prompts, sends each
+"""RankEngines: the engines the training loop sees (`EngineView`), backed by the
+engines inside the ranks (see engine_host.py). The controller only splits prompts, sends each
 engine group its share (a few arrays) and reassembles the finished parts from
 the shared-memory segment the ranks write into; it never imports vLLM and never
 touches a GPU.
@@ -7,6 +7,10 @@ touches a GPU.
 Prompts go to engines by whole groups (all n samples of a prompt on one engine),
 balanced by expected tokens with longest-first greedy (LPT): a prompt is
 expected to cost its length plus `max_tokens` per sample.
+
+The loop never puts these engines to sleep or loads their weights itself: each
+rank sleeps its own engine while it trains (RankWorker.cmd_train), and
+`sync_weights` asks the ranks to load their engines (weight_sync.py).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -43,19 +47,44 @@ def assign_groups(cost: np.ndarray, num_engines: int) -> np.ndarray:
     return out
 
 
-class RankEngines:
-    """RolloutEngine over `backend.world_size // tensor_parallel_size` engines."""
+class EngineView(Protocol):
+    """What the training loop needs from its rollout engines (RankEngines; a
+    benchmark's stand-in): sampling, and new weights after each update."""
 
-    supports_sleep = True  # each rank sleeps its own engine around training
+    max_model_len: int
+
+    def generate(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int,
+                 sampling: SamplingConfig) -> RolloutBatch: ...
+
+    def generate_stream(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int,
+                        sampling: SamplingConfig, min_groups: int = 1,
+                        ) -> Iterator[tuple[np.ndarray, RolloutBatch]]: ...
+
+    def sync_weights(self) -> dict[str, float]:
+        """The trainer's current weights into every engine, checked (weight_sync.py)."""
+        ...
+
+
+class RankEngines:
+    """EngineView over the backend's engines: colocated, `world_size //
+    tensor_parallel_size` groups of consecutive ranks; split placement, one per
+    engine process (its TP, if any, inside it)."""
 
     def __init__(self, backend: "TorchBackend", tensor_parallel_size: int = 1) -> None:
         self.backend = backend
-        self.tp = tensor_parallel_size
-        self.num_engines = backend.world_size // tensor_parallel_size
-        hellos = backend._hellos
+        n, m = backend.world_size, backend.num_engine_procs
+        if m:
+            self.groups = [[n + i] for i in range(m)]
+            hellos = backend.engine_hellos
+        else:
+            tp = tensor_parallel_size
+            self.groups = [list(range(g * tp, (g + 1) * tp)) for g in range(n // tp)]
+            hellos = backend.hellos
+        self.num_engines = len(self.groups)
+        self._group_of = {r: g for g, peers in enumerate(self.groups) for r in peers}
         self.kinds: list[str] = sorted({h["engine"] for h in hellos})
         self.max_model_len: int = min(int(h["engine_max_model_len"]) for h in hellos)
-        self._remote = [not h["same_host"] for h in hellos]
+        self._remote = {r: not h["same_host"] for r, h in zip(sorted(self._group_of), hellos)}
         self.last_tokens: list[int] = []  # response tokens each engine wrote in the last call
 
     def generate(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int,
@@ -84,20 +113,19 @@ class RankEngines:
         seeds = prompt_seeds(sampling.seed, self.num_engines) if sampling.seed is not None else None
         # An interrupt mid-rollout (even between two sends) waits a few seconds for
         # the engines to finish, so the run can still save its last finished step.
-        stream = be._start("generate", drain_s=DRAIN_S)
-        for r in range(be.world_size):
-            g = r // self.tp
+        stream = be.open_stream("generate", drain_s=DRAIN_S)
+        for r, g in self._group_of.items():
             sub_ids, sub_off = csr_take(ids, offsets, members[g])
             out = OutRegion(None if self._remote[r] else seg.name, starts[g], caps[g])
             s = sampling if seeds is None else replace(sampling, seed=int(seeds[g]))
-            be._send(r, "generate", stream=stream, ids=sub_ids, offsets=sub_off, n=n, sampling=s, out=out,
-                     leader=r % self.tp == 0)
+            stream.send(r, "generate", ids=sub_ids, offsets=sub_off, n=n, sampling=s, out=out,
+                        leader=r == self.groups[g][0])
         self.last_tokens = [0] * self.num_engines
-        for r, kind, meta in be._events(stream, be.config.command_timeout_s):
+        for r, kind, meta in stream.events(be.config.command_timeout_s):
+            g = self._group_of[r]
             if kind == "ok":
-                self.last_tokens[r // self.tp] = max(self.last_tokens[r // self.tp], meta["tokens"])
+                self.last_tokens[g] = max(self.last_tokens[g], meta["tokens"])
             else:
-                g = r // self.tp
                 yield self._part(ids, offsets, n, members[g][meta["positions"]], meta,
                                  starts[g], caps[g])
 
@@ -122,14 +150,8 @@ class RankEngines:
             finish_reason=meta["finish"],
         )
 
-    def update_weights(self, named_tensors, probe=None) -> None:
-        raise NotImplementedError("rank engines load weights from their own rank: backend.sync_weights()")
-
-    def sleep(self) -> None:
-        """No-op: each rank sleeps its engine while it trains (cmd_train)."""
-
-    def wake_up(self) -> None:
-        """No-op: see sleep()."""
-
-    def shutdown(self) -> None:
-        """No-op: the engines stop with their ranks (backend.close())."""
+    def sync_weights(self) -> dict[str, float]:
+        """Colocated: each rank loads its own engine (the in-process transport).
+        Split: rank 0 publishes, every engine process loads (shared memory)."""
+        be = self.backend
+        return be.sync_engine_procs() if be.num_engine_procs else be.sync_weights()

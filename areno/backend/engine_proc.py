@@ -1,0 +1,78 @@
+"""Split placement: rollout engines in processes of their own, beside the ranks.
+
+With `BackendConfig.rollout_world_size` M > 0 the controller spawns M engine
+processes after the N ranks (launch.spawn_ranks). Each runs the rank process's
+command loop (rank.serve) around an `EngineWorker` instead of a RankWorker: it
+trains nothing and joins no process group. On CPU the processes share the
+cores; on GPU engine i would take device N + i (see docs/DESIGN.md, "Split
+placement", for what the GPU transport would need).
+
+Prompts reach it as they reach a rank's engine (`generate`, the same
+OutRegion/part protocol: engine_host.generate_into). Weights reach it through
+the shared-memory transport (weight_sync.py): after each train step rank 0
+writes the region and the controller sends `load_region`; the engine loads it
+and runs the same check (exact fingerprint, the probe when due) as a rank's
+own engine. Its heartbeat and sentinel are watched with the ranks'.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from areno.backend.config import BackendConfig, rank_cpu_threads
+from areno.backend.engine_host import OutRegion, generate_into, reports_fingerprint
+from areno.backend.weight_sync import SyncCheck, WeightRegion, load_region
+from areno.rollout.factory import make_engine
+
+
+class EngineWorker:
+    """One engine process: peer index `ARENO_PEER_INDEX` (N + i) of the controller."""
+
+    def __init__(self, cfg: BackendConfig, *, same_host: bool = True) -> None:
+        self.cfg = cfg
+        self.peer = int(os.environ["ARENO_PEER_INDEX"])
+        self.index = self.peer - cfg.world_size  # i of the M engine processes
+        self.same_host = same_host
+        if cfg.device == "cuda":
+            tp = cfg.engine.tensor_parallel_size  # engine i: GPUs N + i*tp .. (untested: docs/DESIGN.md)
+            self.device = torch.device("cuda", cfg.world_size + self.index * tp)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(cfg.cpu_threads or rank_cpu_threads(len(os.sched_getaffinity(0)),
+                                                                      cfg.rollout_world_size))
+        self.engine, self.engine_kind = make_engine(cfg.engine, cfg.model_path, self.device)
+        self.sync_check = SyncCheck(reports_fingerprint(self.engine), self.peer)
+        self.emit = None  # set by serve(): sends one ("part", ...) message mid-command
+
+    def hello(self) -> dict:
+        return {"rank": self.peer, "pid": os.getpid(), "host": os.uname().nodename, "same_host": self.same_host,
+                "engine": self.engine_kind, "engine_max_model_len": getattr(self.engine, "max_model_len", None),
+                "fingerprinted": self.sync_check.fingerprinted, "cpu_threads": torch.get_num_threads()}
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def cmd_generate(self, ids: np.ndarray, offsets: np.ndarray, n: int, sampling,
+                     out: OutRegion, leader: bool) -> dict:
+        """Sample these prompts, streaming finished parts back (engine_host.generate_into)."""
+        t0 = time.perf_counter()
+        tokens = generate_into(self.engine, ids, offsets, n, sampling, out, self.emit) if offsets.size > 1 else 0
+        return {"tokens": tokens, "generate_s": time.perf_counter() - t0}
+
+    def cmd_load_region(self, region: WeightRegion) -> dict:
+        """Load the weights rank 0 published and check them (weight_sync.load_region)."""
+        t0 = time.perf_counter()
+        out = load_region(self.engine, region, self.sync_check)
+        return out | {"load_s": time.perf_counter() - t0}
+
+    def cmd_debug(self, action: str, seconds: float = 0.0) -> None:
+        """Test hooks, as RankWorker's: 'sleep', 'raise' ('barrier' is a no-op here)."""
+        if action == "sleep":
+            time.sleep(seconds)
+        elif action == "raise":
+            raise RuntimeError(f"debug failure requested on engine process {self.index}")

@@ -1,0 +1,204 @@
+"""Peers and ReplyStream: the controller's side of the command pipes.
+
+`Peers` holds the pipes and processes of the ranks (and, with split placement,
+of the engine processes): it sends commands and reads replies with
+`multiprocessing.connection.wait` over the result pipes AND the process
+sentinels, in slices of at most a second, so a peer that raises is reported
+with its traceback, one that is SIGKILLed at once, one whose heartbeat stops
+within its bound; any of them aborts the owner (every process stopped, every
+segment unlinked). Nothing blocks forever on a recv.
+
+A `ReplyStream` is one command's replies: opened before its sends (each adds
+its peer to `pending`), so an interrupt between a send and the first read still
+finds the peers that owe replies. The owner (TorchBackend) and the loop-side
+engine view (backend/rank_engines.py) both use these objects, never each
+other's internals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from areno.backend.errors import USER_ERROR, BackendError, RankUserError
+from areno.backend.heartbeat import HeartbeatWatch, stuck_rank_error
+from areno.backend.signals import signals_held
+from areno.procs import exit_text
+
+
+class ReplyStream:
+    """One command's replies: `pending` peers still owe their final "ok"."""
+
+    def __init__(self, peers: "Peers", what: str, drain_s: float, pending: Iterable[int]) -> None:
+        self.peers, self.what, self.drain_s = peers, what, drain_s
+        self.pending: set[int] = set(pending)
+        self.owed: set[int] = set(self.pending)  # every peer this stream was sent to
+
+    def send(self, rank: int, cmd: str, **kwargs) -> None:
+        """Send `cmd` to `rank`, which now owes this stream its reply."""
+        self.peers.send(self, rank, cmd, kwargs)
+
+    def send_bytes(self, rank: int, data: Any) -> None:
+        """Raw bytes after a command (a payload for a peer on another host)."""
+        self.peers.conns[rank].send_bytes(data)
+
+    def events(self, timeout_s: float) -> Iterator[tuple[int, str, Any]]:
+        """Yield (rank, "part" | "ok", payload) as replies arrive, until every peer
+        has sent its final "ok". Any error, death or timeout aborts the owner.
+        So does a consumer that stops early (Ctrl-C while scoring a part, say),
+        unless drain_s > 0 (commands that leave the trained weights as they were):
+        then the rest of the replies are read for up to drain_s seconds and, if
+        all come, the owner stays usable (e.g. to save the last finished step)."""
+        try:
+            deadline = time.monotonic() + timeout_s
+            while self.pending:
+                for r, msg in self.peers.wait_some(self.what, self.pending, deadline, timeout_s):
+                    yield r, msg[0], msg[1]
+        finally:
+            self.settle()
+
+    def gather(self, timeout_s: float) -> list:
+        """One reply per peer the command went to, in peer order."""
+        results: dict[int, Any] = {}
+        for r, kind, payload in self.events(timeout_s):
+            if kind == "part":
+                self.peers.abort()
+                raise BackendError(f"{self.what}: rank {r} sent a streamed part to a plain command", rank=r)
+            results[r] = payload
+        return [results.get(r) for r in sorted(self.owed)]
+
+    def settle(self) -> None:
+        """End the replies once: drain what is left (drain_s > 0) or abort. Runs
+        when events() finishes or is closed, or before the next command if the
+        caller left it suspended (an exception raised while a part was being
+        scored keeps the generator alive in its traceback)."""
+        if self.peers.open_stream is not self:
+            return
+        self.peers.open_stream = None
+        if self.pending and not (self.drain_s > 0 and self.peers.drain(self.what, self.pending, self.drain_s)):
+            self.peers.abort()
+
+
+class Peers:
+    """Pipes `conns[r]` and processes `procs[r]` (empty: launched elsewhere) of the
+    peers; `abort` tears the owner down, `is_closed` says whether it is."""
+
+    def __init__(self, conns: list[Connection | None], procs: list, abort: Callable[[], None],
+                 is_closed: Callable[[], bool], label: Callable[[int], str] = lambda r: f"rank {r}") -> None:
+        self.conns, self.procs = conns, procs
+        self.label = label  # how messages name peer r
+        self.abort, self.is_closed = abort, is_closed
+        self.beats: HeartbeatWatch | None = None  # watched once every peer said hello
+        self.busy = False  # the main thread is waiting on the peers: it sees a death itself
+        self.open_stream: ReplyStream | None = None
+
+    def open(self, what: str, drain_s: float = 0.0, pending: Iterable[int] = ()) -> ReplyStream:
+        """A command's reply stream; an abandoned one is settled first."""
+        if self.open_stream is not None:
+            self.open_stream.settle()
+        self.open_stream = ReplyStream(self, what, drain_s, pending)
+        return self.open_stream
+
+    def broadcast(self, cmd: str, ranks: Iterable[int], *, drain_s: float = 0.0, **kwargs) -> ReplyStream:
+        """Send `cmd` to every peer of `ranks` -> its reply stream."""
+        stream = self.open(cmd, drain_s)
+        for r in ranks:
+            stream.send(r, cmd, **kwargs)
+        return stream
+
+    def send(self, stream: ReplyStream, rank: int, cmd: str, kwargs: dict) -> None:
+        if self.open_stream is not stream:  # opened by open(): an abandoned one was settled there
+            raise RuntimeError(f"{cmd!r} sent on a stream that is not open")
+        if self.is_closed():
+            raise BackendError("backend is closed (a rank failed or close() was called)")
+        try:
+            with signals_held():  # sent whole and owed, or neither
+                self.conns[rank].send((cmd, kwargs))
+                stream.pending.add(rank)
+                stream.owed.add(rank)
+        except (OSError, ValueError) as e:
+            dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
+            err = (self.death(dead[0], cmd, []) if dead else
+                   BackendError(f"rank {rank}: cannot send {cmd!r} ({e}); rank is gone", rank=rank))
+            self.abort()
+            raise err from None
+
+    def drain(self, what: str, pending: set[int], drain_s: float) -> bool:
+        """Read and drop replies until every pending peer has finished (True) or
+        drain_s passed, a peer failed, or a second interrupt came (False)."""
+        if self.is_closed():  # the watchdog already tore the owner down
+            return False
+        deadline = time.monotonic() + drain_s
+        try:
+            while pending:
+                self.wait_some(what, pending, deadline, drain_s)
+        except (BackendError, KeyboardInterrupt, OSError, ValueError):
+            return False
+        return True
+
+    def wait_some(self, what: str, pending: set[int], deadline: float, timeout_s: float) -> list:
+        """Wait (<= 1 s) for messages of pending peers -> [(rank, message)]; a peer
+        whose final "ok" came leaves `pending` here, in the same held block as the
+        read. Raises BackendError for a peer's error, death or the deadline."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BackendError(f"{what}: rank(s) {sorted(pending)} did not answer within {timeout_s:g}s")
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        # Only while in here: a caller may hold a streamed command open for long
+        # (scoring a part in-process), and then the watchdog must act. A death seen
+        # here closes the owner before the flag drops, so the watchdog, which sees
+        # the same sentinel, never interrupts a run that is already stopping.
+        self.busy = True
+        try:
+            ready = set(wait([self.conns[r] for r in pending] + list(sentinels), timeout=min(left, 1.0)))
+            got, errors = [], []
+            with signals_held():  # a reply read is a reply counted
+                for r in sorted(pending):
+                    if self.conns[r] in ready:
+                        try:
+                            got.append((r, self.recv(r, what)))
+                        except BackendError as e:
+                            errors.append(e)
+                pending.difference_update(r for r, msg in got if msg[0] == "ok")
+            dead = [r for s, r in sentinels.items() if s in ready]
+            if errors and not dead and sentinels:
+                # A peer's error is often the echo of another's death (gloo: "connection
+                # closed by peer"); look briefly so the root cause is what gets reported.
+                dead = [sentinels[s] for s in wait(list(sentinels), timeout=0.5)]
+            err = (self.death(dead[0], what, errors) if dead else errors[0] if errors else
+                   stuck_rank_error(self.beats, self.procs, what, self.label))
+            if err is not None:
+                self.abort()
+                raise err
+            return got
+        finally:
+            self.busy = False
+
+    def death(self, r: int, what: str, echoes: list[BackendError]) -> BackendError:
+        """The error for peer r's death: its own last words when it sent some."""
+        if self.conns[r] is not None and self.conns[r].poll(0):
+            try:
+                self.recv(r, what)
+            except BackendError as e:
+                if e.remote_traceback:
+                    return e
+        p = self.procs[r]
+        p.join(0.1)
+        msg = f"{what}: {self.label(r)} (pid {p.pid}) died ({exit_text(p.exitcode)})"
+        if echoes:
+            msg += f"; then {echoes[0].remote_message}"
+        return BackendError(msg, rank=r)
+
+    def recv(self, r: int, what: str):
+        try:
+            msg = self.conns[r].recv()
+        except (EOFError, OSError):
+            raise BackendError(f"{what}: rank {r} closed its connection (died?)", rank=r) from None
+        if msg[0] == "err":
+            _, rank, message, tb = msg
+            if message.startswith(USER_ERROR):  # the user's to fix: their one line, exit 2
+                raise RankUserError(message[len(USER_ERROR):], rank=rank)
+            raise BackendError(f"{what}: rank {rank} failed: {message}", rank=rank, remote_traceback=tb)
+        return msg

@@ -1,0 +1,110 @@
+"""Split placement (--rollout-world-size M): M engine processes beside the N
+ranks sample the prompts, get the trained weights through the shared-memory
+transport and pass the same check as a rank's own engine; the watchdog covers
+them; a short demo run learns."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from helpers import rank_debug
+from test_backend_units import make_split
+from test_resume import SMALL, cli, ok
+
+PROMPTS = (np.array([5, 12, 3, 13, 7, 9], np.int32), np.array([0, 2, 4, 6]))
+
+
+def backend_config(path, m: int, **kw):
+    from areno.backend.config import BackendConfig
+    from areno.rollout.factory import EngineSpec
+
+    return BackendConfig(model_path=str(path), world_size=1, engine=EngineSpec(kind="hf", max_model_len=64),
+                         rollout_world_size=m, **kw)
+
+
+def test_engine_processes_sample_and_load_each_trained_version_checked(tiny_chat_path):
+    from areno.backend.controller import TorchBackend
+    from areno.backend.rank_engines import RankEngines
+    from areno.rollout.engine import SamplingConfig
+
+    sampling = SamplingConfig(max_tokens=4, seed=3)
+    with TorchBackend(backend_config(tiny_chat_path, 0)) as be:
+        colocated = RankEngines(be).generate(*PROMPTS, 2, sampling)
+    with TorchBackend(backend_config(tiny_chat_path, 1)) as be:
+        assert be.hellos[0]["engine"] is None and be.engine_hellos[0]["engine"] == "hf"
+        engines = RankEngines(be)
+        assert engines.num_engines == 1 and engines.groups == [[1]]
+        before = engines.generate(*PROMPTS, 2, sampling)
+        # Same weights, same seeds, same engine code: the same samples as colocated.
+        np.testing.assert_array_equal(before.response_ids, colocated.response_ids)
+        for _ in range(2):
+            be.train(make_split(1))
+            t = engines.sync_weights()
+            assert t["sync_load_s"] > 0
+        assert "probe_diff" in t or be.publishes == 2
+        after = engines.generate(*PROMPTS, 2, sampling)
+        assert not np.array_equal(after.response_logprobs, before.response_logprobs)  # new weights serve
+        rank_debug(be, "noop")  # the ranks still answer after the engine commands
+
+
+def test_a_corrupted_region_fails_the_engine_process_check(tiny_chat_path):
+    from areno.backend.controller import TorchBackend
+    from areno.backend.errors import BackendError
+
+    with TorchBackend(backend_config(tiny_chat_path, 1)) as be:
+        be.train(make_split(1))
+        region = be.publish_weights()
+        entry = next(e for e in region.layout.entries if ".layers." in e.name)
+        be._weights.buf[entry.offset + 2] ^= 0x40  # one mantissa bit of one weight of a layer
+        stream = be.peers.broadcast("load_region", [1], region=region)
+        with pytest.raises(BackendError, match="WeightSyncError"):
+            stream.gather(60)
+
+
+def test_a_dead_engine_process_stops_the_backend_within_seconds(tiny_chat_path):
+    from areno.backend.controller import TorchBackend
+
+    with TorchBackend(backend_config(tiny_chat_path, 1, shutdown_grace_s=2.0)) as be:
+        killed = time.monotonic()
+        os.kill(be.engine_hellos[0]["pid"], signal.SIGKILL)
+        with pytest.raises(KeyboardInterrupt):  # the watchdog interrupts the main thread
+            time.sleep(30)
+        assert time.monotonic() - killed < 5
+        assert be.dead is not None and "engine process 0" in str(be.dead) and "died" in str(be.dead)
+
+
+def test_demo_with_an_engine_process_follows_the_colocated_learning_curve(tmp_path, areno_cache):
+    """Seeded, K = 0: the same run with its engine in a process of its own (weights
+    through the shared-memory transport) gives the colocated run's metrics step
+    for step: same samples, same rewards, same losses. Bit-identical, not close:
+    the same engine code on the same bytes with the same per-engine seeds and
+    thread count. A sync that left the engine behind diverges at step 2."""
+    def run(name: str, extra: list[str]) -> list[dict]:
+        out = tmp_path / name
+        ok(cli(["train", *SMALL, "--rollout-engine", "hf", "--world-size", "1", "--max-steps", "6",
+                "--seed", "0", "--no-save", "--output-dir", str(out), *extra], areno_cache, timeout=240))
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if k.startswith(("reward/", "train/loss", "response/"))} for r in rows]
+
+    colocated, split = run("colocated", []), run("split", ["--rollout-world-size", "1"])
+    assert len(split) == 6 and all("train/loss" in r for r in split)
+    assert split == colocated
+
+
+def test_engine_processes_need_one_node_and_an_engine(monkeypatch):
+    from areno.backend.config import BackendConfig
+    from areno.config import TrainConfig
+    from areno.errors import UserError
+    from areno.run import check_placement
+
+    monkeypatch.setenv("ARENO_BACKEND_AUTHKEY", "0" * 32)
+    with pytest.raises(UserError, match=r"--rollout-world-size 1: .*--nnodes 1"):
+        check_placement(TrainConfig.from_sources(overrides=dict(rollout_world_size=1, nnodes=2)), 1, 2, "cpu")
+    with pytest.raises(ValueError, match="rollout_world_size.*only with an engine"):
+        BackendConfig(model_path="m", rollout_world_size=1)
