@@ -171,6 +171,9 @@ def check_placement(cfg: TrainConfig, nproc: int, world_size: int, device: str) 
     """Where the engines go, checked before any rank starts: in the ranks
     (check_tensor_parallel), or --rollout-world-size processes of their own."""
     m, tp = cfg.rollout_world_size, cfg.tensor_parallel_size
+    if cfg.off_policy_steps:  # the options and their rules exist (offpolicy.py); the loop does not yet
+        raise UserError(f"--off-policy-steps {cfg.off_policy_steps}: the asynchronous loop is not built "
+                        "yet; split placement (--rollout-world-size) runs the synchronous loop: use 0")
     if not m:
         check_tensor_parallel(tp, nproc, world_size, device)
         return

@@ -52,6 +52,9 @@ BAD = [
     (["--off-policy-steps", "-1"], "--off-policy-steps must be >= 0"),
     (["--rollout-world-size", "-2"], "--rollout-world-size must be >= 0"),
     (["--off-policy-steps", "1.5"], "--off-policy-steps"),
+    # every rule passes; the loop itself is not built: said at start-up, not ignored
+    (ASYNC, "--off-policy-steps 2: the asynchronous loop is not built yet"),
+    (["--rollout-world-size", "1", "--lora-rank", "8"], "--lora-rank with --rollout-world-size"),
 ]
 
 
@@ -102,7 +105,7 @@ def test_k_turns_on_recompute_and_the_default_cap_and_says_so(files, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith(
         "areno: --off-policy-steps 2 turns on --recompute-logprobs and --tis-cap 2 (decoupled PPO")
-    bc = backend_config(cfg, "m", "m", 1, "cpu", 10)
+    bc = backend_config(cfg, "m", "m", 1, "cpu", 10, engine_spec(cfg, "cpu", 8))  # M > 0 needs an engine
     assert bc.recompute_logprobs and bc.loss.tis_cap == 2.0
 
 
