@@ -324,7 +324,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
         if lora is not None:
             logger.info(lora_line(lora, params))
             if lora.adapter_path is not None:  # the engines hold the base model: give them the trained one
-                run.sync_weights()
+                run.engine.sync_weights()
         resume.restore_rng()  # last: engine and backend start-up may reseed the global RNGs
         yield run
 

@@ -244,7 +244,7 @@ def test_a_base_weight_push_keeps_the_adapter(engine, trainer, tiny_chat_model):
     leave the adapter served (vLLM's reload removes every adapter: re-added)."""
     sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), bump(engine))
     base = {k: v.clone() for k, v in tiny_chat_model.state_dict().items()}
-    engine.update_weights(base.items())
+    engine.load_weights(base.items())
     assert fingerprint_mismatch(engine.adapter_fingerprint(),
                                 adapter_fingerprint_of(adapter_tensors(trainer, DTYPES[engine.dtype_name]),
                                                        lora_config())) is None
