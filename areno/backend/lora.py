@@ -96,10 +96,6 @@ def lora_layers(hf: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in hf.named_modules() if isinstance(m, LoraLayer)}
 
 
-def is_lora(hf: nn.Module) -> bool:
-    return bool(lora_layers(hf))
-
-
 def param_counts(hf: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter elements (tied tensors once)."""
     params = list(hf.parameters())
