@@ -166,6 +166,8 @@ def test_checkpoint_loads_with_peft_and_generates_as_the_policy(tiny_chat_path, 
     cfg = json.loads((tmp_path / "adapter_config.json").read_text())
     assert cfg["base_model_name_or_path"] == str(tiny_chat_path) and cfg["r"] == 8
     base = AutoModelForCausalLM.from_pretrained(tiny_chat_path, dtype=torch.float32)
+    with torch.no_grad():  # the adapter changes the greedy output: serving the base would show
+        assert not torch.equal(base.generate(prompt, max_new_tokens=8, do_sample=False), want)
     loaded = PeftModel.from_pretrained(base, str(tmp_path)).eval()
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     with torch.no_grad():
@@ -174,6 +176,28 @@ def test_checkpoint_loads_with_peft_and_generates_as_the_policy(tiny_chat_path, 
         got = loaded.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)
         assert torch.equal(got, want)
         assert torch.equal(merged.generate(prompt, max_new_tokens=8, do_sample=False), want)
+    # vLLM (CPU) serves the checkpoint as a LoRA adapter over the base model, as it is
+    new = want[0, prompt.shape[1]:].tolist()
+    res = subprocess.run([sys.executable, "-c", VLLM_SERVES_ADAPTER, str(tiny_chat_path), str(tmp_path),
+                          json.dumps(prompt[0].tolist()), str(len(new))],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    tokens = [ln for ln in res.stdout.splitlines() if ln.startswith("TOKENS ")]  # vLLM prints too
+    assert tokens and json.loads(tokens[-1][len("TOKENS "):]) == new, res.stdout[-2000:]
+
+
+VLLM_SERVES_ADAPTER = """
+import json, sys
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.lora.request import LoRARequest
+base, adapter, prompt, n = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+llm = LLM(model=base, dtype="float32", enable_lora=True, max_lora_rank=8, max_model_len=64,
+          kv_cache_memory_bytes=64 << 20, seed=0)
+out = llm.generate(TokensPrompt(prompt_token_ids=prompt), SamplingParams(temperature=0.0, max_tokens=n),
+                   lora_request=LoRARequest("checkpoint", 1, adapter), use_tqdm=False)
+print("TOKENS " + json.dumps(list(out[0].outputs[0].token_ids)), flush=True)
+"""
 
 
 # -- real rank processes: FSDP2 (2 ranks, gloo) and DDP --------------------------------
