@@ -42,6 +42,7 @@ FLAGS = ["--batch-size", "4", "--n-samples", "4", "--max-steps", "5000", "--save
 EVAL_ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (0, 5)]]
 COMPLETE = ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.json",
             "backend/trainer.pt")
+SETTLE_S = 0.2  # after the controller exits, its children's own exits (rank, resource tracker) land
 LINE = re.compile(r"^areno: interrupted(?: \((SIG\w+)\))?(?: after step (\d+) of \d+)?")
 
 
@@ -173,6 +174,7 @@ def resume_works(stderr: str, out: Path, env: dict) -> bool:
     cmd = shlex.split(line.split("continue with: ", 1)[1])
     proc = launch(cmd[1:], env)
     stdout, err = interrupt(proc, out, Moment(steps_logged(out) + 1, 0.0), 300)
+    time.sleep(SETTLE_S)  # as for every try: judged at once, a child still exiting counted as left
     return (proc.returncode == 130 and f"resumed at step {step}" in stdout and "Traceback" not in err
             and judge(proc.returncode, stdout, err, out, group_alive(proc.pid), set()) == "saved")
 
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             proc = launch(["train", *FLAGS, "--seed", str(i), "--eval-dataset-path", str(evalset),
                            "--output-dir", str(out)], env)
             stdout, stderr = interrupt(proc, out, at, 300)
-            time.sleep(0.2)
+            time.sleep(SETTLE_S)
             verdict = judge(proc.returncode, stdout, stderr, out, group_alive(proc.pid),
                             orphaned(shm_names() - shm0))
             tally[verdict] += 1
