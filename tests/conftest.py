@@ -152,3 +152,14 @@ def smol_path(areno_cache: Path) -> Path:
         return smol_model_path(areno_cache)
     except RealModelUnavailable as e:
         pytest.fail(f"the real-model fixture smol_path could not be built: {e}", pytrace=False)
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, str]:
+    """A one-row dataset and a constant reward plugin: the two options a non-demo
+    TrainConfig needs ({dataset_path, reward_fn_path})."""
+    plugin = tmp_path / "reward.py"
+    plugin.write_text("def reward_fn(record):\n    return 1.0\n")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    return {"dataset_path": str(data), "reward_fn_path": str(plugin)}

@@ -23,15 +23,6 @@ from areno.settings import backend_config, engine_spec, sampling
 ASYNC = ["--off-policy-steps", "2", "--rollout-world-size", "2"]
 
 
-@pytest.fixture
-def files(tmp_path):
-    plugin = tmp_path / "reward.py"
-    plugin.write_text("def reward_fn(record):\n    return 1.0\n")
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    return {"dataset_path": str(data), "reward_fn_path": str(plugin)}
-
-
 def refused(args, capsys) -> str:
     rc = main(["train", *args])
     out = capsys.readouterr()

@@ -8,15 +8,6 @@ from areno.cli import main
 from areno.config import TrainConfig
 
 
-@pytest.fixture
-def files(tmp_path):
-    plugin = tmp_path / "reward.py"
-    plugin.write_text("def reward_fn(record):\n    return 1.0\n")
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    return {"dataset_path": str(data), "reward_fn_path": str(plugin)}
-
-
 @pytest.mark.parametrize("algo,want", [("grpo", "token-mean"), ("gspo", "seq-mean-token-mean")])
 def test_loss_agg_default_follows_algo(files, algo, want):
     assert TrainConfig.from_sources(None, {**files, "algo": algo}).loss_agg == want
