@@ -90,7 +90,9 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def save_checkpoint(run: Any, step: int) -> Path:
-    """Write run's state at `step` atomically; prune to --keep-last. Returns the path."""
+    """Write run's state at `step` atomically; prune to --keep-last. Returns the path.
+    The asynchronous loop's rollout in flight is waited for and saved with it
+    (asyncloop.py; an interrupt drops it first)."""
     root = checkpoint_root(run.cfg, run.output_dir)
     final = root / f"step_{step:06d}"
     tmp = root / f"{TMP_PREFIX}step_{step:06d}-{os.getpid()}"
@@ -104,9 +106,11 @@ def save_checkpoint(run: Any, step: int) -> Path:
             # would rewrite tokenizer_class, which older transformers cannot load).
             run.tokenizer.save_pretrained(str(tmp))
         save_controller_rng(tmp / CONTROLLER_RNG)
+        ahead = getattr(run, "ahead", None)  # the asynchronous loop: its rollout in flight
         state = {
             "step": step,
-            "sampler": run.sampler.state_dict(),
+            "sampler": ahead.checkpoint_state(tmp) if ahead else run.sampler.state_dict(),
+            **({"weight_version": ahead.updates} if ahead else {}),
             "model_path": run.model_path,
             "config": run.cfg.to_dict(),
         }

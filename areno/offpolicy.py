@@ -20,6 +20,10 @@ from areno.rollout.factory import LOGPROBS_PROCESSED, engines_for
 # the rest: no token counts more than twice what it would on-policy.
 OFF_POLICY_TIS_CAP = 2.0
 
+# The loop (asyncloop.py) keeps one rollout in flight: more would need the engine
+# processes to queue rollouts, which they do not.
+MAX_OFF_POLICY_STEPS = 1
+
 
 def off_policy_defaults(values: dict[str, Any]) -> list[str]:
     """--off-policy-steps K >= 1 turns on --recompute-logprobs and --tis-cap (the
@@ -49,6 +53,10 @@ def check_off_policy(cfg: Any) -> None:
     if not k:
         return
     flag = f"--off-policy-steps {k}"
+    if k > MAX_OFF_POLICY_STEPS:
+        raise UserError(f"{flag}: the asynchronous loop runs one rollout ahead of training, so "
+                        f"its policy lag is at most {MAX_OFF_POLICY_STEPS}; use "
+                        f"--off-policy-steps {MAX_OFF_POLICY_STEPS}")
     if not m:
         raise UserError(f"{flag} needs --rollout-world-size >= 1: colocated engines share the "
                         "training GPUs and sleep while the ranks train, so rollouts cannot "

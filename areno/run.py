@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from areno import evaluate as evaluation
+from areno.asyncloop import RolloutsAhead, load_inflight
 from areno import settings
 from areno.backend.rank_engines import EngineView, RankEngines
 from areno import runlock
@@ -69,12 +70,15 @@ class Run:
     evalset: tuple[RowSet, PromptSet] | None = None
     workspace: Workspace = field(default_factory=Workspace)  # pack buffers reused every step
     max_tokens_per_micro: int = 8192  # --max-tokens-per-micro, or the device's default
+    ahead: RolloutsAhead | None = None  # the asynchronous loop's state (--off-policy-steps >= 1)
 
     def evaluate(self, step: int) -> None:
         """Score the eval set (--eval-dataset-path; nothing without one) and log it at `step`."""
         cfg = self.cfg
         if self.evalset is None:
             return
+        if self.ahead is not None:  # the engines free, with the weights of `step`
+            self.ahead.ready_for_eval()
         # mean@k samples with a seed of its own per step, so a resumed run evaluates as
         # an uninterrupted one would (the engine's own stream is not checkpointed).
         sampling = replace(self.sampling, seed=EVAL_SEED_BASE + cfg.seed * 1_000_003 + step)
@@ -171,9 +175,6 @@ def check_placement(cfg: TrainConfig, nproc: int, world_size: int, device: str) 
     """Where the engines go, checked before any rank starts: in the ranks
     (check_tensor_parallel), or --rollout-world-size processes of their own."""
     m, tp = cfg.rollout_world_size, cfg.tensor_parallel_size
-    if cfg.off_policy_steps:  # the options and their rules exist (offpolicy.py); the loop does not yet
-        raise UserError(f"--off-policy-steps {cfg.off_policy_steps}: the asynchronous loop is not built "
-                        "yet; split placement (--rollout-world-size) runs the synchronous loop: use 0")
     if not m:
         check_tensor_parallel(tp, nproc, world_size, device)
         return
@@ -321,6 +322,11 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
                   total_steps=total, step=resume.step, evalset=evalset,
                   max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
         logger.info(start_line(run, resume, device))
+        saved = load_inflight(resume.ckpt)
+        if cfg.off_policy_steps:
+            run.ahead = RolloutsAhead(run, int(resume.state.get("weight_version", resume.step)), saved)
+        elif saved is not None:  # a synchronous run draws that rollout's prompts itself
+            sampler.load_state_dict(saved.sampler_before)
         if lora is not None:
             logger.info(lora_line(lora, params))
             if lora.adapter_path is not None:  # the engines hold the base model: give them the trained one

@@ -10,7 +10,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -110,8 +110,8 @@ def train_loop(run: Run) -> None:
     before = None
     try:
         for step in range(run.step + 1, run.total_steps + 1):
-            before = (step, run.sampler.state_dict(), run.backend.step)
-            metrics = train_step(run, step)
+            before = (step, sampler_before(run, step), run.backend.step)
+            metrics = (train_step_ahead if run.ahead else train_step)(run, step)
             run.step = step
             run.logger.log(step, metrics)
             if not cfg.no_save and due(step, cfg.save_interval):
@@ -144,17 +144,29 @@ def due(step: int, interval: int) -> bool:
     return bool(interval) and step % interval == 0
 
 
+def sampler_before(run: Run, step: int) -> dict:
+    """The sampler's state before step drew its prompts (the asynchronous loop drew
+    them during the step before)."""
+    cur = run.ahead and run.ahead.inflight
+    return cur.sampler_before if cur and cur.step == step else run.sampler.state_dict()
+
+
 def settle_interrupted_step(run: Run, before: tuple[int, dict, int] | None) -> None:
     """Make run.step and the data cursor agree with the weights after an interrupt
     inside a step: if its update reached the weights the step counts as finished,
-    otherwise the prompts it drew go back to the sampler."""
-    if before is None or before[0] != run.step + 1:
-        return
-    step, sampler_state, backend_step = before
-    if run.backend.step != backend_step:
-        run.step = step
-    else:
-        run.sampler.load_state_dict(sampler_state)
+    otherwise the prompts it drew go back to the sampler. A rollout for a later
+    step (the asynchronous loop's) is dropped and its prompts go back too."""
+    if before is not None and before[0] == run.step + 1:
+        step, sampler_state, backend_step = before
+        if run.backend.step != backend_step:
+            run.step = step
+        else:
+            run.sampler.load_state_dict(sampler_state)
+    cur = run.ahead and run.ahead.inflight
+    if cur:
+        if cur.step == run.step + 1:  # drawn after the last finished step: its prompts go back
+            run.sampler.load_state_dict(cur.sampler_before)
+        run.ahead.inflight = None
 
 
 def stopped(run: Run, e: BackendError | WeightSyncError) -> None:
@@ -179,15 +191,40 @@ def stopped(run: Run, e: BackendError | WeightSyncError) -> None:
 
 
 def train_step(run: Run, step: int, timer: PhaseTimer | None = None) -> dict[str, float]:
-    """One step; timer: the caller's PhaseTimer (benchmarks keep its spans)."""
+    """One synchronous step; timer: the caller's PhaseTimer (benchmarks keep its spans)."""
     cfg, timer = run.cfg, timer or PhaseTimer()
     t_step = time.perf_counter()
     prompt_idx = run.sampler.next_batch()
-    sampling = replace(run.sampling, seed=cfg.seed * 1_000_003 + step)
+    sampling = step_sampling(run, step)
     if cfg.overlap_rewards:
         batch, scored = rollout_overlapped(run, prompt_idx, sampling, timer)
     else:
         batch, scored = rollout_then_score(run, prompt_idx, sampling, timer)
+    return learn(run, step, prompt_idx, batch, scored, timer, t_step, run.engine.sync_weights)
+
+
+def train_step_ahead(run: Run, step: int, timer: PhaseTimer | None = None) -> dict[str, float]:
+    """One step of the asynchronous loop (asyncloop.py): train on the rollout that
+    was generated while the last step trained; the next one runs meanwhile."""
+    timer, t_step = timer or PhaseTimer(), time.perf_counter()
+    ahead = run.ahead
+    cur = ahead.take(step)
+    scored = score(run, cur.prompt_idx, cur.batch, timer)
+    metrics = learn(run, step, cur.prompt_idx, cur.batch, scored, timer, t_step, ahead.publish)
+    return metrics | ahead.after_update(step, cur)
+
+
+def step_sampling(run: Run, step: int) -> SamplingConfig:
+    """The sampling of step's rollout: its seed is the step's, so a resumed run samples
+    as an uninterrupted one."""
+    return replace(run.sampling, seed=run.cfg.seed * 1_000_003 + step)
+
+
+def learn(run: Run, step: int, prompt_idx: np.ndarray, batch: RolloutBatch, scored: RewardResult,
+          timer: PhaseTimer, t_step: float, sync: Callable[[], Any]) -> dict[str, float]:
+    """A scored rollout -> advantages, pack, update, `sync()` (new weights to the
+    engines, or published for them), the step's metrics."""
+    cfg = run.cfg
     with timer("materialize"):
         with timer.span("advantages"):
             adv, keep, n_zero_var = advantages_and_keep(
@@ -210,7 +247,7 @@ def train_step(run: Run, step: int, timer: PhaseTimer | None = None) -> dict[str
         train_timings = dict(run.backend.last_timings) if opt_steps else {}
     with timer("weight_sync"):
         if opt_steps:
-            run.engine.sync_weights()
+            sync()
     elapsed = time.perf_counter() - t_step
     perf = dict(getattr(run.backend, "last_perf", {}))  # perf/train_tokens_per_s, perf/mfu (GPU)
     if opt_steps and "sync_mb" in run.backend.last_timings:
@@ -237,12 +274,15 @@ def rollout_then_score(run: Run, prompt_idx: np.ndarray, sampling: SamplingConfi
     with timer("rollout"):
         ids, offsets = select(run.prompts, prompt_idx)
         batch = run.engine.generate(ids, offsets, run.cfg.n_samples, sampling)
+    return batch, score(run, prompt_idx, batch, timer)
+
+
+def score(run: Run, prompt_idx: np.ndarray, batch: RolloutBatch, timer: PhaseTimer) -> RewardResult:
+    """Decode the whole batch in one call, then score it."""
     with timer("decode"):
         completions = decode_completions(run.tokenizer, batch)
     with timer("reward"):
-        scored = run.scorer.score(
-            reward_records(run.rows, run.prompts, prompt_idx, batch, completions))
-    return batch, scored
+        return run.scorer.score(reward_records(run.rows, run.prompts, prompt_idx, batch, completions))
 
 
 def rollout_overlapped(run: Run, prompt_idx: np.ndarray, sampling: SamplingConfig,

@@ -110,7 +110,7 @@ def test_published_weights_load_into_an_engine_of_another_process_and_pass_its_c
     assert set(names) == set(tiny_chat_model.state_dict().keys()) | {"lm_head.weight"}
     assert "lm_head.weight" in names and not any(n.startswith(("module.", "_orig_mod.", "hf.")) for n in names)
     full = be2.full_state_dict()
-    for n, t in region_tensors(be2._weights.buf, region.layout):
+    for n, t in region_tensors(be2._weights[0].buf, region.layout):
         assert torch.equal(t, full[n]), n
     engine = HFEngine(tiny_chat_path, dtype="float32", device="cpu")
     check = SyncCheck(reports_fingerprint(engine), rank=0)
@@ -201,7 +201,7 @@ def test_torchrun_launch_with_bytes_transport_matches_spawn(first_step, tiny_cha
             m = be.train(make_split(2))
             assert [x["loss"] for x in m] == pytest.approx([x["loss"] for x in m2], rel=1e-4)
             region = be.publish_weights()  # rank 0 sends the bytes inline: no shared memory with it
-            assert_states_close(dict(region_tensors(be._weights.buf, region.layout)), s2)
+            assert_states_close(dict(region_tensors(be._weights[0].buf, region.layout)), s2)
         assert proc.wait(timeout=60) == 0, (tmp_path / "torchrun.log").read_text()[-3000:]
     finally:
         os.environ.pop("ARENO_BACKEND_AUTHKEY", None)

@@ -20,7 +20,7 @@ from areno.losses import LossConfig
 from areno.resume import MAY_CHANGE, resume_config
 from areno.settings import backend_config, engine_spec, sampling
 
-ASYNC = ["--off-policy-steps", "2", "--rollout-world-size", "2"]
+ASYNC = ["--off-policy-steps", "1", "--rollout-world-size", "2"]
 
 
 def refused(args, capsys) -> str:
@@ -43,8 +43,9 @@ BAD = [
     (["--off-policy-steps", "-1"], "--off-policy-steps must be >= 0"),
     (["--rollout-world-size", "-2"], "--rollout-world-size must be >= 0"),
     (["--off-policy-steps", "1.5"], "--off-policy-steps"),
-    # every rule passes; the loop itself is not built: said at start-up, not ignored
-    (ASYNC, "--off-policy-steps 2: the asynchronous loop is not built yet"),
+    (["--off-policy-steps", "2", "--rollout-world-size", "1"],
+     "--off-policy-steps 2: the asynchronous loop runs one rollout ahead of training, so its "
+     "policy lag is at most 1; use --off-policy-steps 1"),
     (["--rollout-world-size", "1", "--lora-rank", "8"], "--lora-rank with --rollout-world-size"),
 ]
 
@@ -70,7 +71,7 @@ def test_truncated_sampling_is_refused_with_an_engine_reporting_raw_logprobs(
     # Today both engines report the processed distribution's log-probs: pretend one does not.
     monkeypatch.setitem(offpolicy.LOGPROBS_PROCESSED, engine, False)
     line = refused([*ASYNC, "--rollout-engine", engine, *flags], capsys)
-    assert f"--off-policy-steps 2 with {' '.join(flags)}: the {engine} engine reports log-probs " \
+    assert f"--off-policy-steps 1 with {' '.join(flags)}: the {engine} engine reports log-probs " \
         "of the untruncated distribution" in line
     assert f"drop {flags[0]}" in line
 
@@ -91,11 +92,11 @@ def test_both_engines_report_processed_logprobs_so_truncated_sampling_is_allowed
 
 
 def test_k_turns_on_recompute_and_the_default_cap_and_says_so(files, capsys):
-    cfg = TrainConfig.from_sources(None, {**files, "off_policy_steps": 2, "rollout_world_size": 2})
+    cfg = TrainConfig.from_sources(None, {**files, "off_policy_steps": 1, "rollout_world_size": 2})
     assert cfg.recompute_logprobs is True and cfg.tis_cap == offpolicy.OFF_POLICY_TIS_CAP == 2.0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith(
-        "areno: --off-policy-steps 2 turns on --recompute-logprobs and --tis-cap 2 (decoupled PPO")
+        "areno: --off-policy-steps 1 turns on --recompute-logprobs and --tis-cap 2 (decoupled PPO")
     bc = backend_config(cfg, "m", "m", 1, "cpu", 10, engine_spec(cfg, "cpu", 8))  # M > 0 needs an engine
     assert bc.recompute_logprobs and bc.loss.tis_cap == 2.0
 

@@ -61,7 +61,7 @@ def test_a_corrupted_region_fails_the_engine_process_check(tiny_chat_path):
         be.train(make_split(1))
         region = be.publish_weights()
         entry = next(e for e in region.layout.entries if ".layers." in e.name)
-        be._weights.buf[entry.offset + 2] ^= 0x40  # one mantissa bit of one weight of a layer
+        be._weights[0].buf[entry.offset + 2] ^= 0x40  # one mantissa bit of one weight of a layer
         stream = be.peers.broadcast("load_region", [1], region=region)
         with pytest.raises(BackendError, match="WeightSyncError"):
             stream.gather(60)

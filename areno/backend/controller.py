@@ -54,7 +54,9 @@ class TorchBackend:
         peers = config.world_size + self.num_engine_procs
         self._conns: list[Connection | None] = [None] * peers
         self._pack = PackWriter("pack")
-        self._weights = ShmSegment("weights")
+        # Two weight regions: the asynchronous loop publishes version v into one while
+        # the engine processes may still be loading v - 1 from the other.
+        self._weights = [ShmSegment("weights"), ShmSegment("weights1")]
         self._marker = ShmSegment("marker")
         self.rollout_segment = ShmSegment("rollout")  # engines' results (backend/rank_engines.py)
         self._closed = False
@@ -65,7 +67,7 @@ class TorchBackend:
         self.peers = Peers(self._conns, self._procs, self._abort, lambda: self._closed,
                            label=self._peer_name)
         self._finalizer = weakref.finalize(
-            self, stop_processes, self._procs, self._conns, [self._pack.segment, self._weights, self._marker, self.rollout_segment],
+            self, stop_processes, self._procs, self._conns, [self._pack.segment, *self._weights, self._marker, self.rollout_segment],
             config.shutdown_grace_s,
         )
         beats = None  # watched once every rank said hello (heartbeat.py)
@@ -189,30 +191,32 @@ class TorchBackend:
             self.last_timings["peak_gpu_reserved_gb"] = max(r["peak_reserved_gb"] for r in replies)
         return steps
 
-    def publish_weights(self, *, fingerprinted: bool = True) -> WeightRegion:
+    def publish_weights(self, *, fingerprinted: bool = True, slot: int = 0) -> WeightRegion:
         """Shared-memory transport (weight_sync.py): every rank gathers, rank 0 writes
         the full weights into the controller's weight segment -> the WeightRegion a
         reader in another process loads (weight_sync.load_region) and checks against
         (fingerprint; the probe when due for an engine that is `fingerprinted` or not).
 
-        The region stays valid until the next publish_weights or close(). Names are
+        The region stays valid until the next publish_weights into the same `slot`
+        (0 or 1) or close(). Names are
         the HF model's state_dict keys, lm_head.weight included; dtype the engines'.
         """
         self._check_open()
         remote0 = not self.hellos[0]["same_host"]  # rank 0 sends the bytes; readers still map the segment
-        self._weights.ensure(self._layout.nbytes, headroom=0.0)
+        seg = self._weights[slot]
+        seg.ensure(self._layout.nbytes, headroom=0.0)
         t0 = time.perf_counter()
         due = probe_due(self.publishes, fingerprinted)
         stream = self.peers.broadcast("publish_weights", range(self.world_size), drain_s=5.0,
-                                      segment=None if remote0 else self._weights.name, layout=self._layout,
+                                      segment=None if remote0 else seg.name, layout=self._layout,
                                       probe_ids=self._probe_ids if due else None)
         out = stream.gather(self.config.command_timeout_s)[0]
         if remote0:
-            self._weights.buf[: self._layout.nbytes] = out.pop("payload")
+            seg.buf[: self._layout.nbytes] = out.pop("payload")
         self.publishes += 1
         self.last_timings = {"publish_gather_s": out["gather_s"], "publish_probe_s": out["probe_s"],
                              "publish_s": time.perf_counter() - t0}
-        return WeightRegion(self._weights.name, self._layout, out["fingerprint"], out["probe"])
+        return WeightRegion(seg.name, self._layout, out["fingerprint"], out["probe"])
 
     def sync_weights(self) -> dict[str, float]:
         """Every rank loads the current weights into its own engine (on its device)
@@ -239,15 +243,24 @@ class TorchBackend:
         """Split placement: publish the weights (rank 0 writes the region), then
         every engine process loads and checks them (load_region); timings and
         probe figures as sync_weights'."""
-        fingerprinted = all(h["fingerprinted"] for h in self.engine_hellos)
         t0 = time.perf_counter()
-        region = self.publish_weights(fingerprinted=fingerprinted)
+        region = self.publish_weights(fingerprinted=self.engine_procs_fingerprinted)
         publish_s = time.perf_counter() - t0
+        self.last_timings = self.load_engine_procs(region) | {"sync_publish_s": publish_s,
+                                                               "sync_s": time.perf_counter() - t0}
+        return self.last_timings
+
+    @property
+    def engine_procs_fingerprinted(self) -> bool:
+        """Whether every engine process reports an exact fingerprint (the probe schedule)."""
+        return all(h["fingerprinted"] for h in self.engine_hellos)
+
+    def load_engine_procs(self, region: WeightRegion) -> dict[str, float]:
+        """Every engine process loads and checks a published region (load_region)."""
         stream = self.peers.broadcast("load_region", range(self.world_size, len(self._conns)), drain_s=5.0,
                                       region=region)
         replies = stream.gather(self.config.command_timeout_s)
-        self.last_timings = {"sync_publish_s": publish_s, "sync_load_s": max(r["load_s"] for r in replies),
-                             "sync_s": time.perf_counter() - t0}
+        self.last_timings = {"sync_load_s": max(r["load_s"] for r in replies)}
         probed = [r for r in replies if "probe_diff" in r]
         if probed:
             self.last_timings.update(probe_diff=max(r["probe_diff"] for r in probed),
@@ -295,7 +308,7 @@ class TorchBackend:
         stream = self.peers.broadcast(cmd, range(self.world_size), **kwargs)
         return stream.gather(self.config.command_timeout_s)
 
-    def open_stream(self, what: str, drain_s: float = 0.0) -> ReplyStream:
+    def open_stream(self, what: str, drain_s: float = 0.0, lane: str = "main") -> ReplyStream:
         """A reply stream for a command sent rank by rank (stream.send)."""
         self._check_open()
-        return self.peers.open(what, drain_s)
+        return self.peers.open(what, drain_s, lane=lane)

@@ -48,6 +48,7 @@ class EngineWorker:
         self.engine, self.engine_kind = make_engine(cfg.engine, cfg.model_path, self.device)
         self.sync_check = SyncCheck(reports_fingerprint(self.engine), self.peer)
         self.emit = None  # set by serve(): sends one ("part", ...) message mid-command
+        self._idle_since: float | None = None  # the end of the last rollout (cmd_rollout)
 
     def hello(self) -> dict:
         return {"rank": self.peer, "pid": os.getpid(), "host": os.uname().nodename, "same_host": self.same_host,
@@ -63,6 +64,25 @@ class EngineWorker:
         t0 = time.perf_counter()
         tokens = generate_into(self.engine, ids, offsets, n, sampling, out, self.emit) if offsets.size > 1 else 0
         return {"tokens": tokens, "generate_s": time.perf_counter() - t0}
+
+    def cmd_rollout(self, region: WeightRegion | None, ids: np.ndarray, offsets: np.ndarray, n: int,
+                    sampling, out: OutRegion) -> dict:
+        """The asynchronous loop's rollout (trainer.py, --off-policy-steps >= 1): load
+        the newest published weights first when given (between rollouts, never
+        inside one), then sample; every part's metadata comes in the one reply
+        (parts), so the engine never blocks on a pipe the controller reads only
+        once the ranks have trained. idle_s: how long this engine waited since its
+        last rollout ended (for the next weights: the loop sends the rollout once
+        they are admitted)."""
+        t0 = time.perf_counter()
+        idle_s = 0.0 if self._idle_since is None else max(0.0, time.monotonic() - self._idle_since)
+        loaded = self.cmd_load_region(region) if region is not None else {}
+        parts: list[dict] = []
+        t1 = time.perf_counter()
+        tokens = generate_into(self.engine, ids, offsets, n, sampling, out, parts.append) if offsets.size > 1 else 0
+        self._idle_since = time.monotonic()
+        return loaded | {"tokens": tokens, "parts": parts, "idle_s": idle_s,
+                         "generate_s": time.perf_counter() - t1, "rollout_s": time.perf_counter() - t0}
 
     def cmd_load_region(self, region: WeightRegion) -> dict:
         """Load the weights rank 0 published and check them (weight_sync.load_region)."""

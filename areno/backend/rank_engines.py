@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from areno.backend.engine_host import OutRegion
+from areno.backend.replies import ReplyStream
+from areno.backend.weight_sync import WeightRegion
 from areno.rollout.batch import RolloutBatch, csr_take, offsets_from_lengths
 from areno.rollout.engine import SamplingConfig, prompt_seeds, validate_prompts
 
@@ -100,37 +102,53 @@ class RankEngines:
                         ) -> Iterator[tuple[np.ndarray, RolloutBatch]]:
         """Yield (prompt positions [p] int64, RolloutBatch of those p groups) as each
         engine finishes groups."""
+        # An interrupt mid-rollout (even between two sends) waits a few seconds for
+        # the engines to finish, so the run can still save its last finished step.
+        stream = self.backend.open_stream("generate", drain_s=DRAIN_S)
+        plan = self._send(stream, "generate", prompt_ids, prompt_offsets, n, sampling)
+        self.last_tokens = [0] * self.num_engines
+        for r, kind, meta in stream.events(self.backend.config.command_timeout_s):
+            g = self._group_of[r]
+            if kind == "ok":
+                self.last_tokens[g] = max(self.last_tokens[g], meta["tokens"])
+            else:
+                yield self._part(plan, g, meta)
+
+    def start_rollout(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int,
+                      sampling: SamplingConfig, region: WeightRegion | None) -> "PendingRollout":
+        """Split placement: send a rollout to the engine processes and return at once
+        (the asynchronous loop trains meanwhile); each engine first loads `region`
+        when given. Its replies come on a lane of their own (replies.Peers), so
+        the ranks' commands can run while it is out."""
+        stream = self.backend.open_stream("rollout", drain_s=DRAIN_S, lane="rollout")
+        plan = self._send(stream, "rollout", prompt_ids, prompt_offsets, n, sampling, region=region)
+        return PendingRollout(self, stream, plan)
+
+    def _send(self, stream: ReplyStream, cmd: str, prompt_ids: np.ndarray, prompt_offsets: np.ndarray,
+              n: int, sampling: SamplingConfig, **extra) -> "RolloutPlan":
+        """Split the prompts over the engines by whole groups and send each its share."""
         be = self.backend
         ids, offsets = validate_prompts(prompt_ids, prompt_offsets, n, max_model_len=self.max_model_len,
                                         vocab_size=be.vocab_size)
-        lengths = np.diff(offsets)
-        engine_of = assign_groups(lengths + sampling.max_tokens, self.num_engines)
+        engine_of = assign_groups(np.diff(offsets) + sampling.max_tokens, self.num_engines)
         members = [np.flatnonzero(engine_of == g) for g in range(self.num_engines)]
         caps = [m.size * n * sampling.max_tokens for m in members]
         starts = np.cumsum([0] + [-(-8 * c // _PAGE) * _PAGE for c in caps]).tolist()
         seg = be.rollout_segment
         seg.ensure(max(starts[-1], 1))
         seeds = prompt_seeds(sampling.seed, self.num_engines) if sampling.seed is not None else None
-        # An interrupt mid-rollout (even between two sends) waits a few seconds for
-        # the engines to finish, so the run can still save its last finished step.
-        stream = be.open_stream("generate", drain_s=DRAIN_S)
         for r, g in self._group_of.items():
             sub_ids, sub_off = csr_take(ids, offsets, members[g])
             out = OutRegion(None if self._remote[r] else seg.name, starts[g], caps[g])
             s = sampling if seeds is None else replace(sampling, seed=int(seeds[g]))
-            stream.send(r, "generate", ids=sub_ids, offsets=sub_off, n=n, sampling=s, out=out,
-                        leader=r == self.groups[g][0])
-        self.last_tokens = [0] * self.num_engines
-        for r, kind, meta in stream.events(be.config.command_timeout_s):
-            g = self._group_of[r]
-            if kind == "ok":
-                self.last_tokens[g] = max(self.last_tokens[g], meta["tokens"])
-            else:
-                yield self._part(ids, offsets, n, members[g][meta["positions"]], meta,
-                                 starts[g], caps[g])
+            lead = {"leader": r == self.groups[g][0]} if cmd == "generate" else {}
+            stream.send(r, cmd, ids=sub_ids, offsets=sub_off, n=n, sampling=s, out=out, **lead, **extra)
+        return RolloutPlan(ids, offsets, n, members, starts, caps)
 
-    def _part(self, ids: np.ndarray, offsets: np.ndarray, n: int, pos: np.ndarray, meta: dict,
-              start: int, cap: int) -> tuple[np.ndarray, RolloutBatch]:
+    def _part(self, plan: "RolloutPlan", g: int, meta: dict) -> tuple[np.ndarray, RolloutBatch]:
+        """One finished part of engine group g -> (prompt positions, its RolloutBatch)."""
+        ids, offsets, n = plan.ids, plan.offsets, plan.n
+        pos, start, cap = plan.members[g][meta["positions"]], plan.starts[g], plan.caps[g]
         lengths = meta["lengths"]
         total = int(lengths.sum())
         if "ids" in meta:  # a rank on another host sent its arrays inline
@@ -155,3 +173,43 @@ class RankEngines:
         Split: rank 0 publishes, every engine process loads (shared memory)."""
         be = self.backend
         return be.sync_engine_procs() if be.num_engine_procs else be.sync_weights()
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    """How one rollout was split: the validated prompts (CSR), n, and per engine
+    group its prompt positions, region start (bytes) and capacity (tokens)."""
+
+    ids: np.ndarray
+    offsets: np.ndarray
+    n: int
+    members: list[np.ndarray]
+    starts: list[int]
+    caps: list[int]
+
+
+class PendingRollout:
+    """A rollout the engine processes are generating (RankEngines.start_rollout)."""
+
+    def __init__(self, engines: RankEngines, stream: ReplyStream, plan: RolloutPlan) -> None:
+        self.engines, self.stream, self.plan = engines, stream, plan
+
+    def collect(self) -> tuple[RolloutBatch, dict[str, float]]:
+        """Wait for every engine -> (the batch in prompt order, {idle_s: the longest an
+        engine waited before it, sync figures when it loaded weights})."""
+        replies = self.stream.gather(self.engines.backend.config.command_timeout_s)
+        parts, positions = [], []
+        for g, reply in enumerate(replies):
+            for meta in reply["parts"]:
+                pos, part = self.engines._part(self.plan, g, meta)
+                parts.append(part)
+                positions.append(pos)
+        self.engines.last_tokens = [r["tokens"] for r in replies]
+        info = {"idle_s": max(r["idle_s"] for r in replies)}
+        loaded = [r for r in replies if "load_s" in r]
+        if loaded:
+            info["sync_load_s"] = max(r["load_s"] for r in loaded)
+            probed = [r for r in loaded if "probe_diff" in r]
+            if probed:
+                info["probe_diff"] = max(r["probe_diff"] for r in probed)
+        return RolloutBatch.merge_parts(parts, positions)[0], info

@@ -31,8 +31,9 @@ from areno.procs import exit_text
 class ReplyStream:
     """One command's replies: `pending` peers still owe their final "ok"."""
 
-    def __init__(self, peers: "Peers", what: str, drain_s: float, pending: Iterable[int]) -> None:
-        self.peers, self.what, self.drain_s = peers, what, drain_s
+    def __init__(self, peers: "Peers", what: str, drain_s: float, pending: Iterable[int],
+                 lane: str = "main") -> None:
+        self.peers, self.what, self.drain_s, self.lane = peers, what, drain_s, lane
         self.pending: set[int] = set(pending)
         self.owed: set[int] = set(self.pending)  # every peer this stream was sent to
 
@@ -74,9 +75,9 @@ class ReplyStream:
         when events() finishes or is closed, or before the next command if the
         caller left it suspended (an exception raised while a part was being
         scored keeps the generator alive in its traceback)."""
-        if self.peers.open_stream is not self:
+        if self.peers.streams.get(self.lane) is not self:
             return
-        self.peers.open_stream = None
+        del self.peers.streams[self.lane]
         if self.pending and not (self.drain_s > 0 and self.peers.drain(self.what, self.pending, self.drain_s)):
             self.peers.abort()
 
@@ -92,14 +93,18 @@ class Peers:
         self.abort, self.is_closed = abort, is_closed
         self.beats: HeartbeatWatch | None = None  # watched once every peer said hello
         self.busy = False  # the main thread is waiting on the peers: it sees a death itself
-        self.open_stream: ReplyStream | None = None
+        # One open stream per lane: "main" for commands to the ranks (and the engines,
+        # synchronously); "rollout" for the asynchronous loop's rollout, which the
+        # engine processes run while the ranks answer main-lane commands.
+        self.streams: dict[str, ReplyStream] = {}
 
-    def open(self, what: str, drain_s: float = 0.0, pending: Iterable[int] = ()) -> ReplyStream:
-        """A command's reply stream; an abandoned one is settled first."""
-        if self.open_stream is not None:
-            self.open_stream.settle()
-        self.open_stream = ReplyStream(self, what, drain_s, pending)
-        return self.open_stream
+    def open(self, what: str, drain_s: float = 0.0, pending: Iterable[int] = (),
+             lane: str = "main") -> ReplyStream:
+        """A command's reply stream; an abandoned one of the same lane is settled first."""
+        if (old := self.streams.get(lane)) is not None:
+            old.settle()
+        self.streams[lane] = ReplyStream(self, what, drain_s, pending, lane)
+        return self.streams[lane]
 
     def broadcast(self, cmd: str, ranks: Iterable[int], *, drain_s: float = 0.0, **kwargs) -> ReplyStream:
         """Send `cmd` to every peer of `ranks` -> its reply stream."""
@@ -109,7 +114,7 @@ class Peers:
         return stream
 
     def send(self, stream: ReplyStream, rank: int, cmd: str, kwargs: dict) -> None:
-        if self.open_stream is not stream:  # opened by open(): an abandoned one was settled there
+        if self.streams.get(stream.lane) is not stream:  # opened by open(): an abandoned one was settled there
             raise RuntimeError(f"{cmd!r} sent on a stream that is not open")
         if self.is_closed():
             raise BackendError("backend is closed (a rank failed or close() was called)")
