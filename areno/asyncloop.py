@@ -1,18 +1,21 @@
-"""The asynchronous loop (--off-policy-steps K >= 1, split placement): the engine
-processes generate step k+1's rollout while the ranks train step k.
+"""The loop of split placement (--rollout-world-size M): with --off-policy-steps
+K = 1 the engine processes generate step k+1's rollout while the ranks train
+step k; with K = 0 the next rollout waits for the update, as the colocated loop's
+(trainer.train_step) does, and samples what it would (tests/test_split_placement.py).
 
 One step, as the controller runs it (docs/DESIGN.md, "The timeline of a step"):
 
     collect rollout k           (the ranks wait here only if the engines are slower)
-    start rollout k+1           (admitted: its weights are <= K versions behind)
+    start rollout k+1           (if admitted: its weights are <= K versions behind)
     score k, pack, train k      (the engines generate k+1 meanwhile)
     publish weights k           (a shared-memory region; the engines load it at the
                                  start of their next rollout, never inside one)
+    start rollout k+1           (K = 0: now, with weights k)
 
 Versions count updates: the trainer's weights are version u after u updates,
 and a rollout sampled with version v and trained at version u has policy lag
-u - v. The loop keeps one rollout ahead, so the lag is at most 1; the
-admission rule (`admitted`) is what would hold a rollout back otherwise.
+u - v. Admission (`admitted`) starts a rollout early only when its lag will
+be <= K; the loop keeps at most one rollout ahead, so K is 0 or 1.
 
 Checkpoints: a periodic save waits for the rollout in flight and saves it
 (`inflight.npz`), so the resumed run trains on the very samples the

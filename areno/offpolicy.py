@@ -1,7 +1,7 @@
 """The options of asynchronous rollouts (--off-policy-steps, --rollout-world-size)
 and the rules between them and the loss: the defaults that K >= 1 turns on and
 the combinations it refuses. The objective itself is losses.py's (decoupled
-PPO); the loop that overlaps rollouts with training is the trainer's.
+PPO); the loop that overlaps rollouts with training is asyncloop.py's.
 
 No torch here: config.py (read before anything heavy) calls it.
 """

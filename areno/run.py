@@ -70,7 +70,7 @@ class Run:
     evalset: tuple[RowSet, PromptSet] | None = None
     workspace: Workspace = field(default_factory=Workspace)  # pack buffers reused every step
     max_tokens_per_micro: int = 8192  # --max-tokens-per-micro, or the device's default
-    ahead: RolloutsAhead | None = None  # the asynchronous loop's state (--off-policy-steps >= 1)
+    ahead: RolloutsAhead | None = None  # the loop state of engine processes (--rollout-world-size)
 
     def evaluate(self, step: int) -> None:
         """Score the eval set (--eval-dataset-path; nothing without one) and log it at `step`."""
@@ -323,9 +323,9 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
                   max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
         logger.info(start_line(run, resume, device))
         saved = load_inflight(resume.ckpt)
-        if cfg.off_policy_steps:
+        if cfg.rollout_world_size:  # engine processes: their loop, K = 0 or 1 (asyncloop.py)
             run.ahead = RolloutsAhead(run, int(resume.state.get("weight_version", resume.step)), saved)
-        elif saved is not None:  # a synchronous run draws that rollout's prompts itself
+        elif saved is not None:  # colocated engines draw that rollout's prompts themselves
             sampler.load_state_dict(saved.sampler_before)
         if lora is not None:
             logger.info(lora_line(lora, params))
