@@ -47,9 +47,10 @@ def check_off_policy(cfg: Any) -> None:
     """--off-policy-steps and --rollout-world-size of a TrainConfig against the
     options they need: UserError (one line) for the first that is missing."""
     k, m, tp = cfg.off_policy_steps, cfg.rollout_world_size, cfg.tensor_parallel_size
-    if m and m % tp:
-        raise UserError(f"--rollout-world-size {m} must be a multiple of --tensor-parallel-size "
-                        f"{tp} (the rollout processes make {m} / {tp} engines of {tp} each)")
+    if m and tp > 1:
+        raise UserError(f"--rollout-world-size {m} with --tensor-parallel-size {tp}: an engine "
+                        "process serves on one device; tensor parallelism inside one is not built "
+                        "(colocated engines, without --rollout-world-size, take --tensor-parallel-size)")
     if not k:
         return
     flag = f"--off-policy-steps {k}"

@@ -174,17 +174,17 @@ def check_save_room(cfg: TrainConfig, out: Path, weights: Weights | None, device
 def check_placement(cfg: TrainConfig, nproc: int, world_size: int, device: str) -> None:
     """Where the engines go, checked before any rank starts: in the ranks
     (check_tensor_parallel), or --rollout-world-size processes of their own."""
-    m, tp = cfg.rollout_world_size, cfg.tensor_parallel_size
+    m = cfg.rollout_world_size
     if not m:
-        check_tensor_parallel(tp, nproc, world_size, device)
+        check_tensor_parallel(cfg.tensor_parallel_size, nproc, world_size, device)
         return
     flag = f"--rollout-world-size {m}"
     if cfg.nnodes > 1:
         raise UserError(f"{flag}: engine processes run beside the controller; use it with --nnodes 1")
     gpus = visible_gpus() if device == "cuda" else 0
-    if device == "cuda" and world_size + m * tp > gpus:
-        raise UserError(f"{flag}: {world_size} rank(s) + {m} engine(s) x {tp} GPU(s) need "
-                        f"{world_size + m * tp} GPUs, {gpus} visible; lower it")
+    if device == "cuda" and world_size + m > gpus:
+        raise UserError(f"{flag}: {world_size} rank(s) + {m} engine process(es) need "
+                        f"{world_size + m} GPUs, {gpus} visible; lower it")
 
 
 def check_tensor_parallel(tp: int, nproc: int, world_size: int, device: str) -> None:

@@ -38,8 +38,8 @@ class EngineWorker:
         self.index = self.peer - cfg.world_size  # i of the M engine processes
         self.same_host = same_host
         if cfg.device == "cuda":
-            tp = cfg.engine.tensor_parallel_size  # engine i: GPUs N + i*tp .. (untested: docs/DESIGN.md)
-            self.device = torch.device("cuda", cfg.world_size + self.index * tp)
+            # engine i: GPU N + i (untested: docs/DESIGN.md; TP inside one is refused, offpolicy.py)
+            self.device = torch.device("cuda", cfg.world_size + self.index)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")
