@@ -7,7 +7,10 @@ Ctrl-C (the rollout in flight dropped, its prompts back), and the demo learning.
 from __future__ import annotations
 
 import json
+import os
 import signal
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -120,3 +123,24 @@ def test_the_demo_learns_with_k1_and_an_engine_process(tmp_path, areno_cache):
     assert rewards.size == 600
     early, late = rewards[:WINDOW].mean(), rewards[-WINDOW:].mean()
     assert early < 0.2 and late >= MASTERED, f"reward {early:.3f} -> {late:.3f}"
+
+
+def test_an_abandoned_rollout_leaves_the_ranks_usable_and_its_engine_takes_no_more_commands(tiny_chat_path):
+    """Ctrl-C while the loop waits for a long rollout: the stream is abandoned
+    (settled) with the engine still busy. The ranks must still train and save
+    (the interrupt's checkpoint), the engine refuses further commands, and
+    close() does not wait for its rollout."""
+    from areno.backend.controller import TorchBackend
+    from areno.backend.errors import BackendError
+
+    with TorchBackend(backend_config(tiny_chat_path, 1)) as be:
+        stream = be.open_stream("rollout", lane="rollout", detach=True)
+        stream.send(1, "debug", action="sleep", seconds=60.0)  # a rollout that will not end soon
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C in the wait
+        with pytest.raises(KeyboardInterrupt):
+            stream.gather(120)
+        assert be.train(make_split(1))  # the ranks answer on the main lane
+        with pytest.raises(BackendError, match="engine process 0 is still in an abandoned command"):
+            be.open_stream("generate").send(1, "debug", action="sleep", seconds=0.0)
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 3.0  # close() killed the busy engine instead of waiting 60 s

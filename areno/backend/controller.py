@@ -106,6 +106,8 @@ class TorchBackend:
         for c in filter(None, self._conns):
             with contextlib.suppress(OSError, ValueError):
                 c.send(("shutdown", {}))
+        for r in self.peers.stale:  # busy with an abandoned rollout: it would read "shutdown" after it
+            self._procs[r].terminate()
         deadline = time.monotonic() + self.config.shutdown_grace_s
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -308,7 +310,8 @@ class TorchBackend:
         stream = self.peers.broadcast(cmd, range(self.world_size), **kwargs)
         return stream.gather(self.config.command_timeout_s)
 
-    def open_stream(self, what: str, drain_s: float = 0.0, lane: str = "main") -> ReplyStream:
+    def open_stream(self, what: str, drain_s: float = 0.0, lane: str = "main",
+                    detach: bool = False) -> ReplyStream:
         """A reply stream for a command sent rank by rank (stream.send)."""
         self._check_open()
-        return self.peers.open(what, drain_s, lane=lane)
+        return self.peers.open(what, drain_s, lane=lane, detach=detach)

@@ -119,8 +119,9 @@ class RankEngines:
         """Split placement: send a rollout to the engine processes and return at once
         (the asynchronous loop trains meanwhile); each engine first loads `region`
         when given. Its replies come on a lane of their own (replies.Peers), so
-        the ranks' commands can run while it is out."""
-        stream = self.backend.open_stream("rollout", drain_s=DRAIN_S, lane="rollout")
+        the ranks' commands can run while it is out; abandoned (Ctrl-C while
+        waiting for it), it is left to run: the ranks save at once."""
+        stream = self.backend.open_stream("rollout", lane="rollout", detach=True)
         plan = self._send(stream, "rollout", prompt_ids, prompt_offsets, n, sampling, region=region)
         return PendingRollout(self, stream, plan)
 

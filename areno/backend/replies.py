@@ -32,8 +32,9 @@ class ReplyStream:
     """One command's replies: `pending` peers still owe their final "ok"."""
 
     def __init__(self, peers: "Peers", what: str, drain_s: float, pending: Iterable[int],
-                 lane: str = "main") -> None:
+                 lane: str = "main", detach: bool = False) -> None:
         self.peers, self.what, self.drain_s, self.lane = peers, what, drain_s, lane
+        self.detach = detach  # abandoned: leave its peers running (see settle)
         self.pending: set[int] = set(pending)
         self.owed: set[int] = set(self.pending)  # every peer this stream was sent to
 
@@ -78,6 +79,11 @@ class ReplyStream:
         if self.peers.streams.get(self.lane) is not self:
             return
         del self.peers.streams[self.lane]
+        if self.pending and self.detach:
+            # A rollout of engine processes, abandoned (Ctrl-C while waiting for it): the
+            # ranks stay usable, so the run saves at once; its peers take no more commands.
+            self.peers.stale.update(self.pending)
+            return
         if self.pending and not (self.drain_s > 0 and self.peers.drain(self.what, self.pending, self.drain_s)):
             self.peers.abort()
 
@@ -97,13 +103,15 @@ class Peers:
         # synchronously); "rollout" for the asynchronous loop's rollout, which the
         # engine processes run while the ranks answer main-lane commands.
         self.streams: dict[str, ReplyStream] = {}
+        self.stale: set[int] = set()  # peers that owe a detached stream its replies
 
     def open(self, what: str, drain_s: float = 0.0, pending: Iterable[int] = (),
-             lane: str = "main") -> ReplyStream:
-        """A command's reply stream; an abandoned one of the same lane is settled first."""
+             lane: str = "main", detach: bool = False) -> ReplyStream:
+        """A command's reply stream; an abandoned one of the same lane is settled first.
+        detach: abandoning it leaves its peers running instead of draining them."""
         if (old := self.streams.get(lane)) is not None:
             old.settle()
-        self.streams[lane] = ReplyStream(self, what, drain_s, pending, lane)
+        self.streams[lane] = ReplyStream(self, what, drain_s, pending, lane, detach)
         return self.streams[lane]
 
     def broadcast(self, cmd: str, ranks: Iterable[int], *, drain_s: float = 0.0, **kwargs) -> ReplyStream:
@@ -118,6 +126,8 @@ class Peers:
             raise RuntimeError(f"{cmd!r} sent on a stream that is not open")
         if self.is_closed():
             raise BackendError("backend is closed (a rank failed or close() was called)")
+        if rank in self.stale:
+            raise BackendError(f"{cmd!r}: {self.label(rank)} is still in an abandoned command", rank=rank)
         try:
             with signals_held():  # sent whole and owed, or neither
                 self.conns[rank].send((cmd, kwargs))
