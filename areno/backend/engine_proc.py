@@ -25,6 +25,7 @@ import torch
 
 from areno.backend.config import BackendConfig, rank_cpu_threads
 from areno.backend.engine_host import OutRegion, generate_into, reports_fingerprint
+from areno.backend.hooks import load_rank_hooks
 from areno.backend.weight_sync import SyncCheck, WeightRegion, load_region
 from areno.rollout.factory import make_engine
 
@@ -47,6 +48,7 @@ class EngineWorker:
                                                                       cfg.rollout_world_size))
         self.engine, self.engine_kind = make_engine(cfg.engine, cfg.model_path, self.device)
         self.sync_check = SyncCheck(reports_fingerprint(self.engine), self.peer)
+        self.hooks = load_rank_hooks()  # no-ops unless ARENO_RANK_HOOKS names some (benchmarks)
         self.emit = None  # set by serve(): sends one ("part", ...) message mid-command
         self._idle_since: float | None = None  # the end of the last rollout (cmd_rollout)
 
@@ -62,7 +64,9 @@ class EngineWorker:
                      out: OutRegion, leader: bool) -> dict:
         """Sample these prompts, streaming finished parts back (engine_host.generate_into)."""
         t0 = time.perf_counter()
+        self.hooks.rollout_begin(self.peer)
         tokens = generate_into(self.engine, ids, offsets, n, sampling, out, self.emit) if offsets.size > 1 else 0
+        self.hooks.rollout_end(self.peer, tokens)
         return {"tokens": tokens, "generate_s": time.perf_counter() - t0}
 
     def cmd_rollout(self, region: WeightRegion | None, ids: np.ndarray, offsets: np.ndarray, n: int,
@@ -79,7 +83,9 @@ class EngineWorker:
         loaded = self.cmd_load_region(region) if region is not None else {}
         parts: list[dict] = []
         t1 = time.perf_counter()
+        self.hooks.rollout_begin(self.peer)
         tokens = generate_into(self.engine, ids, offsets, n, sampling, out, parts.append) if offsets.size > 1 else 0
+        self.hooks.rollout_end(self.peer, tokens)
         self._idle_since = time.monotonic()
         return loaded | {"tokens": tokens, "parts": parts, "idle_s": idle_s,
                          "generate_s": time.perf_counter() - t1, "rollout_s": time.perf_counter() - t0}

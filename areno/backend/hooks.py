@@ -1,4 +1,5 @@
-"""RankHooks: an optional observer of a rank's train command, for benchmarks.
+"""RankHooks: an optional observer of a rank's train command (and of an engine
+process's rollout), for benchmarks.
 
 A normal run uses the base class, whose methods do nothing. Set
 `ARENO_RANK_HOOKS=module:attr` in the controller's environment and every rank
@@ -15,6 +16,16 @@ Calls per train command, in order, on every rank:
                            forward (RankTrainer.train)
   train_end(rank, local, reply)
                            the reply is ready; not called if the command raised
+
+Calls per rollout command on every engine process of split placement
+(EngineWorker in engine_proc.py builds its hooks the same way; its
+cmd_generate, and cmd_rollout after loading the weights it was sent):
+  rollout_begin(peer)      the engine is about to generate this command's prompts
+  rollout_end(peer, tokens)
+                           generation is done (`tokens` response tokens written);
+                           the reply's generate_s includes the time spent here
+scripts/bench_async.py is the user: its hooks make each train command and each
+rollout take a fixed time (sleeping the remainder), stand-ins of given cost.
 """
 
 from __future__ import annotations
@@ -46,6 +57,12 @@ class RankHooks:
 
     def train_end(self, rank: int, local: LocalPack, reply: dict) -> None:
         """The command's reply ({"steps", "map_s", "train_s", ...}) is about to be sent."""
+
+    def rollout_begin(self, peer: int) -> None:
+        """An engine process starts generating (split placement; `peer` = N + i)."""
+
+    def rollout_end(self, peer: int, tokens: int) -> None:
+        """The engine process finished generating: `tokens` response tokens."""
 
 
 def load_rank_hooks() -> RankHooks:
