@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,10 +22,10 @@ from areno.asyncloop import INFLIGHT_FILE, admitted
 from areno.checkpoint import latest_checkpoint, read_state
 from test_backend_units import make_split
 from test_demo_learns import MASTERED, WINDOW
-from test_faults import assert_complete
+from test_faults import assert_complete, wait_for
 from test_interrupt import interrupt_after, resume_line
-from test_resume import (HF1, SMALL, assert_same_steps, cli, expected_prompt_hashes, ok, popen_train,
-                         train_steps)
+from test_resume import (HF1, REPO, assert_same_steps, cli, cli_env, expected_prompt_hashes, ok,
+                         popen_train, train_steps)
 from test_split_placement import PROMPTS, backend_config
 
 K1 = ["--rollout-world-size", "1", "--off-policy-steps", "1"]
@@ -144,3 +147,27 @@ def test_an_abandoned_rollout_leaves_the_ranks_usable_and_its_engine_takes_no_mo
             be.open_stream("generate").send(1, "debug", action="sleep", seconds=0.0)
         t0 = time.monotonic()
     assert time.monotonic() - t0 < 3.0  # close() killed the busy engine instead of waiting 60 s
+
+
+@pytest.mark.slow
+def test_k1_ctrl_c_while_waiting_for_a_minute_long_rollout_saves_within_seconds(tmp_path, areno_cache):
+    """The third rollout takes a minute (slow_rollout_hooks.py): step 3 waits for it
+    when the Ctrl-C comes. The ranks save step 2 at once; the busy engine process
+    is stopped, not waited for."""
+    out = tmp_path / "run"
+    env = {**cli_env(areno_cache), "ARENO_RANK_HOOKS": "slow_rollout_hooks:SlowRollouts",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                       os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "areno.cli", "train", *HF1, *K1, "--max-steps", "50",
+                             "--output-dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=REPO, env=env, start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, proc)
+    time.sleep(1.0)  # step 3 is in its collect now, the rollout has ~59 s to go
+    t0 = time.monotonic()
+    _, err = interrupt_after(proc, out, 0, signal.SIGINT, group=True)
+    assert time.monotonic() - t0 < 15, err[-2000:]
+    assert "after step 2 of 50" in resume_line(err)
+    ckpt = latest_checkpoint(out / "checkpoints")
+    assert ckpt is not None and ckpt.name == "step_000002", err[-3000:]
+    assert_complete(ckpt)
