@@ -24,8 +24,8 @@ from test_backend_units import make_split
 from test_demo_learns import MASTERED, WINDOW
 from test_faults import assert_complete, wait_for
 from test_interrupt import interrupt_after, resume_line
-from test_resume import (HF1, REPO, assert_same_steps, cli, cli_env, expected_prompt_hashes, ok,
-                         popen_train, train_steps)
+from test_resume import (FLAGS, HF1, REPO, assert_resume_repeats, assert_same_steps, cli, cli_env,
+                         eval_flags, expected_prompt_hashes, ok, popen_train, train_steps)  # noqa: F401 (fixture)
 from test_split_placement import PROMPTS, backend_config
 
 K1 = ["--rollout-world-size", "1", "--off-policy-steps", "1"]
@@ -91,6 +91,18 @@ def test_k1_lags_one_version_and_resumes_exactly_from_a_checkpoint_with_a_rollou
     assert sorted(resumed) == [4, 5, 6]
     assert_same_steps(full, resumed, [4, 5, 6])  # lag, log-probs, rewards, losses: all the same
     assert {s: full[s]["data/prompt_hash"] for s in full} == expected_prompt_hashes(range(1, 7), 4)
+
+
+@pytest.mark.slow
+def test_the_synchronous_loops_resume_test_passes_with_k1(tmp_path, areno_cache, eval_flags):
+    """test_resume's pair (vLLM rollouts, 2 gloo ranks, eval at 0, 2 and 4 with its
+    own seeds, checkpoints at 2 and 4) with one engine process and K = 1: each eval
+    first collects the rollout in flight and loads the newest weights."""
+    flags = [*FLAGS, *eval_flags, *K1]
+    full = tmp_path / "full"
+    ok(cli(["train", *flags, "--keep-last", "0", "--output-dir", str(full)], areno_cache))
+    assert train_steps(full)[4]["rollout/policy_lag_max"] == 1
+    assert_resume_repeats(full, tmp_path / "resumed", flags, areno_cache)
 
 
 @pytest.mark.slow

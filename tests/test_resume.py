@@ -146,10 +146,14 @@ def uninterrupted(tmp_path_factory, areno_cache, eval_flags) -> Path:
 @pytest.mark.slow
 def test_resumed_run_repeats_the_uninterrupted_runs_steps(uninterrupted, tmp_path, areno_cache,
                                                           eval_flags):
+    assert_resume_repeats(uninterrupted, tmp_path / "resumed", [*FLAGS, *eval_flags], areno_cache)
+
+
+def assert_resume_repeats(uninterrupted: Path, out: Path, flags: list[str], cache: Path) -> None:
+    """Resumed from uninterrupted's step-2 checkpoint with the same flags, the run
+    repeats steps 3 and 4 (prompts, metrics, the step-4 eval) and writes the same model."""
     ckpt = uninterrupted / "checkpoints" / "step_000002"
-    out = tmp_path / "resumed"
-    res = ok(cli(["train", *FLAGS, *eval_flags, "--resume", str(ckpt), "--output-dir", str(out)],
-                 areno_cache))
+    res = ok(cli(["train", *flags, "--resume", str(ckpt), "--output-dir", str(out)], cache))
     assert "resumed at step 2" in res.stdout
     full, resumed = train_steps(uninterrupted), train_steps(out)
     assert sorted(full) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]
