@@ -20,6 +20,13 @@ R = T is about 0.6x of K = 0 (R + T + sync).
 
     python scripts/bench_async.py                       # T = 0.5 s, R/T in 0.5, 1, 2; 10 steps
     python scripts/bench_async.py --train-s 0.2 --ratios 1 --steps 3 --out r.json
+
+`--demo` instead runs the embedded demo as it is (no stand-ins, 600 steps, seed
+0) three times: colocated (today's default), one engine process with K = 0, and
+with K = 1; it reports each one's median time/step and the mean reward of its
+first and last 20 steps (the issue's "quote its step time against K = 0").
+
+    python scripts/bench_async.py --demo
 """
 
 from __future__ import annotations
@@ -159,13 +166,43 @@ def breakdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+DEMO_MODES = {"colocated K=0": [], "split K=0": ["--rollout-world-size", "1"],
+              "split K=1": ["--rollout-world-size", "1", "--off-policy-steps", "1"]}
+
+
+def demo_table(steps: int, tmp: Path) -> str:
+    """The embedded demo in each DEMO_MODES placement -> a markdown table."""
+    out = ["| run | median time/step | steps/s | reward, first 20 -> last 20 | wall |", "| --- " * 5 + "|"]
+    for name, flags in DEMO_MODES.items():
+        run_dir = tmp / name.replace(" ", "-").replace("=", "")
+        cmd = [sys.executable, "-m", "areno.cli", "train", "--seed", "0", "--no-save", "--max-steps", str(steps),
+               "--output-dir", str(run_dir), *flags]
+        t0 = time.perf_counter()
+        res = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stderr[-3000:]}")
+        recs = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "time/step" in r]
+        step = float(np.median([r["time/step"] for r in recs]))
+        reward = np.array([r["reward/mean"] for r in recs])
+        out.append(f"| {name} | {1e3 * step:.1f} ms | {1 / step:.1f} | {reward[:20].mean():.3f} -> "
+                   f"{reward[-20:].mean():.3f} | {time.perf_counter() - t0:.0f} s |")
+        print(f"  {name}: {1e3 * step:.1f} ms/step (load {os.getloadavg()[0]:.1f})", flush=True)
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--train-s", type=float, default=0.5, help="T: seconds per train command")
     ap.add_argument("--ratios", default="0.5,1,2", help="R/T values, comma-separated")
     ap.add_argument("--steps", type=int, default=10, help="steps per run (the first %d are warm-up)" % WARMUP)
     ap.add_argument("--out", type=Path, help="write the rows as JSON here")
+    ap.add_argument("--demo", action="store_true", help="the embedded demo colocated, split K=0, split K=1")
+    ap.add_argument("--demo-steps", type=int, default=600, help="steps of each demo run (default: the demo's)")
     args = ap.parse_args(argv)
+    if args.demo:
+        with tempfile.TemporaryDirectory(prefix="areno-async-demo-") as d:
+            print(demo_table(args.demo_steps, Path(d)))
+        return 0
     if args.steps < 1 or args.train_s <= 0:
         ap.error("--steps must be >= 1 and --train-s > 0")
     ratios = [float(x) for x in args.ratios.split(",") if x]
