@@ -58,13 +58,14 @@ class Inflight:
     version: int                    # the weights it samples with
     pending: Any = None             # rank_engines.PendingRollout while it runs
     batch: RolloutBatch | None = None
-    info: dict = field(default_factory=dict)  # idle_s, sync figures of the load it began with
+    info: dict = field(default_factory=dict)  # PendingRollout.collect's: idle_s, sync_load_s
     wait_s: float = 0.0             # how long the controller waited for it
 
 
 class RolloutsAhead:
-    """The loop state of K >= 1: the rollout in flight, the newest published
-    weights, the version the engines hold. `updates`: the trainer's version."""
+    """The loop state of split placement (K = 0 or 1): the rollout in flight, the
+    newest published weights, the version the engines hold. `updates`: the
+    trainer's version."""
 
     def __init__(self, run: Any, updates: int, saved: Inflight | None = None) -> None:
         self.run, self.k = run, run.cfg.off_policy_steps
@@ -98,7 +99,8 @@ class RolloutsAhead:
         """The update is in: publish version updates + 1 for the engines' next rollout,
         into the region the engines are not reading (they may be loading the last one)."""
         self.updates += 1
-        region = self.run.backend.publish_weights(fingerprinted=self.run.backend.engine_procs_fingerprinted, slot=self.updates % 2)
+        be = self.run.backend
+        region = be.publish_weights(fingerprinted=be.engine_procs_fingerprinted, slot=self.updates % 2)
         self.published = (self.updates, region)
 
     @property
@@ -109,15 +111,13 @@ class RolloutsAhead:
         """Draw step's prompts and send its rollout, with the newest weights when the
         engines do not hold them yet."""
         run = self.run
-        from areno.trainer import step_sampling
-
         before = run.sampler.state_dict()
         prompt_idx = run.sampler.next_batch()
         region = self.published[1] if self.published else None
         if self.published:
             self.engine_version, self.published = self.published[0], None
         ids, offsets = select(run.prompts, prompt_idx)
-        pending = run.engine.start_rollout(ids, offsets, run.cfg.n_samples, step_sampling(run, step), region)
+        pending = run.engine.start_rollout(ids, offsets, run.cfg.n_samples, run.sampling_for(step), region)
         self.inflight = Inflight(step, prompt_idx, before, self.engine_version, pending)
 
     def collect(self) -> Inflight:

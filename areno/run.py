@@ -81,12 +81,17 @@ class Run:
             self.ahead.ready_for_eval()
         # mean@k samples with a seed of its own per step, so a resumed run evaluates as
         # an uninterrupted one would (the engine's own stream is not checkpointed).
-        sampling = replace(self.sampling, seed=EVAL_SEED_BASE + cfg.seed * 1_000_003 + step)
+        sampling = replace(self.sampling, seed=EVAL_SEED_BASE + self.sampling_for(step).seed)
         m = evaluation.evaluate(self.engine, self.tokenizer, self.scorer, *self.evalset, sampling,
                                 k=cfg.eval_n)
         self.logger.log(step, m, advance=False)
         self.logger.info(f"eval step {step}: " + " ".join(
             f"{k.split('/', 1)[1]} {v:.3f}" for k, v in m.items() if k != "eval/prompts"))
+
+    def sampling_for(self, step: int) -> SamplingConfig:
+        """The sampling of step's rollout: its seed is the step's, so a resumed run
+        samples as an uninterrupted one."""
+        return replace(self.sampling, seed=self.cfg.seed * 1_000_003 + step)
 
     def save(self, step: int) -> Path:
         """Write a checkpoint of `step` (atomic; pruned to --keep-last)."""

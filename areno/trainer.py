@@ -195,7 +195,7 @@ def train_step(run: Run, step: int, timer: PhaseTimer | None = None) -> dict[str
     cfg, timer = run.cfg, timer or PhaseTimer()
     t_step = time.perf_counter()
     prompt_idx = run.sampler.next_batch()
-    sampling = step_sampling(run, step)
+    sampling = run.sampling_for(step)
     if cfg.overlap_rewards:
         batch, scored = rollout_overlapped(run, prompt_idx, sampling, timer)
     else:
@@ -212,12 +212,6 @@ def train_step_ahead(run: Run, step: int, timer: PhaseTimer | None = None) -> di
     scored = score(run, cur.prompt_idx, cur.batch, timer)
     metrics = learn(run, step, cur.prompt_idx, cur.batch, scored, timer, t_step, ahead.publish)
     return metrics | ahead.after_update(step, cur)
-
-
-def step_sampling(run: Run, step: int) -> SamplingConfig:
-    """The sampling of step's rollout: its seed is the step's, so a resumed run samples
-    as an uninterrupted one."""
-    return replace(run.sampling, seed=run.cfg.seed * 1_000_003 + step)
 
 
 def learn(run: Run, step: int, prompt_idx: np.ndarray, batch: RolloutBatch, scored: RewardResult,

@@ -197,7 +197,7 @@ class PendingRollout:
 
     def collect(self) -> tuple[RolloutBatch, dict[str, float]]:
         """Wait for every engine -> (the batch in prompt order, {idle_s: the longest an
-        engine waited before it, sync figures when it loaded weights})."""
+        engine waited before it; sync_load_s: the slowest load, when it began with one})."""
         replies = self.stream.gather(self.engines.backend.config.command_timeout_s)
         parts, positions = [], []
         for g, reply in enumerate(replies):
@@ -207,10 +207,7 @@ class PendingRollout:
                 positions.append(pos)
         self.engines.last_tokens = [r["tokens"] for r in replies]
         info = {"idle_s": max(r["idle_s"] for r in replies)}
-        loaded = [r for r in replies if "load_s" in r]
+        loaded = [r["load_s"] for r in replies if "load_s" in r]
         if loaded:
-            info["sync_load_s"] = max(r["load_s"] for r in loaded)
-            probed = [r for r in loaded if "probe_diff" in r]
-            if probed:
-                info["probe_diff"] = max(r["probe_diff"] for r in probed)
+            info["sync_load_s"] = max(loaded)
         return RolloutBatch.merge_parts(parts, positions)[0], info
