@@ -84,9 +84,6 @@ class TrainConfig:
     n_samples: int = opt(8, "Completions per prompt (the GRPO group size).", "Rollout", ge=1)
     max_new_tokens: int = opt(1024, "Maximum tokens generated per completion.", "Rollout", ge=1)
     tensor_parallel_size: int = opt(1, "vLLM tensor-parallel size.", "Rollout", ge=1)
-    rollout_world_size: int = opt(
-        0, "Engine processes that do not train, beside the ranks (split placement; on GPU each "
-        "takes its own GPUs after the ranks'); 0 = colocated: each rank holds an engine.", "Rollout", ge=0)
     gpu_memory_utilization: float = opt(
         0.5, "Fraction of GPU memory vLLM may take (colocated with training).", "Rollout",
         gt=0.0, le=1.0)
@@ -196,8 +193,8 @@ class TrainConfig:
     world_size: int | None = opt(None, "Training ranks.", "Parallelism", ge=1,
                                  shown="number of GPUs, 1 on CPU")
     rollout_world_size: int = opt(
-        0, "Processes (one GPU each) that only run rollout engines, beside the training ranks; "
-        "--tensor-parallel-size of them make one engine, so it must divide this. 0: every "
+        0, "Processes that only run rollout engines, beside the training ranks (split "
+        "placement; on GPU one GPU each, after the ranks'; no --tensor-parallel-size). 0: every "
         "training rank holds an engine (colocated).", "Parallelism", ge=0)
     cpu_threads: int | None = opt(None, "torch threads of each CPU rank. On a machine shared with other "
                                   "busy processes use fewer (1): an OpenMP thread that shares a core "
