@@ -67,6 +67,10 @@ def format_step_line(step: int, total: int, m: dict[str, float], show_kl: bool =
     extra = []
     if "time/step" in m:
         extra.append(f"{_fmt('{:.2f}' if m['time/step'] < 10 else '{:.0f}', m['time/step'])}s")
+    if "time/wait_batch" in m:  # split placement: the side that waited for the other
+        ranks, engines = m["time/wait_batch"], g("time/wait_weights", 0.0)
+        extra.append(f"{'ranks' if ranks >= engines else 'engines'} idle "
+                     f"{_fmt('{:.2f}', max(ranks, engines))}s")
     if "perf/tokens_per_s" in m:
         extra.append(f"{_fmt('{:.0f}', m['perf/tokens_per_s'])} tok/s")
     line = " ".join(parts + extra)

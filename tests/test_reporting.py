@@ -34,6 +34,14 @@ def test_step_line_holds_the_key_figures_in_120_characters_without_phase_times()
     assert not any(p in line for p in ("rollout", "decode", "materi", "weight"))  # in the JSONL
 
 
+def test_split_placement_says_which_side_waited_for_the_other():
+    split = {**STEP, "time/wait_batch": 0.004, "time/wait_weights": 0.27}
+    assert format_step_line(3, 200, split).endswith(" 0.35s engines idle 0.27s")  # tok/s dropped: 120
+    split["time/wait_batch"] = 0.5  # the engines are the slow side: the ranks wait for the batch
+    assert " 0.35s ranks idle 0.50s" in format_step_line(3, 200, split)
+    assert len(format_step_line(10000, 10000, {**WIDE, **split})) <= LINE_LIMIT
+
+
 def test_failed_rewards_show_and_a_step_with_no_valid_reward_warns_and_shows_no_lr():
     assert "failed" not in format_step_line(1, 2, STEP)
     zeroed = {**STEP, "reward/zeroed": 16.0, "reward/timeouts": 16.0, "reward/mean": 0.0}
