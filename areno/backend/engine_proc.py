@@ -71,14 +71,13 @@ class EngineWorker:
 
     def cmd_rollout(self, region: WeightRegion | None, ids: np.ndarray, offsets: np.ndarray, n: int,
                     sampling, out: OutRegion) -> dict:
-        """The asynchronous loop's rollout (trainer.py, --off-policy-steps >= 1): load
-        the newest published weights first when given (between rollouts, never
-        inside one), then sample; every part's metadata comes in the one reply
-        (parts), so the engine never blocks on a pipe the controller reads only
-        once the ranks have trained. idle_s: how long this engine waited since its
-        last rollout ended (for the next weights: the loop sends the rollout once
-        they are admitted)."""
-        t0 = time.perf_counter()
+        """The rollout of split placement's loop (asyncloop.py): load the newest
+        published weights first when given (between rollouts, never inside one),
+        then sample; every part's metadata comes in the one reply (parts), so the
+        engine never blocks on a pipe the controller reads only once the ranks
+        have trained. idle_s: how long this engine waited since its last rollout
+        ended (for the next weights: the loop sends the rollout once they are
+        admitted)."""
         idle_s = 0.0 if self._idle_since is None else max(0.0, time.monotonic() - self._idle_since)
         loaded = self.cmd_load_region(region) if region is not None else {}
         parts: list[dict] = []
@@ -87,8 +86,7 @@ class EngineWorker:
         tokens = generate_into(self.engine, ids, offsets, n, sampling, out, parts.append) if offsets.size > 1 else 0
         self.hooks.rollout_end(self.peer, tokens)
         self._idle_since = time.monotonic()
-        return loaded | {"tokens": tokens, "parts": parts, "idle_s": idle_s,
-                         "generate_s": time.perf_counter() - t1, "rollout_s": time.perf_counter() - t0}
+        return loaded | {"tokens": tokens, "parts": parts, "idle_s": idle_s, "generate_s": time.perf_counter() - t1}
 
     def cmd_load_region(self, region: WeightRegion) -> dict:
         """Load the weights rank 0 published and check them (weight_sync.load_region)."""
