@@ -1,7 +1,8 @@
 """The reading of bench_longcot's results: pass/fail targets over the modes'
-rounds, and the printed report (two tables of per-mode medians, the targets
-and the checks). Ratios are medians of same-round ratios: the two steps of a
-round ran minutes apart at most, under the same load.
+rounds, and the printed report (two tables of per-mode medians, the K = 1
+mode's table by step, the targets and the checks). Ratios are medians of
+same-round ratios: the two steps of a round ran minutes apart at most, under
+the same load.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ ASYNC_COLS = [  # (title, key, scale, format) of a K = 1 step
     ("train s", "train_s", 1, "7.2f"), ("publish", "export_s", 1e3, "7.1f"),
     ("w-batch", "wait_batch_s", 1e3, "7.1f"), ("w-weights", "wait_weights_s", 1e3, "9.1f"),
     ("host-margin", "host_margin_s", 1e3, "11.1f"), ("step-margin", "step_margin_s", 1e3, "11.1f"),
-    ("step s", "step_s", 1, "6.2f"), ("period s", "period_s", 1, "8.2f"), ("hidden", "hidden", 1, "6.0f"), ("+update", "step_hidden", 1, "7.0f"),
+    ("step s", "step_s", 1, "6.2f"), ("period s", "period_s", 1, "8.2f"), ("hidden", "hidden", 1, "6.0f"),
+    ("+update", "step_hidden", 1, "7.0f"),
 ]
 
 
@@ -104,7 +106,8 @@ def async_lines(out: dict) -> list[str]:
              "margins = end of k+1's generation - end of the host work / of the publish, step wall "
              "(train_step_ahead), period (step start to the next step's: the bench's gc and probe reading "
              "between steps included, the engine generating meanwhile); hidden = "
-             f"host-margin >= -50 ms (1 = yes), +update: step-margin too. The synchronous step (overlap, free) takes {sync:.2f} s."]
+             f"host-margin >= -50 ms (1 = yes), +update: step-margin too. The synchronous step (overlap, free) "
+             f"takes {sync:.2f} s."]
     rows = [("warm-up", out["warmup"]["areno_async_free"])] + [(f"step {r['step']}", r) for r in k1["steps"]]
     rows = [(n, {"period_s": float("nan"), **r}) for n, r in rows]
     rows.append(("median", {**k1["median"], **{k: float(all(r[k] for r in k1["steps"]))

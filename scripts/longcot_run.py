@@ -371,8 +371,8 @@ def hidden_checks(rows: list[dict], steps: int, quick: bool) -> dict:
     """K = 1, over the measured steps: the controller's work on step k (first
     decode -> hand-off written) ends before the rollout in flight (k + 1's)
     finishes generating, to HIDDEN_SLACK_S: the issue's claim. With the update
-    (train, publish) too: then the ranks never wait for a batch; required at
-    full sizes only (at --quick ones the tiny steps train longer than the 0.3 s
+    (train, publish) too: then the next weights are out before that rollout
+    ends, and the engine never waits for them; required at full sizes only (at --quick ones the tiny steps train longer than the 0.3 s
     generation: the step is the ranks', whatever the controller does)."""
     def late(key: str) -> list[dict]:
         return [{"round": r["step"], "host_margin_ms": round(r["host_margin_s"] * 1e3, 1),

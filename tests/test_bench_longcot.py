@@ -175,6 +175,23 @@ def test_identity_checks_catch_a_changed_field(bl) -> None:
     assert ref["differences"][0]["fields"] == ["per-sequence advantages (beyond 1e-5)"]
 
 
+def test_hidden_checks_need_every_step_before_the_rollout_in_flight(bl) -> None:
+    from longcot_run import HIDDEN_SLACK_S, hidden_checks
+
+    def row(step, host, upd):
+        return {"step": step, "host_margin_s": host, "step_margin_s": upd}
+
+    rows = [row(2, 1.0, 0.5), row(3, 0.2, -HIDDEN_SLACK_S / 2)]  # within the slack
+    host, full = hidden_checks(rows, 2, quick=False).values()
+    assert host["pass"] and full["pass"] and full["required"]
+    rows.append(row(4, -2 * HIDDEN_SLACK_S, -1.0))
+    host, full = hidden_checks(rows, 3, quick=True).values()
+    assert not host["pass"] and [d["round"] for d in host["differences"]] == [4]
+    assert not full["pass"] and full["required"] is False  # --quick: info only
+    short, _ = hidden_checks(rows[:1], 2, quick=False).values()
+    assert not short["pass"]  # a measured step missing
+
+
 class _Prompts:
     def __init__(self, lengths, seed=0):
         rng = np.random.default_rng(seed)
