@@ -64,15 +64,33 @@ warm-up round; each round replays the same prompts in every mode):
   areno_plain_free     train_step, --no-overlap-rewards, free reward
   areno_overlap_5ms    overlap, --reward-ms per sample
   areno_plain_5ms      no overlap, --reward-ms per sample
+  areno_async_free     K = 1, a Run of its own after the others: split placement
+                       (--rollout-world-size 1 --off-policy-steps 1, which turns
+                       on --recompute-logprobs), trainer.train_step_ahead, free
+                       reward; 1 warm-up step then --steps consecutive steps. The
+                       synthetic engine runs in the engine process
+                       (longcot_sim.ProcEngine, built there by the RankHooks'
+                       make_engine, prepared from a spec file the controller
+                       writes: the same responses and timeline; the weights go
+                       into the real hf engine inside it, probe included).
+                       Step k's figures: the controller's critical work (first
+                       decode -> hand-off written, by phase as above), train,
+                       publish, time/wait_batch and time/wait_weights, and the
+                       generation of the rollout in flight (k+1's, from the
+                       engine process's log) with margins: its end minus the end
+                       of the host work, and of the publish.
 
 Checks (recorded in the JSON; exit status 1 if any fails), on the packs the
 ranks received: every field of every rank's share and its micro-batch plan
 identical (SHA-256) with and without overlap, for both reward costs; the same
 between the reference and areno but for the advantages, whose per-sequence
-values agree to 1e-5.
+values agree to 1e-5. K = 1 "hidden": in every measured step the host work
+on step k ends before rollout k+1's generation does (50 ms slack); and with
+train + publish too (required at full sizes; at --quick ones the tiny steps
+train longer than the 0.3 s generation, reported as info).
 
 Usage:
-  python scripts/bench_longcot.py                        # 32 x 8 x 4096, ~5 min
+  python scripts/bench_longcot.py                        # 32 x 8 x 4096, ~4 min
   python scripts/bench_longcot.py --quick --out /tmp/l.json
 """
 
@@ -145,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = check_finite(out)
     if bad:
         print(f"non-finite values in the JSON: {bad[:10]}")
-    return 0 if all(c["pass"] for c in out["checks"].values()) and not bad else 1
+    return 0 if all(c["pass"] for c in out["checks"].values() if c.get("required", True)) and not bad else 1
 
 
 if __name__ == "__main__":

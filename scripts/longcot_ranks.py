@@ -22,6 +22,9 @@ each rank appends one JSON record to PROBE_DIR/rank<r>.jsonl:
                last k micro-batches of its mini-batch (the smallest: the planner
                packs first-fit decreasing); the whole pack is still mapped and
                copied to the device.
+  the engine   in the engine process of the K = 1 mode (split placement),
+               make_engine builds longcot_sim.ProcEngine around the real
+               engine cfg.engine names, when ENGINE_SPEC_ENV is set.
   the pack     SHA-256 of every field of the rank's share and of its micro-batch
                plan, and the mean advantage of each sequence: the controller
                checks the packs modes hand off against each other. Hashed after
@@ -42,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from benchlib import ReadbackCounter
+from longcot_sim import ENGINE_SPEC_ENV
 
 from areno.backend.handoff import LocalPack
 from areno.backend.hooks import RankHooks
@@ -60,6 +64,16 @@ class LongcotRankHooks(RankHooks):
         self.micro_limit = int(os.environ.get(MICRO_LIMIT_ENV, "0"))
         self.rec: dict = {}
         self.counter: ReadbackCounter | None = None
+
+    def make_engine(self, cfg, device):
+        spec = os.environ.get(ENGINE_SPEC_ENV)
+        if not spec:
+            return None
+        from areno.rollout.factory import make_engine
+        from longcot_sim import ProcEngine
+
+        inner, kind = make_engine(cfg.engine, cfg.model_path, device)
+        return ProcEngine(inner, Path(spec)), f"synthetic({kind})"
 
     def train_begin(self, rank: int) -> None:
         self.rec = {"rank": rank, "t_enter": time.monotonic(), "first_arrive": None}

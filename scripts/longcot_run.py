@@ -18,8 +18,9 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -27,11 +28,12 @@ from benchlib import cpu_in, loadavg, proc_kb, reset_peak_rss, union_in
 from longcot_ranks import HOOKS_SPEC, MICRO_LIMIT_ENV, PROBE_DIR_ENV, RankLog, rank_figures
 from longcot_ref import ref_train_step
 from longcot_report import evaluate_targets
-from longcot_sim import REWARD_COST_ENV, REWARD_PLUGIN, SyntheticEngine, set_reward_cost, write_dataset
+from longcot_sim import (ENGINE_SPEC_ENV, REWARD_COST_ENV, REWARD_PLUGIN, SyntheticEngine, set_reward_cost,
+                         write_dataset, write_engine_spec)
 
 from areno.backend.hooks import RANK_HOOKS_ENV
 from areno.run import open_run
-from areno.trainer import PhaseTimer, train_step
+from areno.trainer import PhaseTimer, train_step, train_step_ahead
 
 MODES = {
     # key: (label, kind, overlap, reward cost)
@@ -40,7 +42,12 @@ MODES = {
     "areno_plain_free": ("areno, no overlap, free reward", "areno", False, "free"),
     "areno_overlap_5ms": ("areno, overlap, R ms reward", "areno", True, "cost"),
     "areno_plain_5ms": ("areno, no overlap, R ms reward", "areno", False, "cost"),
+    # K = 1: a Run of its own (split placement), consecutive steps (run_async)
+    "areno_async_free": ("areno, K = 1 (engine process), free", "async", True, "free"),
 }
+ASYNC = "areno_async_free"
+SYNC = "areno_overlap_free"  # the synchronous mode K = 1's step is compared with
+HIDDEN_SLACK_S = 0.05  # scheduling noise of a loaded 2-core host
 WARMUP = ("areno_overlap_free", "reference_free")
 # (a, b): advantages and pack must be identical between modes a and b, same round.
 IDENTICAL = (("areno_overlap_free", "areno_plain_free"), ("areno_overlap_5ms", "areno_plain_5ms"))
@@ -129,6 +136,8 @@ def long_context_model(src: Path, dst: Path, positions: int) -> Path:
     """A copy of the tiny model whose config allows `positions` tokens (RoPE runs
     at any length; the synthetic engine never asks the model for text), so the
     full size's 2 x 4,096-token cap passes areno's context check."""
+    if dst.exists():
+        return dst
     shutil.copytree(src, dst)
     cfg_path = dst / "config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -137,13 +146,15 @@ def long_context_model(src: Path, dst: Path, positions: int) -> Path:
     return dst
 
 
-def bench_config(args: argparse.Namespace, tmp: Path) -> tuple[Any, Path]:
+def bench_config(args: argparse.Namespace, tmp: Path, k1: bool = False) -> tuple[Any, Path]:
     """The Run's TrainConfig (dataset, reward plugin and probe dirs in tmp) and the
-    reward cost file; sets the environment the reward workers and ranks read."""
+    reward cost file; sets the environment the reward workers and ranks read.
+    k1: the K = 1 mode's Run (split placement: one engine process, one step ahead),
+    with its own probe dir."""
     from areno.config import TrainConfig
     from areno.tiny import tiny_model_path
 
-    probe_dir = tmp / "probes"
+    probe_dir = tmp / ("probes_k1" if k1 else "probes")
     probe_dir.mkdir()
     cost_file = tmp / "reward_cost"
     set_reward_cost(cost_file, 0.0, args.reward_busy)
@@ -159,8 +170,11 @@ def bench_config(args: argparse.Namespace, tmp: Path) -> tuple[Any, Path]:
         chat_template=True, max_prompt_len=1024, max_new_tokens=args.max_new_tokens, batch_size=args.prompts,
         n_samples=args.samples, world_size=args.world_size, device="cpu",
         reward_workers=args.reward_workers, reward_timeout=120.0, max_steps=10_000, epochs=10_000,
-        output_dir=str(tmp / "run"), no_save=True, lr=1e-6, max_tokens_per_micro=args.max_tokens_per_micro,
-        overlap_rewards=True, seed=args.seed,
+        output_dir=str(tmp / ("run_k1" if k1 else "run")), no_save=True, lr=1e-6,
+        max_tokens_per_micro=args.max_tokens_per_micro, overlap_rewards=True, seed=args.seed,
+        # K = 1: the engine process builds the real engine for the weights, and
+        # ProcEngine around it (longcot_ranks.LongcotRankHooks.make_engine)
+        **(dict(rollout_world_size=1, off_policy_steps=1, rollout_engine="hf") if k1 else {}),
     ))
     return cfg, cost_file
 
@@ -173,7 +187,7 @@ def run_rounds(run: Any, args: argparse.Namespace, cost_file: Path) -> tuple[dic
     warm: dict[str, dict] = {}
     state = run.sampler.state_dict()
     for rnd in range(args.steps + 1):
-        for mode in [m for m in MODES if m in WARMUP] if rnd == 0 else MODES:
+        for mode in [m for m in MODES if m in WARMUP] if rnd == 0 else [m for m in MODES if m != ASYNC]:
             _, _, overlap, cost = MODES[mode]
             run.sampler.load_state_dict(state)
             run.cfg.overlap_rewards = overlap
@@ -198,6 +212,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     cfg, cost_file = bench_config(args, Path(tempfile.mkdtemp(prefix="bench_longcot_")))
     engine = SyntheticEngine(n=args.samples, resp_len=args.resp_len, max_new_tokens=args.max_new_tokens,
                              vocab=(3, 0), gen_time_s=args.gen_time, seed=args.seed)
+    tmp = Path(cfg.output_dir).parent
     with open_run(cfg, engine=engine) as run:
         t_setup = time.monotonic() - t_start
         engine.vocab = (3, min(len(run.tokenizer), run.backend.vocab_size))  # 0..2: special tokens
@@ -217,7 +232,10 @@ def run_bench(args: argparse.Namespace) -> dict:
         meta = {"world_size": run.world_size, "strategy": run.backend.strategy, "model": cfg.ckpt,
                 "response_tokens_per_step": total_tokens, "setup_s": t_setup}
     gc.unfreeze()
+    rows[ASYNC], warm[ASYNC] = run_async(args, tmp, cost_file)
+    lifetime_peak_mb = max([lifetime_peak_mb] + [r["rss_peak_mb"] for r in rows[ASYNC] + [warm[ASYNC]]])
     checks = identity_checks(rows, args.steps)
+    checks.update(hidden_checks(rows[ASYNC], args.steps, bool(args.quick)))
     summary = {m: summarize(rows[m]) for m in MODES}
     for m in MODES:
         summary[m]["readback_sites"] = sorted({s for r in rows[m] for s in r.get("readback_sites", [])})
@@ -240,6 +258,135 @@ def run_bench(args: argparse.Namespace) -> dict:
            "warmup": warm, "checks": checks}
     out["targets"] = evaluate_targets(out)
     return out
+
+
+# -- K = 1 ----------------------------------------------------------------------------
+class SnapTimer(PhaseTimer):
+    """PhaseTimer(keep_spans=True) that copies the backend's public last_timings
+    as the weight sync phase begins (the train call's) and ends (the publish's):
+    what SyntheticEngine.sync_weights copies in the synchronous modes."""
+
+    def __init__(self, backend: Any) -> None:
+        super().__init__(keep_spans=True)
+        self.backend, self.snaps = backend, {"train": {}, "export": {}}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        if phase == "weight_sync":
+            self.snaps["train"] = dict(self.backend.last_timings)
+        with super().__call__(phase):
+            yield
+        if phase == "weight_sync":
+            self.snaps["export"] = dict(self.backend.last_timings)
+
+
+def measure_async_step(run: Any, step: int, ranks: RankLog) -> dict:
+    """One step of the K = 1 loop (trainer.train_step_ahead). The controller's
+    critical work is its window from the first decode (the batch in hand) to the
+    hand-off written: the same phases as the synchronous modes' critical path.
+    The figures of the rollout generated meanwhile (step + 1's) are added by
+    run_async once it is done (add_inflight)."""
+    gc.collect()
+    peak_ok = reset_peak_rss()
+    rss0, load = proc_kb("VmRSS"), os.getloadavg()[0]
+    timer = SnapTimer(run.backend)
+    t_step = time.monotonic()
+    m = train_step_ahead(run, step, timer)
+    t_end = time.monotonic()
+    hwm = proc_kb("VmHWM") if peak_ok else 0
+    spans = timer.spans
+    t_host = min(a for p, a, _, _ in spans if p == "decode")
+    (t_pub,) = [z for p, _, z, _ in spans if p == "weight_sync"]
+    eng = {"t_gen_end": t_host, "t_start": t_step, "train": timer.snaps["train"], "export": timer.snaps["export"],
+           "t_update_weights": t_pub}
+    row = {"step": step, **controller_figures(spans, eng, t_step, t_end)}
+    row.update(take_s=t_host - t_step, wait_batch_s=m["time/wait_batch"], wait_weights_s=m["time/wait_weights"],
+               step_metric_s=m["time/step"], train_time_metric_s=m.get("time/train", float("nan")),
+               _t_hand=t_host + row["critical_s"], _t_pub=t_pub, _t_step=t_step)
+    row.update(rss_peak_mb=hwm / 1024 if peak_ok else float("nan"), rss_start_mb=rss0 / 1024,
+               rss_growth_mb=(hwm - rss0) / 1024 if peak_ok else float("nan"), loadavg_1m=load)
+    recs = ranks.new()
+    if [len(r) for r in recs] != [1] * run.world_size:
+        raise RuntimeError(f"rank probes: expected one record per rank for the step, got {[len(r) for r in recs]}")
+    row.update(rank_figures([r[0] for r in recs], train_span(spans)[0]))
+    return row
+
+
+def add_inflight(row: dict, nxt: dict) -> None:
+    """Step k's row + the timeline of rollout k + 1 (generated while k was scored
+    and trained): its generation, and by how much the controller's work ended
+    before it (margins > 0: hidden)."""
+    t_hand, t_pub = row.pop("_t_hand"), row.pop("_t_pub")
+    row.update(gen_time_s=nxt["t_gen_end"] - nxt["t_start"], stream_parts=nxt.get("parts", 1),
+               rollout_late_s=max(0.0, nxt.get("t_exhausted", nxt["t_gen_end"]) - nxt["t_gen_end"]),
+               host_margin_s=nxt["t_gen_end"] - t_hand, step_margin_s=nxt["t_gen_end"] - t_pub,
+               busy_s=t_pub - nxt["t_start"])
+    row["hidden"] = row["host_margin_s"] >= -HIDDEN_SLACK_S
+    row["step_hidden"] = row["step_margin_s"] >= -HIDDEN_SLACK_S
+
+
+def run_async(args: argparse.Namespace, tmp: Path, cost_file: Path) -> tuple[list[dict], dict]:
+    """The K = 1 mode: a Run with one engine process one step ahead
+    (--rollout-world-size 1 --off-policy-steps 1) whose engine is ProcEngine,
+    prepared from the spec written here (the same responses and timeline as the
+    synchronous modes'); step 1 (its rollout has nothing to hide behind) is the
+    warm-up, then args.steps steps, then one more whose start ends the last
+    one's period (step start to step start: the loop's cycle, the bench's own
+    work between steps included). -> (rows, warm-up row)."""
+    cfg, _ = bench_config(args, tmp, k1=True)
+    set_reward_cost(cost_file, 0.0, args.reward_busy)
+    spec, log = tmp / "engine_spec.json", tmp / "engine_rollouts.jsonl"
+    os.environ[ENGINE_SPEC_ENV] = str(spec)  # read by the engine process (longcot_ranks.make_engine)
+    try:
+        with open_run(cfg) as run:
+            ref = SyntheticEngine(n=args.samples, resp_len=args.resp_len, max_new_tokens=args.max_new_tokens,
+                                  vocab=(3, min(len(run.tokenizer), run.backend.vocab_size)),
+                                  gen_time_s=args.gen_time, seed=args.seed)
+            write_engine_spec(spec, ref, run.prompts, ref.prepare(run.prompts), log)
+            ranks = RankLog(Path(os.environ[PROBE_DIR_ENV]), run.world_size)
+            rows = []
+            for step in range(1, args.steps + 3):
+                rows.append(measure_async_step(run, step, ranks))
+                r = rows[-1]
+                print(f"  K=1 step {step}{' (warm-up)' if step == 1 else ''}: host {r['critical_s'] * 1e3:7.1f} ms"
+                      f"  train {r['train_s']:5.2f} s  publish {r['export_s'] * 1e3:6.1f} ms  wait_batch "
+                      f"{r['wait_batch_s'] * 1e3:7.1f} ms  step {r['step_s']:5.2f} s  load {r['loadavg_1m']:.1f}",
+                      flush=True)
+            run.ahead.ready_for_eval()  # the last rollout in flight, collected: the last step's margins
+    finally:
+        os.environ.pop(ENGINE_SPEC_ENV, None)
+    rollouts = [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()]
+    if len(rollouts) != len(rows) + 1:
+        raise RuntimeError(f"K = 1: {len(rollouts)} rollouts logged by the engine process for {len(rows)} steps")
+    starts = [row.pop("_t_step") for row in rows]
+    for i, row in enumerate(rows):  # rollouts[k - 1] is step k's, rollouts[k] the one generated during k
+        add_inflight(row, rollouts[row["step"]])
+        if i + 1 < len(rows):  # the last (extra) step only ends the period of the one before
+            row["period_s"] = starts[i + 1] - starts[i]
+            row["bench_gap_s"] = row["period_s"] - row["step_s"]
+    return rows[1:-1], rows[0]
+
+
+def hidden_checks(rows: list[dict], steps: int, quick: bool) -> dict:
+    """K = 1, over the measured steps: the controller's work on step k (first
+    decode -> hand-off written) ends before the rollout in flight (k + 1's)
+    finishes generating, to HIDDEN_SLACK_S: the issue's claim. With the update
+    (train, publish) too: then the next weights are out before that rollout
+    ends, and the engine never waits for them; required at full sizes only (at --quick ones the tiny steps train longer than the 0.3 s
+    generation: the step is the ranks', whatever the controller does)."""
+    def late(key: str) -> list[dict]:
+        return [{"round": r["step"], "host_margin_ms": round(r["host_margin_s"] * 1e3, 1),
+                 "step_margin_ms": round(r["step_margin_s"] * 1e3, 1)}
+                for r in rows if r[key] < -HIDDEN_SLACK_S]
+
+    slack = f"(+{HIDDEN_SLACK_S * 1e3:.0f} ms)"
+    host, step = late("host_margin_s"), late("step_margin_s")
+    return {
+        f"hidden (K=1): host work on step k ends before rollout k+1's generation {slack}":
+            {"pass": not host and len(rows) == steps, "differences": host},
+        f"hidden (K=1): host work + train + publish of step k end before rollout k+1's generation {slack}":
+            {"pass": not step and len(rows) == steps, "differences": step, "required": not quick},
+    }
 
 
 # -- checks --------------------------------------------------------------

@@ -18,6 +18,17 @@ PhaseTimer spans and the rank probes): when generation started and ended, and
 when the weight sync ended. At sync_weights it copies
 `timings_source.last_timings` (the backend's public timings of the train
 call, then of the publish) before the next call replaces them.
+
+ProcEngine: the same engine inside the engine process of split placement (the
+K = 1 mode: --rollout-world-size 1 --off-policy-steps 1), built there by
+longcot_ranks.LongcotRankHooks.make_engine when ENGINE_SPEC_ENV names a spec
+file. The controller writes that file (write_engine_spec: the engine's
+arguments and the Run's PromptSet) once its Run is open; the engine reads it
+at its first rollout and prepares the very responses and timeline the
+controller's SyntheticEngine would (same seed, same prompts; the total is
+checked). Weights are loaded into, and the sync's probe scored by, the real
+engine cfg.engine names (`inner`), so the weight path is the real one; each
+rollout's timeline goes as one JSON line to the spec's log.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from listref import ListRollouts
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths
 
 REWARD_COST_ENV = "ARENO_BENCH_LONGCOT_REWARD_COST"
+ENGINE_SPEC_ENV = "ARENO_BENCH_LONGCOT_ENGINE_SPEC"  # the K = 1 mode's spec file (ProcEngine)
 
 REWARD_PLUGIN = '''\
 """bench_longcot reward: cost per sample from the file named by $%(env)s
@@ -235,6 +247,77 @@ class SyntheticEngine:
 
     def shutdown(self) -> None:
         pass
+
+
+class _PromptArrays:
+    """The PromptSet fields prepare() reads."""
+
+    def __init__(self, ids: np.ndarray, offsets: np.ndarray) -> None:
+        self.ids, self.offsets = ids, offsets
+
+    def __len__(self) -> int:
+        return self.offsets.size - 1
+
+
+def write_engine_spec(path: Path, engine: SyntheticEngine, prompts: Any, total: int, log: Path) -> None:
+    """What ProcEngine needs to prepare `engine`'s responses in another process."""
+    np.savez(path.with_suffix(".npz"), ids=np.asarray(prompts.ids), offsets=np.asarray(prompts.offsets))
+    spec = {"n": engine.n, "resp_len": engine.resp_len, "max_new_tokens": engine.max_new,
+            "vocab": list(engine.vocab), "gen_time_s": engine.gen_time_s, "seed": engine.seed,
+            "prompts": str(path.with_suffix(".npz")), "total": total, "log": str(log)}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(spec))
+    os.replace(tmp, path)
+
+
+class ProcEngine(SyntheticEngine):
+    """SyntheticEngine in an engine process (see the module docstring): prepared
+    from the spec file at the first rollout; weights, their check and the probe
+    go to `inner`, the real engine."""
+
+    def __init__(self, inner: Any, spec_path: Path) -> None:
+        super().__init__(n=0, resp_len=0, max_new_tokens=0, vocab=(0, 0), gen_time_s=0.0)
+        self.inner, self.spec_path, self.log = inner, Path(spec_path), None
+
+    def _ready(self) -> None:
+        if self.log is not None:
+            return
+        spec = json.loads(self.spec_path.read_text())
+        self.n, self.resp_len, self.max_new = spec["n"], spec["resp_len"], spec["max_new_tokens"]
+        self.vocab, self.gen_time_s, self.seed = tuple(spec["vocab"]), spec["gen_time_s"], spec["seed"]
+        with np.load(spec["prompts"]) as z:
+            total = self.prepare(_PromptArrays(z["ids"], z["offsets"]))
+        if total != spec["total"]:
+            raise RuntimeError(f"ProcEngine prepared {total} response tokens, the controller {spec['total']}")
+        self.log = Path(spec["log"])
+
+    def generate_stream(self, prompt_ids: Any, prompt_offsets: Any, n: int, sampling: Any,
+                        min_groups: int = 1) -> Iterator[tuple[np.ndarray, RolloutBatch]]:
+        self._ready()
+        yield from super().generate_stream(prompt_ids, prompt_offsets, n, sampling, min_groups)
+        with open(self.log, "a") as f:
+            f.write(json.dumps({k: v for k, v in self.timeline.items() if isinstance(v, (int, float))}) + "\n")
+
+    def generate(self, *a: Any, **k: Any) -> RolloutBatch:
+        self._ready()
+        return super().generate(*a, **k)
+
+    def sync_weights(self) -> dict:
+        raise RuntimeError("an engine process loads weights through load_weights")
+
+    def load_weights(self, named_tensors: Any) -> None:
+        self.inner.load_weights(named_tensors)
+
+    def prompt_logprobs(self, ids: np.ndarray) -> np.ndarray:
+        return self.inner.prompt_logprobs(ids)
+
+    def __getattr__(self, name: str) -> Any:  # weights_fingerprint, _weight_names, ... when inner has them
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
 
 
 def write_dataset(path: Path, num_prompts: int, words: int, seed: int) -> None:

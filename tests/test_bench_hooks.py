@@ -88,3 +88,43 @@ def test_rank_hooks_default_and_bad_names(monkeypatch) -> None:
     monkeypatch.setenv(RANK_HOOKS_ENV, f"{__name__}:NotHooks")
     with pytest.raises(TypeError, match="not a RankHooks"):
         load_rank_hooks()
+
+
+class StubEngine:
+    max_model_len = 32
+
+    def shutdown(self) -> None:
+        pass
+
+
+class EngineHooks(RankHooks):
+    seen: list = []
+
+    def make_engine(self, cfg, device):
+        EngineHooks.seen.append((cfg.world_size, str(device)))
+        return StubEngine(), "stub"
+
+
+def test_an_engine_process_builds_the_engine_its_hooks_make(tiny_chat_path, monkeypatch) -> None:
+    """RankHooks.make_engine: None (the base) leaves the engine to cfg.engine; a
+    benchmark's hooks return their own (scripts/longcot_ranks.py), consulted
+    before anything is built, and the hello reports its kind."""
+    from test_split_placement import backend_config
+
+    from areno.backend.engine_proc import EngineWorker
+
+    assert RankHooks().make_engine(None, None) is None
+    monkeypatch.setenv(RANK_HOOKS_ENV, f"{__name__}:EngineHooks")
+    monkeypatch.setenv("ARENO_PEER_INDEX", "1")
+    import torch
+
+    EngineHooks.seen = []
+    threads = torch.get_num_threads()  # EngineWorker sets the process's (its own, in an engine process)
+    worker = EngineWorker(backend_config(tiny_chat_path, 1))
+    try:
+        assert isinstance(worker.engine, StubEngine) and EngineHooks.seen == [(1, "cpu")]
+        hello = worker.hello()
+        assert hello["engine"] == "stub" and hello["engine_max_model_len"] == 32 and not hello["fingerprinted"]
+    finally:
+        worker.close()
+        torch.set_num_threads(threads)

@@ -1,6 +1,8 @@
 """scripts/bench_longcot.py --quick: the real loop (controller, reward workers, 2
 CPU ranks) with the synthetic engine runs end to end, writes JSON with every
-field finite, and overlapped rewards give identical advantages and packs."""
+field finite, and overlapped rewards give identical advantages and packs; its
+K = 1 mode (one engine process running the synthetic engine, one step ahead)
+reports the rollout in flight and the controller's work hidden behind it."""
 
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ STEP_FIELDS = (
     "rss_peak_mb", "rss_growth_mb", "loadavg_1m", "pack_tokens",
 )
 MODES = ("areno_overlap_free", "reference_free", "areno_plain_free", "areno_overlap_5ms",
-         "areno_plain_5ms")
+         "areno_plain_5ms", "areno_async_free")
+ASYNC_FIELDS = ("take_s", "wait_batch_s", "wait_weights_s", "host_margin_s", "step_margin_s", "busy_s",
+                "step_metric_s", "stream_parts", "period_s", "bench_gap_s")
 
 
 def test_bench_longcot_quick(tmp_path: Path, bl) -> None:
@@ -45,15 +49,35 @@ def test_bench_longcot_quick(tmp_path: Path, bl) -> None:
         assert med["critical_s"] > 0 and med["gen_time_s"] > 0 and med["opt_steps"] >= 1
         assert med["readbacks_per_opt_step"] == 1.0, data["modes"][mode]["median"]
     assert data["modes"]["reference_free"]["median"]["pickle_s"] > 0
+    # K = 1: the rollout in flight is the engine process's (the same modelled
+    # generation as the controller's engine), the host work is hidden behind it
+    # and the ranks do not wait for the batch; the warm-up step did wait (its
+    # rollout had nothing to hide behind).
+    k1, warm = data["modes"]["areno_async_free"], data["warmup"]["areno_async_free"]
+    gen = data["modes"]["areno_overlap_free"]["median"]["gen_time_s"]
+    for s in k1["steps"]:
+        assert all(f in s for f in ASYNC_FIELDS), s
+        assert s["gen_time_s"] == pytest.approx(gen, abs=0.02), (s["gen_time_s"], gen)
+        assert s["stream_parts"] == 4 and s["pack_tokens"] == data["modes"]["areno_overlap_free"]["median"][
+            "pack_tokens"]
+        assert 0 < s["critical_s"] < s["gen_time_s"] and s["host_margin_s"] > 0 and s["hidden"] is True
+        # the publish ends after the hand-off: by the train and publish at least
+        assert s["host_margin_s"] - s["step_margin_s"] >= s["train_s"] + s["export_s"] - 0.01
+        assert s["wait_batch_s"] < 0.1 and s["busy_s"] > 0 and isinstance(s["step_hidden"], bool)
+    assert warm["wait_batch_s"] >= 0.25 and warm["step"] == 1 and [s["step"] for s in k1["steps"]] == [2]
     checks = data["checks"]
     for name in ("identical:areno_overlap_free==areno_plain_free",
                  "identical:areno_overlap_5ms==areno_plain_5ms",
                  "reference_equals_areno (advantages to 1e-5)"):
         assert checks[name]["pass"], (name, checks[name])
-    assert all(c["pass"] for c in checks.values()), checks
+    hidden = [n for n in checks if n.startswith("hidden (K=1)")]
+    assert len(hidden) == 2 and checks[hidden[0]]["pass"], checks
+    assert all(c["pass"] for c in checks.values() if c.get("required", True)), checks
     names = {t["target"] for t in data["targets"]}
     assert any("critical reward time" in n for n in names) and any("readbacks" in n for n in names)
+    assert any(n.startswith("K=1") for n in names)
     assert "host critical path (end of generation -> hand-off written)" in proc.stdout
+    assert "K = 1 (--rollout-world-size 1" in proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +173,23 @@ def test_identity_checks_catch_a_changed_field(bl) -> None:
     rows["reference_free"] = [row(1, adv=0.6, ids="b")]
     ref = identity_checks(rows, 1)["reference_equals_areno (advantages to 1e-5)"]
     assert ref["differences"][0]["fields"] == ["per-sequence advantages (beyond 1e-5)"]
+
+
+def test_hidden_checks_need_every_step_before_the_rollout_in_flight(bl) -> None:
+    from longcot_run import HIDDEN_SLACK_S, hidden_checks
+
+    def row(step, host, upd):
+        return {"step": step, "host_margin_s": host, "step_margin_s": upd}
+
+    rows = [row(2, 1.0, 0.5), row(3, 0.2, -HIDDEN_SLACK_S / 2)]  # within the slack
+    host, full = hidden_checks(rows, 2, quick=False).values()
+    assert host["pass"] and full["pass"] and full["required"]
+    rows.append(row(4, -2 * HIDDEN_SLACK_S, -1.0))
+    host, full = hidden_checks(rows, 3, quick=True).values()
+    assert not host["pass"] and [d["round"] for d in host["differences"]] == [4]
+    assert not full["pass"] and full["required"] is False  # --quick: info only
+    short, _ = hidden_checks(rows[:1], 2, quick=False).values()
+    assert not short["pass"]  # a measured step missing
 
 
 class _Prompts:

@@ -46,9 +46,11 @@ class EngineWorker:
             self.device = torch.device("cpu")
             torch.set_num_threads(cfg.cpu_threads or rank_cpu_threads(len(os.sched_getaffinity(0)),
                                                                       cfg.rollout_world_size))
-        self.engine, self.engine_kind = make_engine(cfg.engine, cfg.model_path, self.device)
-        self.sync_check = SyncCheck(reports_fingerprint(self.engine), self.peer)
         self.hooks = load_rank_hooks()  # no-ops unless ARENO_RANK_HOOKS names some (benchmarks)
+        made = self.hooks.make_engine(cfg, self.device)  # None but in benchmarks (hooks.py)
+        self.engine, self.engine_kind = made if made is not None else \
+            make_engine(cfg.engine, cfg.model_path, self.device)
+        self.sync_check = SyncCheck(reports_fingerprint(self.engine), self.peer)
         self.emit = None  # set by serve(): sends one ("part", ...) message mid-command
         self._idle_since: float | None = None  # the end of the last rollout (cmd_rollout)
 

@@ -26,15 +26,26 @@ cmd_generate, and cmd_rollout after loading the weights it was sent):
                            the reply's generate_s includes the time spent here
 scripts/bench_async.py is the user: its hooks make each train command and each
 rollout take a fixed time (sleeping the remainder), stand-ins of given cost.
+
+Once per engine process, at startup (EngineWorker.__init__, before any command):
+  make_engine(cfg, device) -> (engine, kind) or None
+                           None (the base): the engine rollout.factory.make_engine
+                           builds from cfg.engine; a benchmark may return its own
+                           RolloutEngine instead (scripts/longcot_ranks.py: the
+                           long-CoT bench's synthetic engine, so its modelled
+                           generation runs inside the engine process at K = 1)
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
+    from areno.backend.config import BackendConfig
     from areno.backend.handoff import LocalPack
     from areno.backend.step import Micro
 
@@ -63,6 +74,11 @@ class RankHooks:
 
     def rollout_end(self, peer: int, tokens: int) -> None:
         """The engine process finished generating: `tokens` response tokens."""
+
+    def make_engine(self, cfg: BackendConfig, device: torch.device) -> tuple[Any, str] | None:
+        """An engine process's rollout engine and its kind (the hello's "engine"),
+        or None for the one cfg.engine names (the base)."""
+        return None
 
 
 def load_rank_hooks() -> RankHooks:
