@@ -191,7 +191,7 @@ class TrainConfig:
     device: Literal["auto", Device] = opt("auto", "Training device (auto: cuda if present).",
                                           "Parallelism")
     world_size: int | None = opt(None, "Training ranks.", "Parallelism", ge=1,
-                                 shown="number of GPUs, 1 on CPU")
+                                 shown="number of GPUs less --rollout-world-size, 1 on CPU")
     rollout_world_size: int = opt(
         0, "Processes that only run rollout engines, beside the training ranks (split "
         "placement; on GPU one GPU each, after the ranks'; no --tensor-parallel-size). 0: every "

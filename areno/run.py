@@ -343,13 +343,14 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
 
 def ranks_for(cfg: TrainConfig, device: str) -> tuple[int, int]:
     """(ranks on this node, ranks in the run): --nproc-per-node and --world-size, or
-    what they default to (every visible GPU, 1 on CPU)."""
+    what they default to (every visible GPU the --rollout-world-size engine
+    processes leave, 1 on CPU)."""
     if cfg.nproc_per_node:
         nproc = cfg.nproc_per_node
     elif cfg.world_size:
         nproc = cfg.world_size // cfg.nnodes
     else:
-        nproc = visible_gpus() if device == "cuda" else 1
+        nproc = max(1, visible_gpus() - cfg.rollout_world_size) if device == "cuda" else 1
     return nproc, cfg.world_size or cfg.nnodes * nproc
 
 

@@ -183,3 +183,15 @@ def test_k1_ctrl_c_while_waiting_for_a_minute_long_rollout_saves_within_seconds(
     ckpt = latest_checkpoint(out / "checkpoints")
     assert ckpt is not None and ckpt.name == "step_000002", err[-3000:]
     assert_complete(ckpt)
+
+
+def test_the_ranks_default_to_the_gpus_the_engine_processes_leave(monkeypatch, files):
+    """8 GPUs and --rollout-world-size 4: four ranks (the README's 4 + 4 command)."""
+    from areno import run
+    from areno.config import TrainConfig
+
+    monkeypatch.setattr(run, "visible_gpus", lambda: 8)
+    cfg = TrainConfig.from_sources(None, {**files, "rollout_world_size": 4, "off_policy_steps": 1})
+    assert run.ranks_for(cfg, "cuda") == (4, 4)
+    run.check_placement(cfg, 4, 4, "cuda")  # 4 + 4 fit in 8
+    assert run.ranks_for(TrainConfig.from_sources(None, files), "cuda") == (8, 8)
