@@ -169,13 +169,35 @@ def test_an_interrupted_step_counts_only_if_its_update_was_applied():
     sampler = PromptSampler(55, 16, seed=0)
     state = sampler.state_dict()
     first = sampler.next_batch()
-    run = SimpleNamespace(step=4, sampler=sampler, backend=SimpleNamespace(step=4))
+    run = SimpleNamespace(step=4, sampler=sampler, backend=SimpleNamespace(step=4), ahead=None)
     settle_interrupted_step(run, (5, state, 4))  # interrupted before the update
     assert run.step == 4
     np.testing.assert_array_equal(sampler.next_batch(), first)  # the prompts go back
     run.backend.step = 5
     settle_interrupted_step(run, (5, state, 4))  # the update reached the weights
     assert run.step == 5
+
+
+def test_an_interrupt_puts_the_prompts_of_the_rollout_in_flight_back():
+    """The asynchronous loop drew step 6's prompts during step 5: whether or not
+    step 5's update landed, the checkpoint's sampler must not have drawn them."""
+    from types import SimpleNamespace
+
+    from areno.asyncloop import Inflight
+    from areno.sampler import PromptSampler
+    from areno.trainer import settle_interrupted_step
+
+    for landed in (False, True):
+        sampler = PromptSampler(55, 16, seed=0)
+        before5 = sampler.state_dict()
+        batch5 = sampler.next_batch()
+        before6 = sampler.state_dict()
+        batch6 = sampler.next_batch()
+        ahead = SimpleNamespace(inflight=Inflight(6, batch6, before6, version=4))
+        run = SimpleNamespace(step=4, sampler=sampler, backend=SimpleNamespace(step=4 + landed), ahead=ahead)
+        settle_interrupted_step(run, (5, before5, 4))
+        assert run.step == 4 + landed and ahead.inflight is None
+        np.testing.assert_array_equal(sampler.next_batch(), batch6 if landed else batch5)
 
 
 def test_a_rollout_left_suspended_is_settled_before_the_next_command(tiny_arith_path, tmp_path):
