@@ -39,7 +39,8 @@ from areno.metrics import policy_lag_metrics, wait_metrics
 from areno.prompts import select
 from areno.rollout.batch import RolloutBatch
 
-INFLIGHT_FILE = "inflight.npz"
+INFLIGHT_FILE = "inflight.npz"  # its RolloutBatch and prompt indices
+INFLIGHT_META = "inflight.json"  # its step, weight version, the sampler before its prompts
 
 
 def admitted(updates_at_train: int, version: int, k: int) -> bool:
@@ -103,6 +104,14 @@ class RolloutsAhead:
         region = be.publish_weights(fingerprinted=be.engine_procs_fingerprinted, slot=self.updates % 2)
         self.published = (self.updates, region)
 
+    def take_published(self) -> Any:
+        """The published region the engines are about to load (None: they hold the
+        newest weights); from here on they count as holding its version."""
+        if self.published is None:
+            return None
+        (self.engine_version, region), self.published = self.published, None
+        return region
+
     @property
     def newest(self) -> int:
         return self.published[0] if self.published else self.engine_version
@@ -113,9 +122,7 @@ class RolloutsAhead:
         run = self.run
         before = run.sampler.state_dict()
         prompt_idx = run.sampler.next_batch()
-        region = self.published[1] if self.published else None
-        if self.published:
-            self.engine_version, self.published = self.published[0], None
+        region = self.take_published()
         ids, offsets = select(run.prompts, prompt_idx)
         pending = run.engine.start_rollout(ids, offsets, run.cfg.n_samples, run.sampling_for(step), region)
         self.inflight = Inflight(step, prompt_idx, before, self.engine_version, pending)
@@ -135,9 +142,8 @@ class RolloutsAhead:
         collected (and kept for its step), the published weights loaded."""
         if self.inflight is not None:
             self.collect()
-        if self.published:
-            self.run.backend.load_engine_procs(self.published[1])
-            self.engine_version, self.published = self.published[0], None
+        if (region := self.take_published()) is not None:
+            self.run.backend.load_engine_procs(region)
 
     def checkpoint_state(self, path: Path) -> dict:
         """Save the rollout in flight into checkpoint dir `path`, waiting for it ->
@@ -148,7 +154,7 @@ class RolloutsAhead:
             self.collect()
             np.savez(path / INFLIGHT_FILE, prompt_idx=cur.prompt_idx,
                      **{f.name: getattr(cur.batch, f.name) for f in fields(RolloutBatch)})
-            (path / "inflight.json").write_text(json.dumps(
+            (path / INFLIGHT_META).write_text(json.dumps(
                 {"step": cur.step, "version": cur.version, "sampler_before": cur.sampler_before}))
         return self.run.sampler.state_dict()
 
@@ -157,7 +163,7 @@ def load_inflight(ckpt: Path | None) -> Inflight | None:
     """The rollout a checkpoint saved in flight (checkpoint_state), or None."""
     if ckpt is None or not (ckpt / INFLIGHT_FILE).is_file():
         return None
-    meta = json.loads((ckpt / "inflight.json").read_text())
+    meta = json.loads((ckpt / INFLIGHT_META).read_text())
     with np.load(ckpt / INFLIGHT_FILE) as z:
         batch = RolloutBatch(**{f.name: z[f.name] for f in fields(RolloutBatch)})
         prompt_idx = z["prompt_idx"]
