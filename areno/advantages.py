@@ -22,7 +22,7 @@ import typing
 
 import numpy as np
 
-from areno.choices import AdvantageMode
+from areno.config.choices import AdvantageMode
 
 ADVANTAGE_MODES: tuple[str, ...] = typing.get_args(AdvantageMode)
 

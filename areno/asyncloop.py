@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from areno.metrics import policy_lag_metrics, wait_metrics
-from areno.prompts import select
+from areno.data.prompts import select
 from areno.rollout.batch import RolloutBatch
 
 INFLIGHT_FILE = "inflight.npz"  # its RolloutBatch and prompt indices

@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from areno.prompts import PromptSet, select
+from areno.data.prompts import PromptSet, select
 from areno.rewards import RewardScorer, reward_records
 from areno.rollout.batch import decode_completions
 from areno.rollout.engine import SamplingConfig
-from areno.rows import RowSet
+from areno.data.rows import RowSet
 
 
 def _score(engine: Any, tokenizer: Any, scorer: RewardScorer, rows: RowSet, prompts: PromptSet,

@@ -79,7 +79,7 @@ from dataclasses import dataclass
 
 import torch
 
-from areno.choices import Algo, KLType
+from areno.config.choices import Algo, KLType
 
 ALGOS: tuple[str, ...] = typing.get_args(Algo)
 KL_TYPES: tuple[str, ...] = typing.get_args(KLType)

@@ -19,31 +19,31 @@ import yaml
 
 from areno import evaluate as evaluation
 from areno.asyncloop import RolloutsAhead, load_inflight
-from areno import settings
+from areno.config import settings
 from areno.backend.rank_engines import EngineView, RankEngines
-from areno import runlock
-from areno.checkpoint import Resume, check_free_space, checkpoint_bytes, checkpoint_root, save_checkpoint
-from areno.config import TrainConfig
-from areno.prompts import PromptSet, tokenize_prompts
-from areno.rows import RowSet, load_rows, normalize_rows
-from areno.sampler import PromptSampler
+from areno.rundir import lock as runlock
+from areno.rundir.checkpoint import Resume, check_free_space, checkpoint_bytes, checkpoint_root, save_checkpoint
+from areno.config.train import TrainConfig
+from areno.data.prompts import PromptSet, tokenize_prompts
+from areno.data.rows import RowSet, load_rows, normalize_rows
+from areno.data.sampler import PromptSampler
 from areno.errors import UserError
-from areno.hub import check_model_id
-from areno.interrupt import made_run_dir
-from areno.leftovers import clean_leftovers
-from areno.configfile import RECORDED_PARAMS
-from areno.modeldir import MODEL_DIR_FIX, Weights, adapter_base, check_model_dir, is_adapter_dir
-from areno.modelinfo import check_model
-from areno.multinode import controller_port, start_local_ranks
-from areno.multinode import stop as stop_ranks
+from areno.data.hub import check_model_id
+from areno.runtime.interrupt import made_run_dir
+from areno.runtime.leftovers import clean_leftovers
+from areno.config.file import RECORDED_PARAMS
+from areno.models.directory import MODEL_DIR_FIX, Weights, adapter_base, check_model_dir, is_adapter_dir
+from areno.models.info import check_model
+from areno.runtime.multinode import controller_port, start_local_ranks
+from areno.runtime.multinode import stop as stop_ranks
 from areno.pack import Workspace
 from areno.perf import default_micro_tokens
-from areno.reporting import RunLogger, limit_note
+from areno.rundir.reporting import RunLogger, limit_note
 from areno.rewards import RewardScorer
 from areno.rollout.engine import SamplingConfig
-from areno.runlog import third_party_to_log
-from areno.tasks import arith, resolve_plugin_path
-from areno.tiny import tiny_model_path
+from areno.rundir.log import third_party_to_log
+from areno.data.tasks import arith, resolve_plugin_path
+from areno.models.tiny import tiny_model_path
 
 EVAL_SEED_BASE = 1 << 62  # eval sampling seeds never coincide with a training step's
 
@@ -255,7 +255,7 @@ def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
     """Build a Run; everything started is stopped when the block exits.
     engine: a RolloutEngine to use instead of building one (benchmarks, tests).
     Third-party output goes to RUN_DIR/run.log from the moment the run dir exists
-    until the last process is stopped (areno/runlog.py)."""
+    until the last process is stopped (areno/rundir/log.py)."""
     with contextlib.ExitStack() as logs, _open_run(cfg, engine, logs) as run:
         yield run
 

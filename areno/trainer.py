@@ -16,11 +16,11 @@ import numpy as np
 
 from areno.advantages import advantages_and_keep
 from areno.backend.errors import BackendError
-from areno.completions import completion_records
-from areno.checkpoint import checkpoint_root, latest_checkpoint
-from areno.config import TrainConfig
-from areno.prompts import select
-from areno.interrupt import (defer_interrupts, interrupted, interrupted_at_startup, interrupts_raise,
+from areno.rundir.completions import completion_records
+from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
+from areno.config.train import TrainConfig
+from areno.data.prompts import select
+from areno.runtime.interrupt import (defer_interrupts, interrupted, interrupted_at_startup, interrupts_raise,
                              made_run_dir, raise_held, release_interrupts)
 from areno.metrics import train_metrics
 from areno.split import build_split_pack
@@ -33,7 +33,7 @@ from areno.rollout.batch import (
 )
 from areno.rollout.engine import SamplingConfig
 from areno.rollout.probe import WeightSyncError
-from areno.multinode import run_worker_node
+from areno.runtime.multinode import run_worker_node
 from areno.run import Run, open_run, steps_text, visible_gpus
 from areno.stats import StreamingStats
 

@@ -11,8 +11,8 @@ Both run in their own subprocess, one after the other (areno first), on CPU:
              e.g. --variant areno-vllm="--rollout-engine vllm"
                   --variant areno-2t="--cpu-threads 2" (TRL's thread count)
   trl    GRPOTrainer (HF generate, no vLLM) on the same model, prompts
-         (`areno.tasks.arith.rows()`, plain text, no chat template) and reward
-         (`areno.tasks.arith.reward_fn`; "stop" = the completion ended with an EOS
+         (`areno.data.tasks.arith.rows()`, plain text, no chat template) and reward
+         (`areno.data.tasks.arith.reward_fn`; "stop" = the completion ended with an EOS
          id), with the same hyper-parameters: per_device_train_batch_size 128,
          num_generations 8, max_completion_length 3, lr 3e-4 cosine_with_min_lr
          (min_lr_rate 0.1), no warmup, beta 0, temperature 1, clip 0.2, grad-norm
@@ -73,8 +73,8 @@ def trl_child(steps: int, seed: int, out_dir: Path) -> None:
         print(f"import trl failed: {e}", flush=True)
         raise SystemExit(3) from None
 
-    from areno.tasks.arith import reward_fn, rows
-    from areno.tiny import tiny_model_path
+    from areno.data.tasks.arith import reward_fn, rows
+    from areno.models.tiny import tiny_model_path
 
     path = tiny_model_path("arith")
     tok = AutoTokenizer.from_pretrained(path)

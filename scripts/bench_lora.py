@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench_results/lora.json")
     args = ap.parse_args(argv)
     from areno.backend.config import LoraSpec
-    from areno.tiny import tiny_model_path
+    from areno.models.tiny import tiny_model_path
 
     cache = Path(os.environ.get("ARENO_CACHE", "/work/areno_cache"))
     models = {"tiny-chat": tiny_model_path("chat", cache_dir=cache)}

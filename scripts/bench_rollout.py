@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: --repeats {args.repeats} < 5; medians are rough", file=sys.stderr)
 
     from areno.rollout import vllm as av  # sets the CPU env defaults before vLLM loads
-    from areno.tiny import tiny_model_path
+    from areno.models.tiny import tiny_model_path
 
     model = args.model or str(tiny_model_path("chat"))
     g = _generate(av, model, args)

@@ -59,7 +59,7 @@ def build_model_dir(shape: dict, device: str, out: Path) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from areno.tiny import tiny_model_path
+    from areno.models.tiny import tiny_model_path
 
     tok_dir = tiny_model_path("chat", cache_dir=out.parent / "tiny-cache")
     cfg = Qwen3Config(**shape, rms_norm_eps=1e-6, initializer_range=0.02, bos_token_id=0, eos_token_id=2,

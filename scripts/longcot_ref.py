@@ -19,7 +19,7 @@ import torch
 from listref import ListRollouts, ref_advantages, ref_decode, ref_pack, ref_sequence_lists, ref_stats
 
 from areno.pack import PACKED_TOKEN_FIELDS, TrainPack
-from areno.prompts import select
+from areno.data.prompts import select
 from areno.rewards import RewardRecord
 from areno.rollout.batch import FINISH_REASONS
 from areno.split import SplitPack, plan_split

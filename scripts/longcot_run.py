@@ -151,8 +151,8 @@ def bench_config(args: argparse.Namespace, tmp: Path, k1: bool = False) -> tuple
     reward cost file; sets the environment the reward workers and ranks read.
     k1: the K = 1 mode's Run (split placement: one engine process, one step ahead),
     with its own probe dir."""
-    from areno.config import TrainConfig
-    from areno.tiny import tiny_model_path
+    from areno.config.train import TrainConfig
+    from areno.models.tiny import tiny_model_path
 
     probe_dir = tmp / ("probes_k1" if k1 else "probes")
     probe_dir.mkdir()

@@ -24,7 +24,7 @@ def areno_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_chat_path(areno_cache: Path) -> Path:
     """HF dir of the tiny "chat" model (~420-token BPE, chat template, fp32)."""
-    from areno.tiny import tiny_model_path
+    from areno.models.tiny import tiny_model_path
 
     return tiny_model_path("chat", cache_dir=areno_cache)
 
@@ -32,7 +32,7 @@ def tiny_chat_path(areno_cache: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_arith_path(areno_cache: Path) -> Path:
     """HF dir of the tiny "arith" model (17-token vocabulary, for the demo)."""
-    from areno.tiny import tiny_model_path
+    from areno.models.tiny import tiny_model_path
 
     return tiny_model_path("arith", cache_dir=areno_cache)
 

@@ -6,7 +6,7 @@ a timeout, tagging its environment with a unique `ARENO_FAULT_TAG`: every
 descendant inherits it, so a grandchild that escaped the session (setsid, a
 double fork re-parented to init) is still found. While the run lives the
 harness records the pids that carry the tag, which owns the /dev/shm segments
-named after them (areno.leftovers.NAME). `FaultRun` holds what came back;
+named after them (areno.runtime.leftovers.NAME). `FaultRun` holds what came back;
 `assert_clean` checks everything at once:
 
 * the exit code;
@@ -39,10 +39,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from areno.checkpoint import STATE_FILE, TMP_PREFIX, list_checkpoints
-from areno.fileperms import OLD_PREFIX
-from areno.leftovers import NAME as SHM_NAME
-from areno.leftovers import SHM_DIR
+from areno.rundir.checkpoint import STATE_FILE, TMP_PREFIX, list_checkpoints
+from areno.rundir.fileperms import OLD_PREFIX
+from areno.runtime.leftovers import NAME as SHM_NAME
+from areno.runtime.leftovers import SHM_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 TAG_VAR = "ARENO_FAULT_TAG"
@@ -51,7 +51,7 @@ CKPT_FILES = ("config.json", "model.safetensors", "tokenizer.json", STATE_FILE, 
 
 def write_arith_data(path: Path, n: int = 16) -> Path:
     """n rows of the demo task (`{"prompt": "a+b=", "answer": "c"}`) as JSONL."""
-    from areno.tasks import arith
+    from areno.data.tasks import arith
 
     rows = list(arith.rows())[:n]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

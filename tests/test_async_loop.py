@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from areno.asyncloop import INFLIGHT_FILE, admitted
-from areno.checkpoint import latest_checkpoint, read_state
+from areno.rundir.checkpoint import latest_checkpoint, read_state
 from test_backend_units import make_split
 from test_demo_learns import MASTERED, WINDOW
 from test_faults import assert_complete, wait_for
@@ -188,7 +188,7 @@ def test_k1_ctrl_c_while_waiting_for_a_minute_long_rollout_saves_within_seconds(
 def test_the_ranks_default_to_the_gpus_the_engine_processes_leave(monkeypatch, files):
     """8 GPUs and --rollout-world-size 4: four ranks (the README's 4 + 4 command)."""
     from areno import run
-    from areno.config import TrainConfig
+    from areno.config.train import TrainConfig
 
     monkeypatch.setattr(run, "visible_gpus", lambda: 8)
     cfg = TrainConfig.from_sources(None, {**files, "rollout_world_size": 4, "off_policy_steps": 1})

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from areno.backend.errors import BackendError
-from areno.checkpoint import (
+from areno.rundir.checkpoint import (
     STATE_FILE,
     latest_checkpoint,
     list_checkpoints,
@@ -28,7 +28,7 @@ from areno.checkpoint import (
     save_checkpoint,
     save_controller_rng,
 )
-from areno.config import TrainConfig
+from areno.config.train import TrainConfig
 from areno.errors import UserError
 
 
@@ -247,7 +247,7 @@ def test_read_state_of_an_incomplete_checkpoint_is_a_user_error(tmp_path):
 
 
 def test_resume_latest_skips_temp_dirs_and_says_when_there_is_nothing(tmp_path):
-    from areno.checkpoint import Resume
+    from areno.rundir.checkpoint import Resume
 
     cfg = TrainConfig(output_dir=str(tmp_path), resume="latest")
     with pytest.raises(UserError, match="no complete checkpoint under"):
@@ -281,7 +281,7 @@ def test_a_failed_save_on_a_full_disk_says_so(run, monkeypatch):
 
 
 def test_resume_drops_checkpoints_of_the_abandoned_continuation(tmp_path):
-    from areno.checkpoint import drop_after
+    from areno.rundir.checkpoint import drop_after
 
     for s in (1, 2, 3, 4):
         make_ckpt(tmp_path, f"step_00000{s}")
@@ -290,8 +290,8 @@ def test_resume_drops_checkpoints_of_the_abandoned_continuation(tmp_path):
 
 
 def test_a_fresh_run_refuses_an_output_dir_that_holds_a_run(tmp_path):
-    from areno.checkpoint import Resume
-    from areno.config import TrainConfig
+    from areno.rundir.checkpoint import Resume
+    from areno.config.train import TrainConfig
     from areno.run import make_output_dir
 
     out = tmp_path / "run"
@@ -305,7 +305,7 @@ def test_a_fresh_run_refuses_an_output_dir_that_holds_a_run(tmp_path):
 
 
 def test_a_run_that_stopped_before_its_first_checkpoint_starts_again(tmp_path, capsys):
-    from areno.config import TrainConfig
+    from areno.config.train import TrainConfig
     from areno.run import make_output_dir
 
     out = tmp_path / "run"

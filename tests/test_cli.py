@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from areno.cli import main
-from areno.config import DEMO_PRESET, GROUPS, TrainConfig
+from areno.config.train import DEMO_PRESET, GROUPS, TrainConfig
 from areno.errors import UserError
 
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import areno
-from areno import envcheck
+from areno.cli import check as envcheck
 from areno.cli import main
 
 
@@ -46,8 +46,8 @@ def _panels(text: str) -> dict[str, str]:
 
 
 def test_help_shows_every_flag_whole_with_its_default_at_100_columns():
-    from areno.config import DEMO_PRESET, TrainConfig
-    from areno.fieldcheck import flag_name
+    from areno.config.train import DEMO_PRESET, TrainConfig
+    from areno.config.fieldcheck import flag_name
 
     text = _help(100)
     assert "…" not in text
@@ -68,7 +68,7 @@ def test_help_shows_every_flag_whole_with_its_default_at_100_columns():
 
 
 def test_every_none_default_says_what_unset_means():
-    from areno.config import TrainConfig
+    from areno.config.train import TrainConfig
 
     for f in TrainConfig.fields():
         if f.default is None:

@@ -1,5 +1,5 @@
 """--off-policy-steps and --rollout-world-size (issue 20): the rules between them
-and the loss (areno/offpolicy.py), each refusal one line with exit 2 and no
+and the loss (areno/config/offpolicy.py), each refusal one line with exit 2 and no
 traceback; what K >= 1 turns on; K = 0 changing nothing; what a resume may
 change."""
 
@@ -11,14 +11,14 @@ import re
 import pytest
 import yaml
 
-from areno import offpolicy
+from areno.config import offpolicy
 from areno.backend.config import BackendConfig
 from areno.cli import main
-from areno.config import TrainConfig
+from areno.config.train import TrainConfig
 from areno.errors import UserError
 from areno.losses import LossConfig
-from areno.resume import MAY_CHANGE, resume_config
-from areno.settings import backend_config, engine_spec, sampling
+from areno.config.resume import MAY_CHANGE, resume_config
+from areno.config.settings import backend_config, engine_spec, sampling
 
 ASYNC = ["--off-policy-steps", "1", "--rollout-world-size", "2"]
 

@@ -10,8 +10,8 @@ import sys
 
 import numpy as np
 
-from areno.completions import sample_indices
-from areno.reporting import LINE_LIMIT, SAMPLE_EVERY, format_sample_line, limit_note
+from areno.rundir.completions import sample_indices
+from areno.rundir.reporting import LINE_LIMIT, SAMPLE_EVERY, format_sample_line, limit_note
 from test_resume import REPO, cli_env
 
 FIELDS = {"step", "sample", "prompt", "completion", "reward", "advantage", "finish_reason"}

@@ -9,11 +9,11 @@ import datasets.config
 import numpy as np
 import pytest
 
-from areno import hub
-from areno.datasource import DatasetSpec, parse_dataset_spec
-from areno.prompts import render_prompts, select, tokenize_prompts
-from areno.rows import load_rows, normalize_rows
-from areno.sampler import PromptSampler
+from areno.data import hub
+from areno.data.source import DatasetSpec, parse_dataset_spec
+from areno.data.prompts import render_prompts, select, tokenize_prompts
+from areno.data.rows import load_rows, normalize_rows
+from areno.data.sampler import PromptSampler
 from areno.errors import UserError
 
 CHAT_TEMPLATE = (

@@ -111,7 +111,7 @@ def test_two_ranks_both_generate_and_overlap_equals_plain(tiny_arith_path, tmp_p
 
 CPU_ONLY_RUN = """
 import sys, torch
-from areno.config import TrainConfig
+from areno.config.train import TrainConfig
 from areno.trainer import run_training
 cfg = TrainConfig.from_sources(overrides=dict(max_steps=2, world_size=2, output_dir=sys.argv[1],
                                               no_save=True))
@@ -163,7 +163,7 @@ def test_an_interrupt_during_a_draining_command_leaves_the_backend_usable(tiny_c
 def test_an_interrupted_step_counts_only_if_its_update_was_applied():
     from types import SimpleNamespace
 
-    from areno.sampler import PromptSampler
+    from areno.data.sampler import PromptSampler
     from areno.trainer import settle_interrupted_step
 
     sampler = PromptSampler(55, 16, seed=0)
@@ -184,7 +184,7 @@ def test_an_interrupt_puts_the_prompts_of_the_rollout_in_flight_back():
     from types import SimpleNamespace
 
     from areno.asyncloop import Inflight
-    from areno.sampler import PromptSampler
+    from areno.data.sampler import PromptSampler
     from areno.trainer import settle_interrupted_step
 
     for landed in (False, True):

@@ -43,10 +43,10 @@ def test_evaluate_scores_greedy_pass_at_1_and_mean_and_pass_at_k(tmp_path, tiny_
     from transformers import AutoTokenizer
 
     from areno.evaluate import evaluate
-    from areno.prompts import tokenize_prompts
+    from areno.data.prompts import tokenize_prompts
     from areno.rewards import RewardScorer
     from areno.rollout.engine import SamplingConfig
-    from areno.rows import normalize_rows
+    from areno.data.rows import normalize_rows
 
     tok = AutoTokenizer.from_pretrained(tiny_arith_path)
     rows = normalize_rows(EVAL_ROWS[:4], source="test")
@@ -125,7 +125,7 @@ def test_eval_only_scores_a_checkpoint_as_the_run_did(eval_run, tmp_path, areno_
 def test_plot_has_one_point_per_step_in_a_png_of_the_documented_size(eval_run, tmp_path):
     import matplotlib.image as mpimg
 
-    from areno.plot import DPI, FIGSIZE, plot_run
+    from areno.cli.plot import DPI, FIGSIZE, plot_run
 
     out, _, _ = eval_run
     png, fig = plot_run(out, tmp_path / "m.png")
@@ -149,7 +149,7 @@ def test_plot_has_one_point_per_step_in_a_png_of_the_documented_size(eval_run, t
 
 
 def test_plot_scales_phases_by_the_steady_steps_and_keeps_kl_and_clip_apart(tmp_path):
-    from areno.plot import HEADROOM, plot_run
+    from areno.cli.plot import HEADROOM, plot_run
 
     steps = [{"step": s, "reward/mean": 0.1, "response/len_mean": 2.0, "response/len_max": 3.0,
               "train/kl": 1e-4 * s, "train/clip_frac": 0.2, "time/rollout": 1.0 + 0.1 * s,

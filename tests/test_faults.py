@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from areno.checkpoint import latest_checkpoint, list_checkpoints, read_state
-from areno.runlock import LOCK_FILE
+from areno.rundir.checkpoint import latest_checkpoint, list_checkpoints, read_state
+from areno.rundir.lock import LOCK_FILE
 from test_resume import (
     HF1,
     REPO,
@@ -208,7 +208,7 @@ def test_killed_rank_stops_the_run_within_seconds_cleanly_and_resumably(tmp_path
 # -- disk full while saving ------------------------------------------------------------
 INJECT_ENOSPC = """
 import errno, sys
-import areno.checkpoint as c
+import areno.rundir.checkpoint as c
 
 real, calls = c._write_json, []
 
@@ -250,7 +250,7 @@ def test_disk_full_while_saving_is_one_clear_error_and_keeps_the_previous_checkp
         line = one_error_line(res.stderr)
         assert "cannot save checkpoint" in line and "step_000002" in line, line
         assert "no space left on" in line.lower() and "step_000001 is intact" in line, line
-        # nothing half-written left (beside the run's lock, areno/runlock.py)
+        # nothing half-written left (beside the run's lock, areno/rundir/lock.py)
         assert sorted(set(os.listdir(save)) - {LOCK_FILE}) == ["step_000001"]
         ckpt = save / "step_000001"
         assert_complete(ckpt)

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areno.checkpoint import _du, checkpoint_bytes, list_checkpoints
-from areno.config import TrainConfig
+from areno.rundir.checkpoint import _du, checkpoint_bytes, list_checkpoints
+from areno.config.train import TrainConfig
 from areno.errors import UserError
-from areno.modeldir import check_model_dir
-from areno.runlock import LOCK_FILE
+from areno.models.directory import check_model_dir
+from areno.rundir.lock import LOCK_FILE
 from faults import (B, FaultRun, Run, assert_clean, assert_no_leftovers, run_train, write_arith_data,
                     write_plugin)
 

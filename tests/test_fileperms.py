@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from areno.fileperms import current_umask, honour_umask
+from areno.rundir.fileperms import current_umask, honour_umask
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_a_strict_umask_keeps_files_private(tmp_path):
 
 
 def test_cached_tiny_model_is_readable_by_all(tmp_path, umask022):
-    from areno.tiny import tiny_model_path
+    from areno.models.tiny import tiny_model_path
 
     path = tiny_model_path("arith", cache_dir=tmp_path)
     got = modes(path)
@@ -78,8 +78,8 @@ def test_saved_hf_dir_is_readable_by_all(tmp_path, umask022, tiny_arith_path):
 
 
 def test_checkpoint_files_are_readable_by_all(tmp_path, umask022):
-    from areno.checkpoint import save_checkpoint
-    from areno.config import TrainConfig
+    from areno.rundir.checkpoint import save_checkpoint
+    from areno.config.train import TrainConfig
 
     class Backend:
         def save_pretrained(self, path: Path) -> None:

@@ -11,7 +11,7 @@ import datasets.config
 import pytest
 
 from areno.rewards import RewardRecord, RewardScorer
-from areno.rows import load_rows
+from areno.data.rows import load_rows
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "math"
 LOADER = str(EXAMPLES / "dataset_loader.py")

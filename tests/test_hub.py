@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants
 
-from areno import hub
+from areno.data import hub
 from areno.errors import UserError
 
 CLOSED = "http://127.0.0.1:9"
@@ -79,7 +79,7 @@ def test_cached_model_is_used_offline_when_the_hub_is_unreachable(tmp_path, tiny
     shutil.copytree(tiny_arith_path, snap)
     (snap.parent.parent / "refs").mkdir()
     (snap.parent.parent / "refs/main").write_text("abc")
-    code = ("import os\nfrom areno.hub import check_model_id\ncheck_model_id('someorg/tiny')\n"
+    code = ("import os\nfrom areno.data.hub import check_model_id\ncheck_model_id('someorg/tiny')\n"
             "from transformers import AutoTokenizer\nAutoTokenizer.from_pretrained('someorg/tiny')\n"
             "print(os.environ['HF_HUB_OFFLINE'])\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -92,7 +92,7 @@ def test_missing_model_and_dataset_ids_say_so(monkeypatch, restore_offline):
     monkeypatch.setattr(hub, "hub_status", lambda *a: hub.HubStatus("missing", "404"))
     with pytest.raises(UserError, match="--ckpt nosuchorg/x: not a local directory, and no such model on the Hugging Face hub"):
         hub.check_model_id("nosuchorg/x")
-    from areno.rows import load_rows
+    from areno.data.rows import load_rows
 
     with pytest.raises(UserError, match="no dataset 'nosuchorg/x', split 'train' on the Hugging Face"):
         load_rows("nosuchorg/x")

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from areno.checkpoint import latest_checkpoint, read_state
+from areno.rundir.checkpoint import latest_checkpoint, read_state
 from areno.errors import UserError
-from areno.interrupt import interrupted, interrupts_raise, resume_command
+from areno.runtime.interrupt import interrupted, interrupts_raise, resume_command
 from test_faults import assert_complete, wait_for
 from test_resume import HF1, REPO, cli_env, popen_train, read_metrics, wait_group_gone
 
@@ -111,7 +111,7 @@ def test_ctrl_c_before_training_starts_exits_130(monkeypatch, capsys):
 
 
 def test_an_interrupt_during_an_update_waits_for_the_step_a_second_one_does_not():
-    from areno.interrupt import defer_interrupts, release_interrupts
+    from areno.runtime.interrupt import defer_interrupts, release_interrupts
 
     with interrupts_raise():
         defer_interrupts()
@@ -131,7 +131,7 @@ def test_an_interrupt_during_start_up_says_what_was_written(where, tmp_path, mon
     """Before the run dir exists nothing was written; after it, config.yaml was
     (and no checkpoint): either way the line says how to start again."""
     import areno.run
-    from areno.config import TrainConfig
+    from areno.config.train import TrainConfig
     from areno.trainer import run_training
 
     def interrupt(*a, **k):

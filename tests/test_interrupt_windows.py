@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from areno.interrupt import interrupts_raise
+from areno.runtime.interrupt import interrupts_raise
 from helpers import rank_debug
 
 
@@ -76,7 +76,7 @@ def test_an_interrupt_inside_a_periodic_save_waits_for_it(tmp_path, monkeypatch,
 
     import areno.trainer
     from areno.backend.errors import BackendError
-    from areno.interrupt import defer_interrupts
+    from areno.runtime.interrupt import defer_interrupts
 
     def step(run, n):  # the real one defers interrupts once its update starts
         defer_interrupts()
@@ -114,7 +114,7 @@ def test_an_interrupt_inside_a_periodic_save_waits_for_it(tmp_path, monkeypatch,
 # lands during the start-up imports (torch, numpy, transformers take seconds).
 SIGINT_IN_HOLD = """
 import contextlib, os, signal, sys
-import areno.startsignals as ss
+import areno.runtime.startsignals as ss
 hold = ss.held
 @contextlib.contextmanager
 def held_then_sigint():
@@ -149,8 +149,7 @@ def test_a_ctrl_c_during_the_start_up_imports_waits_for_the_command_to_handle_it
 
 
 def test_the_hold_gives_back_the_handlers_it_found():
-    from areno import startsignals
-
+    from areno.runtime import startsignals
     before = signal.getsignal(signal.SIGINT)
     with startsignals.held():
         os.kill(os.getpid(), signal.SIGINT)  # recorded, not raised

@@ -7,7 +7,7 @@ import subprocess
 
 import psutil
 
-from areno.leftovers import remove_dead_segments
+from areno.runtime.leftovers import remove_dead_segments
 
 
 def dead_pid() -> int:

@@ -258,8 +258,8 @@ def test_bad_lora_options_are_one_line_user_errors(args, msg, areno_cache, tmp_p
 
 
 def test_lora_lr_default_is_ten_times_full_fine_tuning() -> None:
-    from areno.config import DEMO_PRESET, TrainConfig
-    from areno.loraopts import FULL_FT_LR
+    from areno.config.train import DEMO_PRESET, TrainConfig
+    from areno.config.lora import FULL_FT_LR
 
     demo = TrainConfig.from_sources(None, {})
     assert demo.lr == DEMO_PRESET["lr"] and demo.lora_alpha is None
@@ -302,7 +302,7 @@ def test_lora_run_logs_its_parameters_and_saves_adapters(lora_run, tiny_arith_pa
     names = {p.name for p in ckpt.iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "backend", "merged"} <= names
     assert "model.safetensors" not in names and (ckpt / "merged" / "model.safetensors").is_file()
-    from areno.modeldir import check_model_dir
+    from areno.models.directory import check_model_dir
 
     assert check_model_dir(ckpt, "--resume", "x").params == params["trainable"]
     assert json.loads((ckpt / "adapter_config.json").read_text())["base_model_name_or_path"] == \

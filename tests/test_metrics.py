@@ -138,7 +138,7 @@ def test_loop_metrics_are_declared_once_with_their_reductions() -> None:
     assert policy_lag_metrics([]) == {"rollout/policy_lag_mean": 0.0, "rollout/policy_lag_max": 0.0}
     assert wait_metrics([0.5, 0.25], []) == {"time/wait_batch": 0.75, "time/wait_weights": 0.0}
     assert set(policy_lag_metrics([1])) | set(wait_metrics([], [])) == set(LOOP)
-    from areno.reporting import PHASES
+    from areno.rundir.reporting import PHASES
 
     assert set(WAIT_PHASES) <= set(PHASES)  # areno plot draws them with the phases
 

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from areno import modelinfo
+from areno.models import info as modelinfo
 from areno.errors import UserError
-from areno.modelinfo import check_context, context_length
+from areno.models.info import check_context, context_length
 
 
 def test_context_length_comes_from_config_json(tiny_arith_path):

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from areno.advantages import advantages_and_keep
-from areno.prompts import tokenize_prompts
+from areno.data.prompts import tokenize_prompts
 from areno.rewards import RewardScorer
 from areno.rollout.batch import overlong_mask
 from areno.rollout.engine import SamplingConfig
-from areno.rows import normalize_rows
-from areno.sampler import PromptSampler
+from areno.data.rows import normalize_rows
+from areno.data.sampler import PromptSampler
 from areno.split import build_split_pack
 from areno.trainer import (
     PhaseTimer,
@@ -35,7 +35,7 @@ class _Cfg:
 
 
 def _run(engine, tokenizer, tmp_path, workers):
-    from areno.tasks import arith
+    from areno.data.tasks import arith
 
     rows = normalize_rows(arith.rows(), source="arith")
     prompts = tokenize_prompts(rows, tokenizer, use_chat_template=False, max_prompt_len=16)

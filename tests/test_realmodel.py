@@ -66,7 +66,7 @@ def test_chat_template_renders_through_areno_as_the_models_own(smol, system_prom
     <|im_start|>/<|im_end|> one token, and --system-prompt replacing the default."""
     import numpy as np
 
-    from areno.prompts import tokenize_prompts
+    from areno.data.prompts import tokenize_prompts
 
     tok, _ = smol
     rows = [{"prompt": "What is 2 + 3?"},

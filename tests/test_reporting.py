@@ -11,7 +11,7 @@ from rich.console import Console
 import json
 import math
 
-from areno.reporting import LINE_LIMIT, RunLogger, format_step_line, read_metrics, truncate_metrics
+from areno.rundir.reporting import LINE_LIMIT, RunLogger, format_step_line, read_metrics, truncate_metrics
 
 STEP = {"reward/mean": 0.3125, "reward/std": 0.205, "reward/accuracy": 0.25,
         "response/len_mean": 2.8, "response/len_max": 3.0, "train/kl": 0.0012,

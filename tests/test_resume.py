@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 # The embedded demo (tiny arith model, builtin task), small and quick.
 SMALL = ["--batch-size", "4", "--n-samples", "4"]
 HF1 = [*SMALL, "--rollout-engine", "hf", "--world-size", "1"]
-DEMO_PROMPTS = 55  # areno.tasks.arith: a+b < 10
+DEMO_PROMPTS = 55  # areno.data.tasks.arith: a+b < 10
 EVAL_ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in
              [(1, 2), (3, 4), (0, 5), (2, 2), (6, 1)]]
 # 1 for the right digit, 0.5 for another digit, 0 otherwise: graded, so the
@@ -72,7 +72,7 @@ def train_steps(run_dir: Path) -> dict[int, dict]:
 def expected_prompt_hashes(steps: range, batch_size: int, seed: int = 0,
                            num_prompts: int = DEMO_PROMPTS) -> dict[int, float]:
     """The data order an uninterrupted run draws, straight from PromptSampler."""
-    from areno.sampler import PromptSampler
+    from areno.data.sampler import PromptSampler
     from areno.trainer import prompt_hash
 
     sampler = PromptSampler(num_prompts, batch_size, seed)

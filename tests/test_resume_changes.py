@@ -1,4 +1,4 @@
-"""What a resume may change (areno/resume.py), and starting again a run that
+"""What a resume may change (areno/config/resume.py), and starting again a run that
 stopped before its first checkpoint (its leftover shared memory removed)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areno.config import TrainConfig
+from areno.config.train import TrainConfig
 from areno.errors import UserError
-from areno.resume import resume_config
+from areno.config.resume import resume_config
 from test_checkpoint import make_ckpt
 from test_leftovers import dead_pid
 from test_resume import HF1, cli, ok, train_steps

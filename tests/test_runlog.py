@@ -15,10 +15,10 @@ SNIPPET = textwrap.dedent("""
     import logging, multiprocessing as mp, os, sys, warnings
     from pathlib import Path
     from tqdm import tqdm
-    from areno.runlog import third_party_to_log
+    from areno.rundir.log import third_party_to_log
 
     def child():
-        from areno.runlog import redirect_child_output
+        from areno.rundir.log import redirect_child_output
         redirect_child_output()
         print("child print", flush=True)
 

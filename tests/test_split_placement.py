@@ -99,7 +99,7 @@ def test_demo_with_an_engine_process_follows_the_colocated_learning_curve(tmp_pa
 
 def test_engine_processes_need_one_node_and_an_engine(monkeypatch):
     from areno.backend.config import BackendConfig
-    from areno.config import TrainConfig
+    from areno.config.train import TrainConfig
     from areno.errors import UserError
     from areno.run import check_placement
 

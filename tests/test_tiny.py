@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from areno.tiny import CHAT_TEMPLATE, VARIANTS, tiny_model_path
+from areno.models.tiny import CHAT_TEMPLATE, VARIANTS, tiny_model_path
 
 
 def test_two_builds_are_identical(tmp_path, areno_cache):

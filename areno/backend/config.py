@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from areno.choices import Device, DType, Strategy  # light: TrainConfig names them too
+from areno.config.choices import Device, DType, Strategy  # light: TrainConfig names them too
 from areno.rollout.factory import EngineSpec
 from areno.losses import LossConfig
 

@@ -36,9 +36,9 @@ from areno.backend.launch import accept_ranks, free_port, spawn_ranks  # noqa: F
 from areno.backend.replies import Peers, ReplyStream
 from areno.backend.weight_sync import WeightLayout, WeightRegion
 from areno.backend.weights import probe_ids
-from areno.fileperms import replace_dir
+from areno.rundir.fileperms import replace_dir
 from areno.perf import pack_train_perf
-from areno.procs import stop_processes
+from areno.runtime.procs import stop_processes
 from areno.rollout.probe import probe_due
 from areno.split import SplitPack
 

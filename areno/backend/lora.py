@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from areno.backend.config import LoraSpec
-from areno.modeldir import ADAPTER_WEIGHTS
+from areno.models.directory import ADAPTER_WEIGHTS
 
 ADAPTER = "default"  # peft's adapter name; saved files carry none
 _PREFIX = "base_model.model."  # peft's saved key prefix in front of the HF module name

@@ -27,15 +27,15 @@ from typing import Any
 
 from areno.backend.config import BackendConfig
 from areno.backend.heartbeat import start_beating
-from areno.procs import die_with_parent
-from areno.runlog import redirect_child_output
+from areno.runtime.procs import die_with_parent
+from areno.rundir.log import redirect_child_output
 
 
 # -- process hygiene ---------------------------------------------------------
 def _quiet() -> None:
     # Ctrl-C reaches the whole process group; the controller owns shutdown. Library
     # output (weight-loading bars, engine logs) goes to RUN_DIR/run.log, or to the
-    # terminal with --verbose (areno/runlog.py), so it is not silenced here.
+    # terminal with --verbose (areno/rundir/log.py), so it is not silenced here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -47,7 +47,7 @@ def spawn_main(cfg: BackendConfig, conn: Connection, env: dict[str, str], parent
     die_with_parent(parent_pid, use_pdeathsig)
     if beats is not None:
         start_beating(beats, int(env.get("ARENO_PEER_INDEX", env.get("RANK"))))
-    redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/runlog.py)
+    redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/rundir/log.py)
     _quiet()
     os.environ.update(env)
     serve(cfg, conn, same_host=True)

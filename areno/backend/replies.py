@@ -25,7 +25,7 @@ from typing import Any
 from areno.backend.errors import USER_ERROR, BackendError, RankUserError
 from areno.backend.heartbeat import HeartbeatWatch, stuck_rank_error
 from areno.backend.signals import signals_held
-from areno.procs import exit_text
+from areno.runtime.procs import exit_text
 
 
 class ReplyStream:

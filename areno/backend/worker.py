@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from areno.backend.config import BackendConfig, rank_cpu_threads
-from areno.rng import rng_state, set_rng_state
+from areno.runtime.rng import rng_state, set_rng_state
 from areno.rollout.budget import check_engine_budget, footprint
 from areno.rollout.factory import make_engine
 from areno.backend.engine_host import (

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from areno.choices import OnError
+from areno.config.choices import OnError
 from areno.errors import UserError, _one_line, import_user_file, is_signal_interrupt, user_frame
 from areno.rollout.batch import FINISH_REASONS
 
@@ -45,7 +45,7 @@ class RewardRecord:
     completion: str  # the decoded response
     answer: str | None  # the row's reference answer, if any
     solutions: list | None  # the row's reference solutions, if any
-    row: dict  # the normalized source row (see areno.rows)
+    row: dict  # the normalized source row (see areno.data.rows)
     num_tokens: int  # response length in tokens
     finish_reason: str  # "stop" | "length" | "abort"
     index: int  # sample index in the step

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from areno.errors import UserError, _one_line
-from areno.procs import exit_text
+from areno.runtime.procs import exit_text
 from areno.rewards.jobs import JobBook, _Chunk
 from areno.rewards.plugin import (
     _ERROR,

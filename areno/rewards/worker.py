@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from areno.errors import UserError, _one_line
-from areno.procs import die_with_parent
+from areno.runtime.procs import die_with_parent
 from areno.rewards.plugin import _ERROR, _score_batch, _score_one, load_reward_plugin
-from areno.runlog import redirect_child_output
+from areno.rundir.log import redirect_child_output
 
 if TYPE_CHECKING:
     from areno.rewards.jobs import _Chunk
@@ -32,7 +32,7 @@ def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, 
     # process the plugin starts (a compiler, a test binary, a fork) joins it,
     # and _Worker.stop kills the whole group with the worker.
     os.setsid()
-    redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/runlog.py)
+    redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/rundir/log.py)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     # The controller starts workers as daemons (ended with it); inside, let the
     # plugin start processes of its own (multiprocessing refuses in a daemon).

@@ -83,7 +83,7 @@ def _vllm(spec: EngineSpec, model_path: str, on_gpu: bool, in_rank: bool) -> Any
 # logprobs_mode="processed_logprobs" (rollout/vllm.py); transformers' are
 # recorded by the last logits processor, after areno's own warpers
 # (rollout/hf_logprobs.py). An engine reporting the raw distribution's under
-# top-p / top-k would make the weight pi_prox / pi_behav wrong: areno/offpolicy.py
+# top-p / top-k would make the weight pi_prox / pi_behav wrong: areno/config/offpolicy.py
 # then refuses --off-policy-steps.
 LOGPROBS_PROCESSED: dict[str, bool] = {"vllm": True, "hf": True}
 

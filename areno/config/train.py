@@ -18,16 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from areno.choices import (
+from areno.config.choices import (
     LOSS_AGG_BY_ALGO, AdvantageMode, Algo, Device, DType, KLType, LossAgg, OnError, Strategy,
 )
 from areno.errors import UserError
-from areno.loraopts import FULL_FT_LR, LORA_LR_FACTOR, check_lora_options
-from areno.tasks.arith import DEMO_PRESET
-from areno.fieldcheck import base_type, check_value
-from areno.modeldir import MODEL_DIR_FIX, check_model_dir
-from areno.multinode import check_authkey
-from areno.offpolicy import OFF_POLICY_TIS_CAP, check_off_policy, off_policy_defaults
+from areno.config.lora import FULL_FT_LR, LORA_LR_FACTOR, check_lora_options
+from areno.data.tasks.arith import DEMO_PRESET
+from areno.config.fieldcheck import base_type, check_value
+from areno.models.directory import MODEL_DIR_FIX, check_model_dir
+from areno.runtime.multinode import check_authkey
+from areno.config.offpolicy import OFF_POLICY_TIS_CAP, check_off_policy, off_policy_defaults
 from areno.rollout.factory import EngineKind
 
 GROUPS = (
@@ -294,7 +294,7 @@ class TrainConfig:
         (only for keys neither gave), then validate."""
         values: dict[str, Any] = {}
         if yaml_path is not None:
-            from areno.configfile import read_config_file  # yaml loads only for --config
+            from areno.config.file import read_config_file  # yaml loads only for --config
 
             values.update(read_config_file(yaml_path))
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})

@@ -11,10 +11,10 @@ from __future__ import annotations
 import os
 
 from areno.backend.config import BackendConfig, LoraSpec
-from areno.config import TrainConfig
-from areno.loraopts import lora_targets
+from areno.config.train import TrainConfig
+from areno.config.lora import lora_targets
 from areno.errors import UserError
-from areno.modeldir import adapter_config
+from areno.models.directory import adapter_config
 from areno.losses import LossConfig
 from areno.rollout.engine import SamplingConfig
 from areno.rollout.factory import EngineSpec

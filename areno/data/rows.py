@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from areno.datasource import parse_dataset_spec, read_raw
+from areno.data.source import parse_dataset_spec, read_raw
 from areno.errors import UserError, _one_line, import_user_file, user_frame
 
 DEFAULT_LOADER_FN = "load_row"

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from areno.errors import UserError
-from areno.reporting import PHASES, read_metrics
+from areno.rundir.reporting import PHASES, read_metrics
 
 FIGSIZE = (15, 8)
 DPI = 100

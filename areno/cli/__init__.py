@@ -1,20 +1,20 @@
 """`areno`'s entry point (`areno = areno.cli:main`, `python -m areno.cli`).
 
 Kept to the standard library, so that the interrupt hold below starts before
-anything heavy is imported: the app itself is areno/cliapp.py.
+anything heavy is imported: the app itself is areno/cli/app.py.
 """
 
 from __future__ import annotations
 
 import sys
 
-from areno.startsignals import held
+from areno.runtime.startsignals import held
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run `areno ARGV` (default: sys.argv[1:]) -> its exit code."""
     with held():
-        from areno.cliapp import run_app
+        from areno.cli.app import run_app
 
         return run_app(argv)
 

@@ -35,9 +35,9 @@ import torch
 
 from areno.backend.errors import BackendError
 from areno.errors import UserError
-from areno.fileperms import OLD_PREFIX, honour_umask, replace_dir
-from areno.modeldir import check_model_dir
-from areno.rng import rng_state, set_rng_state
+from areno.rundir.fileperms import OLD_PREFIX, honour_umask, replace_dir
+from areno.models.directory import check_model_dir
+from areno.runtime.rng import rng_state, set_rng_state
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"

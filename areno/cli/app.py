@@ -19,10 +19,10 @@ import typer
 from rich.markup import escape
 
 from areno import __version__
-from areno.config import DEMO_PRESET, TrainConfig, field_type
+from areno.config.train import DEMO_PRESET, TrainConfig, field_type
 from areno.errors import UserError
-from areno.fieldcheck import flag_name
-from areno.startsignals import release
+from areno.config.fieldcheck import flag_name
+from areno.runtime.startsignals import release
 
 app = typer.Typer(
     name="areno",
@@ -113,7 +113,7 @@ def train(**kwargs: Any) -> None:
     """`areno train`: validate the options, then run the loop (help: TRAIN_HELP)."""
     config_path = kwargs.pop("config", None)
     cfg = TrainConfig.from_sources(config_path, kwargs)
-    from areno.resume import given_options, resume_config
+    from areno.config.resume import given_options, resume_config
     from areno.trainer import run_training  # heavy imports only after validation
     from transformers import AutoTokenizer  # noqa: F401 (every run loads one: imported while
     # start-up still holds Ctrl-C, so it never lands inside this import; see startsignals)
@@ -140,7 +140,7 @@ def plot(
 ) -> None:
     """Plot reward, response length, KL/clip fraction and per-phase time over the steps."""
     release()
-    from areno.plot import plot_run
+    from areno.cli.plot import plot_run
 
     path, _ = plot_run(run_dir, out)
     typer.echo(str(path))
@@ -150,7 +150,7 @@ def plot(
 def check() -> None:
     """Report the environment: torch, CUDA/GPUs, vLLM build, flash-attn (OK / WARN / FAIL)."""
     release()
-    from areno.envcheck import run_checks
+    from areno.cli.check import run_checks
 
     raise typer.Exit(run_checks())
 

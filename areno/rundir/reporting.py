@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
     TimeRemainingColumn
 
-from areno.completions import FILE as COMPLETIONS_FILE
+from areno.rundir.completions import FILE as COMPLETIONS_FILE
 from areno.metrics import WAIT_PHASES
 
 # The per-step line: the key figures in at most LINE_LIMIT characters (README:
@@ -118,7 +118,7 @@ class RunConsole(Console):
     where rich would exit 1 with no word and no checkpoint."""
 
     def on_broken_pipe(self) -> None:
-        from areno.interrupt import stdout_closed
+        from areno.runtime.interrupt import stdout_closed
 
         self.quiet = True
         stdout_closed()
@@ -203,7 +203,7 @@ class RunLogger:
             self._write_completions(step)
 
     def stage_completions(self, records: list[dict[str, Any]]) -> None:
-        """The step's sampled completions (areno/completions.py), written when the
+        """The step's sampled completions (areno/rundir/completions.py), written when the
         step is logged: a step an interrupt undoes leaves none behind."""
         self._staged = records
 

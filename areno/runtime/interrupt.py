@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from areno.backend.errors import BackendError
-from areno.checkpoint import checkpoint_root, latest_checkpoint
-from areno import startsignals
+from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
+from areno.runtime import startsignals
 from areno.errors import SignalInterrupt, UserError
-from areno.reporting import limit_note
+from areno.rundir.reporting import limit_note
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 _received: list[str] = []  # names of the signals seen, newest last

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from areno import hub
+from areno.data import hub
 from areno.errors import UserError, _one_line
 
 DATASET_ALIASES = {"gsm8k": "openai/gsm8k"}

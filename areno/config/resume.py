@@ -23,12 +23,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from areno.checkpoint import Resume, recorded_save_path
-from areno.config import TrainConfig
-from areno.configfile import read_config_file
+from areno.rundir.checkpoint import Resume, recorded_save_path
+from areno.config.train import TrainConfig
+from areno.config.file import read_config_file
 from areno.errors import UserError
-from areno.fieldcheck import flag_name
-from areno.offpolicy import check_off_policy
+from areno.config.fieldcheck import flag_name
+from areno.config.offpolicy import check_off_policy
 
 # Where the run lives: always this invocation's, never the checkpoint's (a --save-path
 # not given is the one the run directory's config.yaml records).

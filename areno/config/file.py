@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from areno.config import GROUPS, TrainConfig, field_type
+from areno.config.train import GROUPS, TrainConfig, field_type
 from areno.errors import UserError
 
 

@@ -1,6 +1,6 @@
 """Built-in tasks: a dataset and a reward plugin in one file each.
 
-`--reward-fn-path builtin:NAME` names `areno/tasks/NAME.py`; the embedded demo
+`--reward-fn-path builtin:NAME` names `areno/data/tasks/NAME.py`; the embedded demo
 uses `arith`.
 """
 

@@ -1,0 +1,7 @@
+"""`python -m areno.cli`."""
+
+import sys
+
+from areno.cli import main
+
+sys.exit(main())
