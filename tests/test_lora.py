@@ -1,6 +1,6 @@
 """LoRA on the trainer side (issue 19): peft adapters on the ranks with the base
-frozen, merged weights into the engine, adapter checkpoints, KL against the
-adapters-off model. One rank in this process (gloo, world size 1) for the unit
+frozen, the merged view (--save-merged), adapter checkpoints, KL against the
+adapters-off model (the adapter sync into the engines: test_lora_engines.py). One rank in this process (gloo, world size 1) for the unit
 checks; real rank processes for FSDP2 / DDP; the CLI for flags, resume and eval."""
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def test_zero_b_is_the_base_model_and_only_adapters_train(tiny_chat_path, monkey
 
 
 def test_merged_state_is_base_plus_scaled_product_and_computes_the_policy(tiny_chat_path, monkeypatch) -> None:
-    """The interim weight sync: the base model's names, W0 + (alpha/r) B@A per target
-    linear; an HF model holding them computes what the LoRA policy computes."""
+    """The merged view (--save-merged): the base model's names, W0 + (alpha/r) B@A per
+    target linear; an HF model holding them computes what the LoRA policy computes."""
     from areno.backend.weights import cpu_skeleton, hf_state_names
 
     split = make_split(1)

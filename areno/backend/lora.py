@@ -7,11 +7,12 @@ linears are now peft `lora.Linear` modules: `PolicyModule`, FSDP2's per-layer
 and `hf.config` where they were. Only the adapters require grad, so only they
 reach AdamW and the optimizer state.
 
-Weight sync (interim, until the engines take adapters): `merged_state` streams
-the base model's own tensor names with W = W0 + scaling * B @ A computed per
-target linear from the gathered tensors (nothing is merged in place, which on
-FSDP2's sharded DTensors would be unsafe), so the fingerprint and the probe
-check the merged model as they check a fully trained one.
+Weight sync: the base weights are frozen and already in the engine, so only the
+adapter travels (`adapter_state`, loaded and fingerprinted by
+backend.adapter_sync). `merged_state` is the merged view under the base model's
+own tensor names, W = W0 + scaling * B @ A computed per target linear from the
+gathered tensors (nothing is merged in place, which on FSDP2's sharded DTensors
+would be unsafe): what `--save-merged` writes into `merged/`.
 
 Checkpoints: `adapter_state` gathers the adapters under peft's saved names
 (`base_model.model.<module>.lora_A.weight`), `save_adapter` writes them with

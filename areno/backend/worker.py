@@ -209,8 +209,9 @@ class RankWorker:
         return ProbeRef(np.ascontiguousarray(probe_ids, dtype=np.int32), ref, unit, scale)
 
     def full_state(self):
-        """(HF name, full tensor) of what the engine and an HF checkpoint hold: the
-        weights, or under LoRA the merged base + adapter weights (lora.merged_state)."""
+        """(HF name, full tensor) of the full model: the weights, or under LoRA the
+        merged base + adapter weights (lora.merged_state: --save-merged; a LoRA
+        engine gets only the adapter, cmd_sync_weights)."""
         if self.cfg.lora is not None:
             return merged_state(self.hf, self.export_names)
         return iter_full_state(self.hf, self.export_names)
