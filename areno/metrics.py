@@ -73,7 +73,10 @@ _ROWS: tuple[Metric, ...] = (
                 "--recompute-logprobs)"),
     Metric("tis_capped_frac", "loss", "token_mean", log_key="offpolicy/tis_capped_frac",
            help="fraction of loss tokens whose proximal/behaviour weight exceeded --tis-cap "
-                "and was capped (0 when off)"),
+                "and was capped (0 when off or with --is-mode mask)"),
+    Metric("is_masked_frac", "loss", "token_mean", log_key="offpolicy/masked_frac",
+           help="fraction of loss tokens dropped by --is-mode mask: their weight (at "
+                "--is-level) fell outside [--is-mask-low, --tis-cap] (0 unless mask)"),
     Metric("loss_tokens", "loss", "sum", help="tokens in the loss: the token_mean denominator"),
     Metric("grad_norm", "optimizer", "max", help="gradient norm before clipping"),
     Metric("lr", "optimizer", "max", over_steps="last",

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from areno.advantages import advantages_and_keep
+from areno.advantages import advantages_and_keep, overlong_penalty
 from areno.backend.errors import BackendError
 from areno.rundir.completions import completion_records
 from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
@@ -221,8 +221,10 @@ def learn(run: Run, step: int, prompt_idx: np.ndarray, batch: RolloutBatch, scor
     cfg = run.cfg
     with timer("materialize"):
         with timer.span("advantages"):
+            penalty = shaping(cfg, batch)
             adv, keep, n_zero_var = advantages_and_keep(
-                scored.rewards, scored.valid, batch.group_index, batch.num_prompts, overlong_mask(batch),
+                scored.rewards + penalty, scored.valid, batch.group_index, batch.num_prompts,
+                overlong_mask(batch),
                 mode=cfg.adv_mode, filter_zero_variance=cfg.filter_zero_variance_groups,
                 mask_overlong=cfg.mask_overlong)
         with timer.span("pack"):
@@ -251,7 +253,15 @@ def learn(run: Run, step: int, prompt_idx: np.ndarray, batch: RolloutBatch, scor
     return step_metrics(StepResult(
         batch=batch, scored=scored, prompt_idx=prompt_idx, pack_tokens=split.pack.num_tokens,
         rank_imbalance=split.plan.imbalance, zero_var_groups=n_zero_var, opt_steps=opt_steps,
-        times=timer.times, elapsed=elapsed, data_epoch=run.sampler.epoch, backend_perf=perf))
+        times=timer.times, elapsed=elapsed, data_epoch=run.sampler.epoch, backend_perf=perf,
+        overlong_penalty=float(penalty[scored.valid].mean()) if scored.valid.any() else 0.0))
+
+
+def shaping(cfg: TrainConfig, batch: RolloutBatch) -> np.ndarray:
+    """[N] float32 added to the plugin's rewards before advantages: DAPO's soft
+    overlong punishment (--overlong-buffer; zeros when off)."""
+    return overlong_penalty(batch.response_lengths, cfg.max_new_tokens, cfg.overlong_buffer,
+                            cfg.overlong_penalty)
 
 
 def prompt_hash(prompt_idx: np.ndarray) -> float:
@@ -325,6 +335,7 @@ class StepResult:
     elapsed: float                        # seconds of the whole step
     data_epoch: int                       # the sampler's epoch after drawing the prompts
     backend_perf: dict[str, float]        # perf/* of the last backend.train call
+    overlong_penalty: float = 0.0         # mean soft overlong punishment of the scored samples
 
 
 def step_metrics(res: StepResult) -> dict[str, float]:
@@ -343,6 +354,7 @@ def step_metrics(res: StepResult) -> dict[str, float]:
         "reward/errors": float(c.errors), "reward/timeouts": float(c.timeouts),
         "reward/nan": float(c.nan), "reward/worker_crashes": float(c.worker_crashes),
         "reward/skipped": float(c.skipped), "reward/zeroed": float(c.zeroed),
+        "reward/overlong_penalty": res.overlong_penalty,
         "response/len_mean": float(lengths.mean()) if lengths.size else 0.0,
         "response/len_max": float(lengths.max()) if lengths.size else 0.0,
         "response/truncated_frac": float((batch.finish_reason == FINISH_LENGTH).mean()),

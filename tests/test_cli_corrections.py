@@ -1,0 +1,54 @@
+"""The options of the off-policy corrections and the overlong punishment (issue 27,
+4): refusals are one line with exit 2; today's behaviour is the default; what is
+given reaches the loss (LossConfig) unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from areno.cli import main
+from areno.config.settings import backend_config
+from areno.config.train import TrainConfig
+from areno.losses import LossConfig
+
+CAP = ["--recompute-logprobs", "--tis-cap", "2"]
+
+
+def refused(args, capsys) -> str:
+    rc = main(["train", *args])
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert rc == 2, out.err
+    assert len(lines) == 1 and lines[0].startswith("areno: error:"), out.err
+    assert "Traceback" not in out.err + out.out
+    return lines[0]
+
+
+BAD = [
+    (["--is-level", "sequence"], "--is-level sequence needs --tis-cap"),
+    (["--is-mode", "mask"], "--is-mode mask needs --tis-cap"),
+    (["--is-level", "bogus", *CAP], "--is-level"),
+    ([*CAP, "--is-mask-low", "0.5"], "--is-mask-low 0.5 is the lower edge of --is-mode mask's band"),
+    ([*CAP, "--is-mode", "mask", "--is-mask-low", "2"], "--is-mask-low 2 must be below --tis-cap 2"),
+    (["--max-new-tokens", "8", "--overlong-buffer", "9"], "--overlong-buffer 9 exceeds --max-new-tokens 8"),
+    (["--overlong-penalty", "-1"], "--overlong-penalty must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_each_refusal_is_one_line_exit_2(args, needle, capsys):
+    assert needle in refused(args, capsys)
+
+
+def test_defaults_are_todays_token_truncation_and_no_punishment(files):
+    cfg = TrainConfig.from_sources(None, dict(files))
+    assert (cfg.is_level, cfg.is_mode, cfg.is_mask_low, cfg.overlong_buffer) == ("token", "truncate", 0, 0)
+    assert backend_config(cfg, "m", "m", 1, "cpu", 10).loss == LossConfig()
+
+
+def test_given_options_reach_the_loss(files):
+    cfg = TrainConfig.from_sources(None, {**files, "recompute_logprobs": True, "tis_cap": 3.0,
+                                          "is_level": "geometric", "is_mode": "mask",
+                                          "is_mask_low": 0.25})
+    loss = backend_config(cfg, "m", "m", 1, "cpu", 10).loss
+    assert (loss.tis_cap, loss.is_level, loss.is_mode, loss.is_mask_low) == (3.0, "geometric", "mask", 0.25)
