@@ -178,3 +178,23 @@ def wait_metrics(wait_batch_s: Sequence[float], wait_weights_s: Sequence[float])
     """time/wait_batch and time/wait_weights of one step: every wait summed."""
     return {"time/wait_batch": float(sum(wait_batch_s)),
             "time/wait_weights": float(sum(wait_weights_s))}
+
+
+# -- dynamic sampling (--dynamic-sampling), once per step, on the controller -------
+SAMPLING_METRICS: dict[str, str] = {
+    "sampling/rounds": "rollouts of --batch-size prompts generated for the step (1 when off)",
+    "sampling/groups_kept": "groups the step trains on (--batch-size unless the bound stopped it)",
+    "sampling/groups_dropped": "groups generated but not trained: uninformative, or surplus past "
+                               "--batch-size (0 when off)",
+    "sampling/gen_tokens_per_kept_group": "response tokens generated over all rounds / groups kept",
+    "sampling/bound_hit": "1 when --max-sampling-rounds ended the step with fewer than "
+                          "--batch-size informative groups (it trains on those)",
+}
+
+
+def sampling_metrics(rounds: int, kept: int, generated_groups: int, gen_tokens: int,
+                     bound_hit: bool) -> dict[str, float]:
+    """The SAMPLING_METRICS of one step, in the table's order."""
+    values = (rounds, kept, generated_groups - kept, gen_tokens / kept if kept else gen_tokens,
+              bound_hit)
+    return {k: float(v) for k, v in zip(SAMPLING_METRICS, values, strict=True)}

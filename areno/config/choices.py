@@ -6,6 +6,7 @@ Each list is declared once, as a `Literal`; its owner imports it from here and
 derives its check with `typing.get_args`, as TrainConfig's flags and checks do:
 
     AdvantageMode  group advantages (advantages.py)
+    DynamicSampling  which groups dynamic sampling keeps (dynsample.py)
     Algo, KLType   the policy loss (losses.py)
     ISLevel, ISMode  its behaviour importance weight (losses.behaviour_weights)
     LossAgg        how the loss is aggregated (split.aggregation_weights)
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import Literal
 
 AdvantageMode = Literal["grpo", "drgrpo", "rloo"]
+DynamicSampling = Literal["off", "reward", "accuracy"]  # --dynamic-sampling
 Algo = Literal["grpo", "gspo"]
 KLType = Literal["k1", "k3"]
 ISLevel = Literal["token", "sequence", "geometric"]  # --is-level

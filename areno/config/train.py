@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from areno.config.choices import (
-    LOSS_AGG_BY_ALGO, AdvantageMode, Algo, Device, DType, ISLevel, ISMode, KLType, LossAgg, OnError,
+    LOSS_AGG_BY_ALGO, AdvantageMode, Algo, Device, DType, DynamicSampling, ISLevel, ISMode, KLType, LossAgg, OnError,
     Strategy,
 )
 from areno.errors import UserError
@@ -155,6 +155,14 @@ class TrainConfig:
         "1 / --tis-cap).", "Algorithm", ge=0.0)
     filter_zero_variance_groups: bool = opt(
         False, "Drop groups whose rewards are all equal from the update.", "Algorithm")
+    dynamic_sampling: DynamicSampling = opt(
+        "off", "DAPO's dynamic sampling: generate rounds of --batch-size prompts until "
+        "--batch-size informative groups are kept; reward: rewards not all equal, accuracy: some "
+        "but not all correct (reward >= 1). The last round's surplus is dropped. off: every "
+        "group of one rollout trains.", "Algorithm")
+    max_sampling_rounds: int = opt(
+        4, "Rounds a --dynamic-sampling step may generate; at the bound it trains on the groups "
+        "it kept (sampling/bound_hit).", "Algorithm", ge=1)
     mask_overlong: bool = opt(False, "Drop completions cut by --max-new-tokens from the update.",
                               "Algorithm")
     overlong_buffer: int = opt(
@@ -392,7 +400,8 @@ class TrainConfig:
                             "of one has no baseline: every advantage would be 0)")
 
 def _check_correction_options(cfg: TrainConfig) -> None:
-    """--is-level, --is-mode, --is-mask-low and --overlong-buffer against what they need."""
+    """--is-level, --is-mode, --is-mask-low, --dynamic-sampling and --overlong-buffer
+    against what they need."""
     shaped = [f for f, on in ((f"--is-level {cfg.is_level}", cfg.is_level != "token"),
                               (f"--is-mode {cfg.is_mode}", cfg.is_mode != "truncate"),
                               (f"--is-mask-low {cfg.is_mask_low:g}", cfg.is_mask_low > 0)) if on]
@@ -405,6 +414,11 @@ def _check_correction_options(cfg: TrainConfig) -> None:
     if cfg.tis_cap is not None and cfg.is_mask_low >= cfg.tis_cap:
         raise UserError(f"--is-mask-low {cfg.is_mask_low:g} must be below --tis-cap "
                         f"{cfg.tis_cap:g} (the band would keep no token)")
+    if cfg.dynamic_sampling != "off" and cfg.off_policy_steps:
+        raise UserError(f"--dynamic-sampling {cfg.dynamic_sampling} with --off-policy-steps "
+                        f"{cfg.off_policy_steps}: refill rounds run only with K = 0 so far (with "
+                        "K >= 1 they would have to join the loop's admission); use "
+                        "--off-policy-steps 0")
     if cfg.overlong_buffer > cfg.max_new_tokens:
         raise UserError(f"--overlong-buffer {cfg.overlong_buffer} exceeds --max-new-tokens "
                         f"{cfg.max_new_tokens}: every completion would be punished; lower it")
