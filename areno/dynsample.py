@@ -66,16 +66,25 @@ class Filled:
     generated_groups: int
     gen_tokens: int
     bound_hit: bool
+    generated_reward: float      # mean valid reward of every round's samples, dropped ones too
 
     @staticmethod
     def whole(r: Round) -> "Filled":
         """One round, every group trained (--dynamic-sampling off)."""
         P = r.batch.num_prompts
-        return Filled(r, np.ones(P, bool), 1, P, r.batch.num_response_tokens, False)
+        return Filled(r, np.ones(P, bool), 1, P, r.batch.num_response_tokens, False,
+                      _mean_valid([r]))
 
     def metrics(self) -> dict[str, float]:
         return sampling_metrics(self.rounds, int(self.train.sum()), self.generated_groups,
-                                self.gen_tokens, self.bound_hit)
+                                self.gen_tokens, self.bound_hit, self.generated_reward)
+
+
+def _mean_valid(rounds: list[Round]) -> float:
+    """Mean valid reward over rounds: the policy's reward on fresh prompts, where the
+    kept groups' (reward/mean) leaves out the all-right and all-wrong ones."""
+    r = np.concatenate([x.scored.rewards[x.scored.valid] for x in rounds]).astype(np.float64)
+    return float(r.mean()) if r.size else 0.0
 
 
 def informative_groups(rewards: np.ndarray, valid: np.ndarray, group_index: np.ndarray,
@@ -96,9 +105,10 @@ def fill_batch(collect: Callable[[int], Round], want: int, max_rounds: int,
     `max_rounds` rounds ran; informative(round) -> [P] bool."""
     kept: list[Round] = []
     n_kept = rounds = generated = tokens = 0
-    counts, last = RewardCounts(), None
+    counts, last, seen = RewardCounts(), None, []
     while n_kept < want and rounds < max_rounds:
         last = collect(rounds)
+        seen.append(last)
         rounds += 1
         generated += last.batch.num_prompts
         tokens += last.batch.num_response_tokens
@@ -112,7 +122,7 @@ def fill_batch(collect: Callable[[int], Round], want: int, max_rounds: int,
     out, train = ((concat_rounds(kept), np.ones(n_kept, bool)) if kept
                   else (last, np.zeros(last.batch.num_prompts, bool)))
     out = replace(out, scored=replace(out.scored, counts=counts))
-    return Filled(out, train, rounds, generated, tokens, n_kept < want)
+    return Filled(out, train, rounds, generated, tokens, n_kept < want, _mean_valid(seen))
 
 
 def take_groups(r: Round, groups: np.ndarray) -> Round:

@@ -189,12 +189,15 @@ SAMPLING_METRICS: dict[str, str] = {
     "sampling/gen_tokens_per_kept_group": "response tokens generated over all rounds / groups kept",
     "sampling/bound_hit": "1 when --max-sampling-rounds ended the step with fewer than "
                           "--batch-size informative groups (it trains on those)",
+    "sampling/reward_generated": "mean reward of every generated sample, dropped groups too: "
+                                 "the policy's reward on fresh prompts (reward/mean is the "
+                                 "trained groups', which leave out the all-right ones)",
 }
 
 
 def sampling_metrics(rounds: int, kept: int, generated_groups: int, gen_tokens: int,
-                     bound_hit: bool) -> dict[str, float]:
+                     bound_hit: bool, generated_reward: float) -> dict[str, float]:
     """The SAMPLING_METRICS of one step, in the table's order."""
     values = (rounds, kept, generated_groups - kept, gen_tokens / kept if kept else gen_tokens,
-              bound_hit)
+              bound_hit, generated_reward)
     return {k: float(v) for k, v in zip(SAMPLING_METRICS, values, strict=True)}

@@ -1,9 +1,11 @@
 """The options of the off-policy corrections, the overlong punishment and dynamic
-sampling (issue 27, 3 and 4): refusals are one line with exit 2; today's behaviour is the default; what is
-given reaches the loss (LossConfig) unchanged."""
+sampling (issue 27, 3 and 4): refusals are one line with exit 2; today's behaviour
+is the default; what is given reaches the loss (LossConfig) and, for the overlong
+punishment, the advantages of a run."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from areno.cli import main
@@ -56,3 +58,31 @@ def test_given_options_reach_the_loss(files):
                                           "is_mask_low": 0.25})
     loss = backend_config(cfg, "m", "m", 1, "cpu", 10).loss
     assert (loss.tis_cap, loss.is_level, loss.is_mode, loss.is_mask_low) == (3.0, "geometric", "mask", 0.25)
+
+
+@pytest.mark.slow
+def test_the_overlong_punishment_reaches_the_advantages_of_a_run(tmp_path, areno_cache):
+    """The demo at --max-new-tokens 8 with --overlong-buffer 1 --overlong-penalty 0.5:
+    a completion cut at 8 tokens loses 0.5, a shorter one nothing (a stop at exactly
+    8 tokens would lose it too: this seeded run has none), before the advantages;
+    the logged advantages are those of the punished rewards."""
+    import json
+
+    from test_resume import HF1, cli, ok
+
+    from areno.advantages import group_advantages
+
+    out = tmp_path / "run"
+    ok(cli(["train", *HF1, "--max-steps", "1", "--no-save", "--max-new-tokens", "8",
+            "--overlong-buffer", "1", "--overlong-penalty", "0.5", "--log-completions", "16",
+            "--output-dir", str(out)], areno_cache))
+    row = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    recs = sorted((json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()),
+                  key=lambda r: r["sample"])
+    assert [r["sample"] for r in recs] == list(range(16))  # every sample (4 groups of 4)
+    cut = np.array([r["finish_reason"] == "length" for r in recs])
+    assert 0 < cut.sum() < 16  # some punished, some not
+    assert row["reward/overlong_penalty"] == pytest.approx(-0.5 * cut.mean())
+    shaped = np.array([r["reward"] for r in recs]) - 0.5 * cut
+    np.testing.assert_allclose([r["advantage"] for r in recs],
+                               group_advantages(shaped, np.repeat(np.arange(4), 4)), rtol=1e-5, atol=1e-6)

@@ -66,7 +66,9 @@ def test_fills_the_batch_with_informative_groups_in_round_order():
     m = f.metrics()
     assert m == {"sampling/rounds": 3.0, "sampling/groups_kept": 4.0, "sampling/groups_dropped": 8.0,
                  "sampling/gen_tokens_per_kept_group":
-                 sum(r.batch.num_response_tokens for r in ROUNDS[:3]) / 4, "sampling/bound_hit": 0.0}
+                 sum(r.batch.num_response_tokens for r in ROUNDS[:3]) / 4, "sampling/bound_hit": 0.0,
+                 "sampling/reward_generated":
+                 pytest.approx(np.mean([r.scored.rewards for r in ROUNDS[:3]]))}
 
 
 def test_the_bound_is_honoured_and_counted():
