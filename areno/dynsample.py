@@ -53,6 +53,9 @@ class Round:
     batch: RolloutBatch
     scored: RewardResult
 
+    def astuple(self) -> tuple[np.ndarray, RolloutBatch, RewardResult]:
+        return self.prompt_idx, self.batch, self.scored
+
 
 @dataclass(frozen=True)
 class Filled:

@@ -196,8 +196,7 @@ def train_step(run: Run, step: int, timer: PhaseTimer | None = None) -> dict[str
     timer = timer or PhaseTimer()
     t_step = time.perf_counter()
     filled = sample_rounds(run, colocated_round(run, step, timer))
-    return learn(run, step, filled.round.prompt_idx, filled.round.batch, filled.round.scored, timer,
-                 t_step, run.engine.sync_weights, filled)
+    return learn(run, step, filled, timer, t_step, run.engine.sync_weights)
 
 
 def colocated_round(run: Run, step: int, timer: PhaseTimer) -> Callable[[int], Round]:
@@ -238,18 +237,16 @@ def train_step_ahead(run: Run, step: int, timer: PhaseTimer | None = None) -> di
             with timer("rollout"):
                 prompt_idx, batch = ahead.extra_round(step, round_sampling(run.sampling_for(step), r))
         return Round(prompt_idx, batch, score(run, prompt_idx, batch, timer))
-    filled = sample_rounds(run, collect)
-    metrics = learn(run, step, filled.round.prompt_idx, filled.round.batch, filled.round.scored,
-                    timer, t_step, ahead.publish, filled)
+    metrics = learn(run, step, sample_rounds(run, collect), timer, t_step, ahead.publish)
     return metrics | ahead.after_update(step, cur)
 
 
-def learn(run: Run, step: int, prompt_idx: np.ndarray, batch: RolloutBatch, scored: RewardResult,
-          timer: PhaseTimer, t_step: float, sync: Callable[[], Any], filled: Filled) -> dict[str, float]:
-    """A scored rollout -> advantages, pack, update, `sync()` (new weights to the
-    engines, or published for them), the step's metrics. filled: how the rollout
-    was sampled (dynsample.py): which of its groups train, and the cost."""
-    cfg = run.cfg
+def learn(run: Run, step: int, filled: Filled, timer: PhaseTimer, t_step: float,
+          sync: Callable[[], Any]) -> dict[str, float]:
+    """A scored rollout (filled.round; filled.train: which of its groups train,
+    dynsample.py) -> advantages, pack, update, `sync()` (new weights to the
+    engines, or published for them), the step's metrics."""
+    cfg, (prompt_idx, batch, scored) = run.cfg, filled.round.astuple()
     with timer("materialize"):
         with timer.span("advantages"):
             penalty = shaping(cfg, batch)
