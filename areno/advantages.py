@@ -83,6 +83,22 @@ def zero_variance_groups(rewards: np.ndarray, group_index: np.ndarray, num_group
     return gmax <= gmin
 
 
+def overlong_penalty(response_lengths: np.ndarray, max_new_tokens: int, buffer: int,
+                     factor: float = 1.0) -> np.ndarray:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13; verl's DAPO reward
+    manager, overlong_buffer): [N] int lengths -> [N] float32 penalty <= 0,
+
+        p_i = min(-(len_i - (max_new_tokens - buffer)) / buffer * factor, 0)
+
+    0 up to max_new_tokens - buffer tokens, then falling linearly to -factor at
+    max_new_tokens. buffer 0: no penalty (off)."""
+    lengths = np.asarray(response_lengths, dtype=np.float64)
+    if buffer <= 0:
+        return np.zeros(lengths.shape, dtype=np.float32)
+    exceed = lengths - (max_new_tokens - buffer)
+    return np.minimum(-exceed / buffer * factor, 0.0).astype(np.float32)
+
+
 def advantages_and_keep(
     rewards: np.ndarray,
     valid: np.ndarray,

@@ -127,6 +127,16 @@ class RolloutsAhead:
         pending = run.engine.start_rollout(ids, offsets, run.cfg.n_samples, run.sampling_for(step), region)
         self.inflight = Inflight(step, prompt_idx, before, self.engine_version, pending)
 
+    def extra_round(self, step: int, sampling: Any) -> tuple[np.ndarray, RolloutBatch]:
+        """A refill round of `step` for dynamic sampling (dynsample.py): fresh prompts,
+        generated now and waited for, with the weights the engines hold (K = 0 only:
+        the next rollout has not started, so the engines are free and the lag stays 0)."""
+        run = self.run
+        prompt_idx = run.sampler.next_batch()
+        ids, offsets = select(run.prompts, prompt_idx)
+        batch, _ = run.engine.start_rollout(ids, offsets, run.cfg.n_samples, sampling, None).collect()
+        return prompt_idx, batch
+
     def collect(self) -> Inflight:
         """Wait for the rollout in flight (at once when it was collected already)."""
         cur = self.inflight

@@ -63,13 +63,32 @@ KL and entropy terms are not weighted (as verl's kl_loss and entropy terms).
 Without rollout_logprobs (old log-probs are the sampler's) pi_prox = pi_behav
 and iw_t = 1: plain PPO/GRPO/GSPO.
 
+The weight's level and what happens over the cap (behaviour_weights), with
+d_t = log pi_prox(t) - log pi_behav(t) on the loss tokens of sequence i:
+
+  is_level token      w_t = exp(d_t)                       (as above)
+  is_level sequence   w_i = exp(sum_{t in i} d_t)          verl's rollout_is=sequence:
+                      the sequence's likelihood ratio (unbiased, high variance)
+  is_level geometric  w_i = exp(mean_{t in i} d_t)         verl's rollout_rs=geometric,
+                      GSPO's length normalisation applied to the behaviour ratio
+  is_mode truncate    iw = min(w, tis_cap)                 (TIS, as above)
+  is_mode mask        iw = w if is_mask_low <= w <= tis_cap else 0: the token, or
+                      the whole sequence at the sequence levels, is dropped from
+                      the loss (AReaL's behav_imp_weight_cap with is_mask_low = 0;
+                      verl's rollout_rs band times its rollout_is weight)
+
+A sequence-level log-weight is clamped to +-SEQ_LOG_BOUND before exp (verl's
+SAFETY_BOUND): a sum over thousands of tokens would overflow float32.
+
 Behaviour/proximal mismatch metrics (metrics.py, "offpolicy/*"), computed on
 the loss tokens whenever rollout_logprobs are given (0 otherwise):
   offpolicy_kl     k3 estimate of KL(pi_behav || pi_prox) per token,
                    r - 1 - log r with r = pi_prox / pi_behav (the tokens are
                    samples of pi_behav, so its mean is the KL; >= 0 per token)
   tis_capped_frac  share of tokens whose weight pi_prox / pi_behav exceeded
-                   tis_cap and was capped (0 when tis_cap is off)
+                   tis_cap and was capped (0 when tis_cap is off or is_mode mask)
+  is_masked_frac   share of tokens whose weight fell outside the mask band and
+                   was dropped (0 unless is_mode mask)
 """
 
 from __future__ import annotations
@@ -79,10 +98,13 @@ from dataclasses import dataclass
 
 import torch
 
-from areno.config.choices import Algo, KLType
+from areno.config.choices import Algo, ISLevel, ISMode, KLType
 
 ALGOS: tuple[str, ...] = typing.get_args(Algo)
 KL_TYPES: tuple[str, ...] = typing.get_args(KLType)
+IS_LEVELS: tuple[str, ...] = typing.get_args(ISLevel)
+IS_MODES: tuple[str, ...] = typing.get_args(ISMode)
+SEQ_LOG_BOUND = 20.0  # |log w_i| of a sequence-level weight is clamped to this (exp(20) ~ 5e8)
 
 
 @dataclass(frozen=True)
@@ -95,6 +117,9 @@ class LossConfig:
     entropy_coef: float = 0.0
     tis_cap: float | None = None  # cap C of iw_t = min(pi_prox / pi_behav, C) (None = no weight)
     clip_ratio_c: float | None = None  # dual-clip constant C > 1 (None = off)
+    is_level: ISLevel = "token"   # level of the behaviour weight (token, sequence, geometric)
+    is_mode: ISMode = "truncate"  # over the cap: truncate to it, or mask (drop) the token/sequence
+    is_mask_low: float = 0.0      # mask mode: weights below this are dropped too
 
     def __post_init__(self) -> None:
         if self.algo not in ALGOS:
@@ -107,6 +132,11 @@ class LossConfig:
             raise ValueError("tis_cap must be > 0")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
             raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        if self.is_level not in IS_LEVELS or self.is_mode not in IS_MODES:
+            raise ValueError(f"is_level/is_mode: expected {IS_LEVELS} / {IS_MODES}, got "
+                             f"{self.is_level!r} / {self.is_mode!r}")
+        if self.is_mask_low < 0 or (self.tis_cap is not None and self.is_mask_low >= self.tis_cap):
+            raise ValueError("is_mask_low: need 0 <= is_mask_low < tis_cap")
 
 
 @dataclass(frozen=True)
@@ -163,13 +193,13 @@ def compute_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
 
     # Decoupled PPO: log(pi_prox / pi_behav) of each loss token (0 off the mask, and
     # everywhere when old log-probs are the sampler's own).
-    behav_log_w = behav_w = tis = None
+    behav_log_w = behav_w = tis = over = None
     if inp.rollout_logprobs is not None:
         behav_log_w = torch.where(mask, inp.old_logprobs - inp.rollout_logprobs,
                                   torch.zeros_like(log_ratio)).detach()
-        behav_w = torch.exp(behav_log_w)  # pi_prox / pi_behav, uncapped
+        behav_w = torch.exp(behav_log_w)  # pi_prox / pi_behav per token, uncapped
         if cfg.tis_cap is not None:
-            tis = behav_w.clamp(max=cfg.tis_cap)
+            tis, over = behaviour_weights(behav_log_w, mask, seq_index, num_seqs, cfg)
             pg = pg * tis
 
     per_tok = pg
@@ -201,7 +231,29 @@ def compute_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
             # k3 = r - 1 - log r, r = pi_prox / pi_behav: KL(pi_behav || pi_prox) per token
             "offpolicy_kl": ((behav_w - 1.0 - behav_log_w) * maskf).sum()
             if behav_w is not None and behav_log_w is not None else maskf.new_zeros(()),
-            "tis_capped_frac": ((behav_w > cfg.tis_cap) & mask).to(maskf.dtype).sum()
-            if behav_w is not None and cfg.tis_cap is not None else maskf.new_zeros(()),
+            "tis_capped_frac": over.to(maskf.dtype).sum()
+            if over is not None and cfg.is_mode == "truncate" else maskf.new_zeros(()),
+            "is_masked_frac": over.to(maskf.dtype).sum()
+            if over is not None and cfg.is_mode == "mask" else maskf.new_zeros(()),
         }
     return LossOutputs(loss=loss, metrics=metrics)
+
+
+def behaviour_weights(log_w: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor,
+                      num_seqs: int, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoupled PPO's weight iw of pi_prox / pi_behav at cfg.is_level, truncated or
+    masked by cfg.is_mode (module docstring). log_w: [L] float, log pi_prox - log
+    pi_behav, 0 off the mask (detached). -> ([L] iw, detached; [L] bool, the loss
+    tokens whose weight was over the cap (truncate) or outside the band (mask))."""
+    if cfg.is_level == "token":
+        lw = log_w
+    else:  # one weight per sequence, broadcast to its tokens
+        seq_lw = _segment_sum(log_w, seq_index, num_seqs)
+        if cfg.is_level == "geometric":
+            seq_lw = seq_lw / _segment_sum(mask.to(log_w.dtype), seq_index, num_seqs).clamp_min(1.0)
+        lw = seq_lw.clamp(-SEQ_LOG_BOUND, SEQ_LOG_BOUND)[seq_index]
+    w = torch.exp(lw)
+    if cfg.is_mode == "truncate":
+        return w.clamp(max=cfg.tis_cap), (w > cfg.tis_cap) & mask
+    out = (w > cfg.tis_cap) | (w < cfg.is_mask_low)
+    return torch.where(out, torch.zeros_like(w), w), out & mask

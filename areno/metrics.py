@@ -73,7 +73,10 @@ _ROWS: tuple[Metric, ...] = (
                 "--recompute-logprobs)"),
     Metric("tis_capped_frac", "loss", "token_mean", log_key="offpolicy/tis_capped_frac",
            help="fraction of loss tokens whose proximal/behaviour weight exceeded --tis-cap "
-                "and was capped (0 when off)"),
+                "and was capped (0 when off or with --is-mode mask)"),
+    Metric("is_masked_frac", "loss", "token_mean", log_key="offpolicy/masked_frac",
+           help="fraction of loss tokens dropped by --is-mode mask: their weight (at "
+                "--is-level) fell outside [--is-mask-low, --tis-cap] (0 unless mask)"),
     Metric("loss_tokens", "loss", "sum", help="tokens in the loss: the token_mean denominator"),
     Metric("grad_norm", "optimizer", "max", help="gradient norm before clipping"),
     Metric("lr", "optimizer", "max", over_steps="last",
@@ -175,3 +178,26 @@ def wait_metrics(wait_batch_s: Sequence[float], wait_weights_s: Sequence[float])
     """time/wait_batch and time/wait_weights of one step: every wait summed."""
     return {"time/wait_batch": float(sum(wait_batch_s)),
             "time/wait_weights": float(sum(wait_weights_s))}
+
+
+# -- dynamic sampling (--dynamic-sampling), once per step, on the controller -------
+SAMPLING_METRICS: dict[str, str] = {
+    "sampling/rounds": "rollouts of --batch-size prompts generated for the step (1 when off)",
+    "sampling/groups_kept": "groups the step trains on (--batch-size unless the bound stopped it)",
+    "sampling/groups_dropped": "groups generated but not trained: uninformative, or surplus past "
+                               "--batch-size (0 when off)",
+    "sampling/gen_tokens_per_kept_group": "response tokens generated over all rounds / groups kept",
+    "sampling/bound_hit": "1 when --max-sampling-rounds ended the step with fewer than "
+                          "--batch-size informative groups (it trains on those)",
+    "sampling/reward_generated": "mean reward of every generated sample, dropped groups too: "
+                                 "the policy's reward on fresh prompts (reward/mean is the "
+                                 "trained groups', which leave out the all-right ones)",
+}
+
+
+def sampling_metrics(rounds: int, kept: int, generated_groups: int, gen_tokens: int,
+                     bound_hit: bool, generated_reward: float) -> dict[str, float]:
+    """The SAMPLING_METRICS of one step, in the table's order."""
+    values = (rounds, kept, generated_groups - kept, gen_tokens / kept if kept else gen_tokens,
+              bound_hit, generated_reward)
+    return {k: float(v) for k, v in zip(SAMPLING_METRICS, values, strict=True)}

@@ -14,8 +14,9 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from areno.advantages import advantages_and_keep
+from areno.advantages import advantages_and_keep, overlong_penalty
 from areno.backend.errors import BackendError
+from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
 from areno.rundir.completions import completion_records
 from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config.train import TrainConfig
@@ -192,15 +193,34 @@ def stopped(run: Run, e: BackendError | WeightSyncError) -> None:
 
 def train_step(run: Run, step: int, timer: PhaseTimer | None = None) -> dict[str, float]:
     """One synchronous step; timer: the caller's PhaseTimer (benchmarks keep its spans)."""
-    cfg, timer = run.cfg, timer or PhaseTimer()
+    timer = timer or PhaseTimer()
     t_step = time.perf_counter()
-    prompt_idx = run.sampler.next_batch()
-    sampling = run.sampling_for(step)
-    if cfg.overlap_rewards:
-        batch, scored = rollout_overlapped(run, prompt_idx, sampling, timer)
-    else:
-        batch, scored = rollout_then_score(run, prompt_idx, sampling, timer)
-    return learn(run, step, prompt_idx, batch, scored, timer, t_step, run.engine.sync_weights)
+    filled = sample_rounds(run, colocated_round(run, step, timer))
+    return learn(run, step, filled, timer, t_step, run.engine.sync_weights)
+
+
+def colocated_round(run: Run, step: int, timer: PhaseTimer) -> Callable[[int], Round]:
+    """collect(r): draw --batch-size prompts, generate round r of `step` with the
+    engines in the ranks, score it."""
+    def collect(r: int) -> Round:
+        prompt_idx = run.sampler.next_batch()
+        sampling = round_sampling(run.sampling_for(step), r)
+        rollout = rollout_overlapped if run.cfg.overlap_rewards else rollout_then_score
+        return Round(prompt_idx, *rollout(run, prompt_idx, sampling, timer))
+    return collect
+
+
+def sample_rounds(run: Run, collect: Callable[[int], Round]) -> Filled:
+    """One round (--dynamic-sampling off), or rounds until the batch is full of
+    informative groups (dynsample.fill_batch)."""
+    cfg = run.cfg
+    if cfg.dynamic_sampling == "off":
+        return Filled.whole(collect(0))
+
+    def informative(r: Round) -> np.ndarray:
+        return informative_groups(r.scored.rewards + shaping(cfg, r.batch), r.scored.valid,
+                                  r.batch.group_index, r.batch.num_prompts, cfg.dynamic_sampling)
+    return fill_batch(collect, cfg.batch_size, cfg.max_sampling_rounds, informative)
 
 
 def train_step_ahead(run: Run, step: int, timer: PhaseTimer | None = None) -> dict[str, float]:
@@ -209,22 +229,33 @@ def train_step_ahead(run: Run, step: int, timer: PhaseTimer | None = None) -> di
     timer, t_step = timer or PhaseTimer(), time.perf_counter()
     ahead = run.ahead
     cur = ahead.take(step)
-    scored = score(run, cur.prompt_idx, cur.batch, timer)
-    metrics = learn(run, step, cur.prompt_idx, cur.batch, scored, timer, t_step, ahead.publish)
+
+    def collect(r: int) -> Round:  # round 0: the loop's rollout; a refill: generated now (K = 0)
+        if r == 0:
+            prompt_idx, batch = cur.prompt_idx, cur.batch
+        else:
+            with timer("rollout"):
+                prompt_idx, batch = ahead.extra_round(step, round_sampling(run.sampling_for(step), r))
+        return Round(prompt_idx, batch, score(run, prompt_idx, batch, timer))
+    metrics = learn(run, step, sample_rounds(run, collect), timer, t_step, ahead.publish)
     return metrics | ahead.after_update(step, cur)
 
 
-def learn(run: Run, step: int, prompt_idx: np.ndarray, batch: RolloutBatch, scored: RewardResult,
-          timer: PhaseTimer, t_step: float, sync: Callable[[], Any]) -> dict[str, float]:
-    """A scored rollout -> advantages, pack, update, `sync()` (new weights to the
+def learn(run: Run, step: int, filled: Filled, timer: PhaseTimer, t_step: float,
+          sync: Callable[[], Any]) -> dict[str, float]:
+    """A scored rollout (filled.round; filled.train: which of its groups train,
+    dynsample.py) -> advantages, pack, update, `sync()` (new weights to the
     engines, or published for them), the step's metrics."""
-    cfg = run.cfg
+    cfg, (prompt_idx, batch, scored) = run.cfg, filled.round.astuple()
     with timer("materialize"):
         with timer.span("advantages"):
+            penalty = shaping(cfg, batch)
             adv, keep, n_zero_var = advantages_and_keep(
-                scored.rewards, scored.valid, batch.group_index, batch.num_prompts, overlong_mask(batch),
+                scored.rewards + penalty, scored.valid, batch.group_index, batch.num_prompts,
+                overlong_mask(batch),
                 mode=cfg.adv_mode, filter_zero_variance=cfg.filter_zero_variance_groups,
                 mask_overlong=cfg.mask_overlong)
+            keep &= filled.train[batch.group_index]
         with timer.span("pack"):
             split = build_split_pack(
                 batch, adv, world_size=run.world_size, max_tokens=run.max_tokens_per_micro,
@@ -251,7 +282,16 @@ def learn(run: Run, step: int, prompt_idx: np.ndarray, batch: RolloutBatch, scor
     return step_metrics(StepResult(
         batch=batch, scored=scored, prompt_idx=prompt_idx, pack_tokens=split.pack.num_tokens,
         rank_imbalance=split.plan.imbalance, zero_var_groups=n_zero_var, opt_steps=opt_steps,
-        times=timer.times, elapsed=elapsed, data_epoch=run.sampler.epoch, backend_perf=perf))
+        times=timer.times, elapsed=elapsed, data_epoch=run.sampler.epoch, backend_perf=perf,
+        overlong_penalty=float(penalty[scored.valid].mean()) if scored.valid.any() else 0.0)
+    ) | filled.metrics()
+
+
+def shaping(cfg: TrainConfig, batch: RolloutBatch) -> np.ndarray:
+    """[N] float32 added to the plugin's rewards before advantages: DAPO's soft
+    overlong punishment (--overlong-buffer; zeros when off)."""
+    return overlong_penalty(batch.response_lengths, cfg.max_new_tokens, cfg.overlong_buffer,
+                            cfg.overlong_penalty)
 
 
 def prompt_hash(prompt_idx: np.ndarray) -> float:
@@ -325,6 +365,7 @@ class StepResult:
     elapsed: float                        # seconds of the whole step
     data_epoch: int                       # the sampler's epoch after drawing the prompts
     backend_perf: dict[str, float]        # perf/* of the last backend.train call
+    overlong_penalty: float = 0.0         # mean soft overlong punishment of the scored samples
 
 
 def step_metrics(res: StepResult) -> dict[str, float]:
@@ -343,6 +384,7 @@ def step_metrics(res: StepResult) -> dict[str, float]:
         "reward/errors": float(c.errors), "reward/timeouts": float(c.timeouts),
         "reward/nan": float(c.nan), "reward/worker_crashes": float(c.worker_crashes),
         "reward/skipped": float(c.skipped), "reward/zeroed": float(c.zeroed),
+        "reward/overlong_penalty": res.overlong_penalty,
         "response/len_mean": float(lengths.mean()) if lengths.size else 0.0,
         "response/len_max": float(lengths.max()) if lengths.size else 0.0,
         "response/truncated_frac": float((batch.finish_reason == FINISH_LENGTH).mean()),

@@ -6,7 +6,9 @@ Each list is declared once, as a `Literal`; its owner imports it from here and
 derives its check with `typing.get_args`, as TrainConfig's flags and checks do:
 
     AdvantageMode  group advantages (advantages.py)
+    DynamicSampling  which groups dynamic sampling keeps (dynsample.py)
     Algo, KLType   the policy loss (losses.py)
+    ISLevel, ISMode  its behaviour importance weight (losses.behaviour_weights)
     LossAgg        how the loss is aggregated (split.aggregation_weights)
     OnError        a reward that fails (rewards/pool.py)
     Device, DType, Strategy   the torch backend (backend/config.py)
@@ -19,8 +21,11 @@ from __future__ import annotations
 from typing import Literal
 
 AdvantageMode = Literal["grpo", "drgrpo", "rloo"]
+DynamicSampling = Literal["off", "reward", "accuracy"]  # --dynamic-sampling
 Algo = Literal["grpo", "gspo"]
 KLType = Literal["k1", "k3"]
+ISLevel = Literal["token", "sequence", "geometric"]  # --is-level
+ISMode = Literal["truncate", "mask"]                 # --is-mode
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 # The default --loss-agg of each --algo: GSPO's objective is a mean over

@@ -55,7 +55,8 @@ def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_siz
     low, high = cfg.loss_eps()
     loss = LossConfig(algo=cfg.algo, clip_eps_low=low, clip_eps_high=high, kl_coef=cfg.kl_coef,
                       kl_type=cfg.kl_type, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap,
-                      clip_ratio_c=cfg.clip_ratio_c)
+                      clip_ratio_c=cfg.clip_ratio_c, is_level=cfg.is_level, is_mode=cfg.is_mode,
+                      is_mask_low=cfg.is_mask_low)
     return BackendConfig(
         model_path=model_path, world_size=world_size, device=device, dtype=resolved_dtype(cfg, device),
         strategy=cfg.strategy, lr=cfg.lr, weight_decay=cfg.weight_decay,

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from areno.config.choices import (
-    LOSS_AGG_BY_ALGO, AdvantageMode, Algo, Device, DType, KLType, LossAgg, OnError, Strategy,
+    LOSS_AGG_BY_ALGO, AdvantageMode, Algo, Device, DType, DynamicSampling, ISLevel, ISMode, KLType, LossAgg, OnError,
+    Strategy,
 )
 from areno.errors import UserError
 from areno.config.lora import FULL_FT_LR, LORA_LR_FACTOR, check_lora_options
@@ -139,10 +140,37 @@ class TrainConfig:
         None, "Truncated importance-sampling cap C: each token's policy loss is weighted by "
         "min(trainer/sampler probability ratio, C) (needs --recompute-logprobs).", "Algorithm",
         gt=0.0, shown=f"off; {OFF_POLICY_TIS_CAP:g} with --off-policy-steps >= 1")
+    is_level: ISLevel = opt(
+        "token", "Level of the --tis-cap importance weight: token (each token's own ratio), "
+        "sequence (the product over the completion: unbiased, high variance; verl's "
+        "sequence-level IS) or geometric (exp of the mean token log-ratio, GSPO-style).",
+        "Algorithm")
+    is_mode: ISMode = opt(
+        "truncate", "What a weight outside the band gets: truncate caps it at --tis-cap (TIS); "
+        "mask drops the token (or, at --is-level sequence/geometric, the whole completion) from "
+        "the loss when its weight is over --tis-cap or under --is-mask-low (AReaL's and verl's "
+        "rejection); the rest keep their weight.", "Algorithm")
+    is_mask_low: float = opt(
+        0.0, "Lower edge of the --is-mode mask band (0: none, as AReaL; verl's default is "
+        "1 / --tis-cap).", "Algorithm", ge=0.0)
     filter_zero_variance_groups: bool = opt(
         False, "Drop groups whose rewards are all equal from the update.", "Algorithm")
+    dynamic_sampling: DynamicSampling = opt(
+        "off", "DAPO's dynamic sampling: generate rounds of --batch-size prompts until "
+        "--batch-size informative groups are kept; reward: rewards not all equal, accuracy: some "
+        "but not all correct (reward >= 1). The last round's surplus is dropped. off: every "
+        "group of one rollout trains.", "Algorithm")
+    max_sampling_rounds: int = opt(
+        4, "Rounds a --dynamic-sampling step may generate; at the bound it trains on the groups "
+        "it kept (sampling/bound_hit).", "Algorithm", ge=1)
     mask_overlong: bool = opt(False, "Drop completions cut by --max-new-tokens from the update.",
                               "Algorithm")
+    overlong_buffer: int = opt(
+        0, "DAPO's soft overlong punishment: a completion longer than --max-new-tokens minus this "
+        "many tokens loses reward linearly, down to -(--overlong-penalty) at --max-new-tokens; "
+        "added to the reward before advantages (0 = off).", "Algorithm", ge=0)
+    overlong_penalty: float = opt(1.0, "The largest overlong punishment (DAPO's penalty factor).",
+                                  "Algorithm", ge=0.0)
     # -- Optimization ----------------------------------------------------------
     lr: float | None = opt(
         None, "Peak AdamW learning rate. Unset: 1e-6, or 10x that (1e-5) with --lora-rank > 0 "
@@ -349,6 +377,7 @@ class TrainConfig:
             _check_file("--dataset-loader-fn", self.dataset_loader_fn.split(":", 1)[0], suffix=".py")
         if self.resume is None:  # resuming: on the config in effect, by resume.resume_config
             check_off_policy(self)
+        _check_correction_options(self)
         if self.tis_cap is not None and not self.recompute_logprobs:
             raise UserError("--tis-cap needs --recompute-logprobs (it weights the trainer/sampler "
                             "log-prob ratio)")
@@ -369,6 +398,31 @@ class TrainConfig:
         if self.n_samples < 2:  # every mode's baseline is the group's own reward
             raise UserError(f"--n-samples must be >= 2 for --adv-mode {self.adv_mode} (a group "
                             "of one has no baseline: every advantage would be 0)")
+
+def _check_correction_options(cfg: TrainConfig) -> None:
+    """--is-level, --is-mode, --is-mask-low, --dynamic-sampling and --overlong-buffer
+    against what they need."""
+    shaped = [f for f, on in ((f"--is-level {cfg.is_level}", cfg.is_level != "token"),
+                              (f"--is-mode {cfg.is_mode}", cfg.is_mode != "truncate"),
+                              (f"--is-mask-low {cfg.is_mask_low:g}", cfg.is_mask_low > 0)) if on]
+    if shaped and cfg.tis_cap is None:
+        raise UserError(f"{shaped[0]} needs --tis-cap (the importance weight it shapes; it also "
+                        "needs --recompute-logprobs)")
+    if cfg.is_mask_low > 0 and cfg.is_mode != "mask":
+        raise UserError(f"--is-mask-low {cfg.is_mask_low:g} is the lower edge of --is-mode mask's "
+                        f"band; with --is-mode {cfg.is_mode} nothing is masked: add --is-mode mask")
+    if cfg.tis_cap is not None and cfg.is_mask_low >= cfg.tis_cap:
+        raise UserError(f"--is-mask-low {cfg.is_mask_low:g} must be below --tis-cap "
+                        f"{cfg.tis_cap:g} (the band would keep no token)")
+    if cfg.dynamic_sampling != "off" and cfg.off_policy_steps:
+        raise UserError(f"--dynamic-sampling {cfg.dynamic_sampling} with --off-policy-steps "
+                        f"{cfg.off_policy_steps}: refill rounds run only with K = 0 so far (with "
+                        "K >= 1 they would have to join the loop's admission); use "
+                        "--off-policy-steps 0")
+    if cfg.overlong_buffer > cfg.max_new_tokens:
+        raise UserError(f"--overlong-buffer {cfg.overlong_buffer} exceeds --max-new-tokens "
+                        f"{cfg.max_new_tokens}: every completion would be punished; lower it")
+
 
 def _check_reward_timeout(given: dict[str, Any]) -> None:
     """--reward-timeout with --reward-workers 0, both given: in-process scoring

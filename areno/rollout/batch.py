@@ -116,6 +116,25 @@ class RolloutBatch:
     def prompt_tokens(self, p: int) -> np.ndarray:
         return self.prompt_ids[self.prompt_offsets[p] : self.prompt_offsets[p + 1]]
 
+    def take_groups(self, groups: np.ndarray) -> tuple["RolloutBatch", np.ndarray]:
+        """Groups `groups` (distinct prompt indices) as a batch of their own, new prompt
+        p = old prompt groups[p], responses in group then original order. Returns
+        (batch, resp_idx) with resp_idx [N'] the old index of each new response.
+        One gather per array (csr_take)."""
+        groups = np.asarray(groups, dtype=np.int64)
+        rank = np.full(self.num_prompts, -1, dtype=np.int64)
+        rank[groups] = np.arange(groups.size)
+        new_group = rank[self.group_index]
+        resp = np.flatnonzero(new_group >= 0)
+        resp = resp[np.argsort(new_group[resp], kind="stable")]
+        prompt_ids, prompt_offsets = csr_take(self.prompt_ids, self.prompt_offsets, groups)
+        response_ids, response_offsets = csr_take(self.response_ids, self.response_offsets, resp)
+        logprobs, _ = csr_take(self.response_logprobs, self.response_offsets, resp)
+        return RolloutBatch(prompt_ids=prompt_ids, prompt_offsets=prompt_offsets,
+                            response_ids=response_ids, response_offsets=response_offsets,
+                            response_logprobs=logprobs, group_index=new_group[resp],
+                            finish_reason=self.finish_reason[resp]), resp
+
     # -- construction ------------------------------------------------------
     @staticmethod
     def merge_parts(parts: list["RolloutBatch"], positions: list[np.ndarray],
