@@ -13,12 +13,72 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from leftover_check import nothing_left_behind  # noqa: F401  (autouse, every module)
+from serial_lock import one_at_a_time  # noqa: F401  (autouse, every test)
+
+# Slow tiers: left out of the default run (the README's test command), run by
+# `--full` (.ci/run) or when named with -m. Registered in pyproject.toml.
+TIERS = ("realmodel", "learning", "faults", "timing")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true",
+                     help=f"also run the slow tiers ({', '.join(TIERS)}); .ci/run does")
+
+
+LONG_TIERS_TIMEOUT_S = 900  # the learning and real-model runs: minutes on 2 busy cores
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for it in items:
+        if it.get_closest_marker("timing"):  # a busy neighbour would disturb the clock
+            it.add_marker(pytest.mark.alone)
+        if any(it.get_closest_marker(t) for t in ("learning", "realmodel")) and not it.get_closest_marker("timeout"):
+            it.add_marker(pytest.mark.timeout(LONG_TIERS_TIMEOUT_S))
+    if config.getoption("--full") or config.getoption("-m"):
+        return
+    keep = [it for it in items if not any(it.get_closest_marker(t) for t in TIERS)]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[it for it in items if it not in keep])
+        items[:] = keep
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under CI, a vLLM that does not import fails the run at once: otherwise the
+    vLLM tests skip and the CLI's default engine falls back to transformers, and
+    a broken install would give a green suite."""
+    if os.environ.get("CI") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        import importlib
+
+        try:
+            importlib.import_module("vllm")
+        except Exception as e:  # noqa: BLE001 - any failure to import is the finding
+            pytest.exit(f"CI: vllm does not import ({type(e).__name__}: {e}); "
+                        "the vLLM tests would skip and the CLI would fall back to transformers",
+                        returncode=3)
+
 
 @pytest.fixture(scope="session")
 def areno_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Cache dir for tiny models: $ARENO_CACHE or a per-session temp dir."""
+    """Cache dir for built models: $ARENO_CACHE, else one dir that every xdist
+    worker of this session shares (beside the workers' own temp roots)."""
     env = os.environ.get("ARENO_CACHE")
-    return Path(env) if env else tmp_path_factory.mktemp("areno_cache")
+    if env:
+        return Path(env)
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-N/, shared by popen-gw0, popen-gw1, ...
+    (root / "areno_cache").mkdir(exist_ok=True)
+    return root / "areno_cache"
+
+
+def built_once(cache: Path, name: str, build: Callable[[], Path]) -> Path:
+    """build() under a lock per cached model, so xdist workers build it once
+    (the build itself is already atomic: fileperms.build_once)."""
+    from filelock import FileLock
+
+    with FileLock(str(cache / f".{name}.lock")):
+        return build()
 
 
 @pytest.fixture(scope="session")
@@ -26,7 +86,7 @@ def tiny_chat_path(areno_cache: Path) -> Path:
     """HF dir of the tiny "chat" model (~420-token BPE, chat template, fp32)."""
     from areno.models.tiny import tiny_model_path
 
-    return tiny_model_path("chat", cache_dir=areno_cache)
+    return built_once(areno_cache, "chat", lambda: tiny_model_path("chat", cache_dir=areno_cache))
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +94,7 @@ def tiny_arith_path(areno_cache: Path) -> Path:
     """HF dir of the tiny "arith" model (17-token vocabulary, for the demo)."""
     from areno.models.tiny import tiny_model_path
 
-    return tiny_model_path("arith", cache_dir=areno_cache)
+    return built_once(areno_cache, "arith", lambda: tiny_model_path("arith", cache_dir=areno_cache))
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +108,8 @@ def tiny_scaled_path(areno_cache: Path, tiny_chat_path: Path) -> Path:
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(tiny_chat_path).vocab_size
-    return scaled_logits_model(tiny_chat_path, areno_cache / f"{tiny_chat_path.name}-logits25", probe_ids(vocab))
+    out = areno_cache / f"{tiny_chat_path.name}-logits25"
+    return built_once(areno_cache, out.name, lambda: scaled_logits_model(tiny_chat_path, out, probe_ids(vocab)))
 
 
 @pytest.fixture(scope="session")
@@ -149,7 +210,7 @@ def smol_path(areno_cache: Path) -> Path:
     from realmodel import RealModelUnavailable, smol_model_path
 
     try:
-        return smol_model_path(areno_cache)
+        return built_once(areno_cache, "smol", lambda: smol_model_path(areno_cache))
     except RealModelUnavailable as e:
         pytest.fail(f"the real-model fixture smol_path could not be built: {e}", pytrace=False)
 

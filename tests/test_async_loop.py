@@ -78,7 +78,6 @@ def k1_run(out, areno_cache, *extra: str, steps: int = 6) -> dict[int, dict]:
     return train_steps(out)
 
 
-@pytest.mark.slow
 def test_k1_lags_one_version_and_resumes_exactly_from_a_checkpoint_with_a_rollout_in_flight(
         tmp_path, areno_cache):
     full = k1_run(tmp_path / "full", areno_cache, "--save-interval", "3", "--keep-last", "0")
@@ -93,7 +92,6 @@ def test_k1_lags_one_version_and_resumes_exactly_from_a_checkpoint_with_a_rollou
     assert {s: full[s]["data/prompt_hash"] for s in full} == expected_prompt_hashes(range(1, 7), 4)
 
 
-@pytest.mark.slow
 def test_the_synchronous_loops_resume_test_passes_with_k1(tmp_path, areno_cache, eval_flags):
     """test_resume's pair (vLLM rollouts, 2 gloo ranks, eval at 0, 2 and 4 with its
     own seeds, checkpoints at 2 and 4) with one engine process and K = 1: each eval
@@ -105,7 +103,7 @@ def test_the_synchronous_loops_resume_test_passes_with_k1(tmp_path, areno_cache,
     assert_resume_repeats(full, tmp_path / "resumed", flags, areno_cache)
 
 
-@pytest.mark.slow
+@pytest.mark.timing
 def test_k1_ctrl_c_saves_within_seconds_and_the_dropped_rollouts_prompts_come_back(tmp_path, areno_cache):
     out = tmp_path / "run"
     proc = popen_train([*HF1, *K1, "--max-steps", "5000", "--output-dir", str(out)], areno_cache)
@@ -126,7 +124,7 @@ def test_k1_ctrl_c_saves_within_seconds_and_the_dropped_rollouts_prompts_come_ba
     assert resumed[stopped + 1]["rollout/policy_lag_max"] == 0  # regenerated from the saved weights
 
 
-@pytest.mark.slow
+@pytest.mark.learning
 def test_the_demo_learns_with_k1_and_an_engine_process(tmp_path, areno_cache):
     """Seeded (0): the embedded demo with its engine in a process of its own, one
     rollout ahead, held to the synchronous demo's bar (test_demo_learns: the mean
@@ -161,7 +159,7 @@ def test_an_abandoned_rollout_leaves_the_ranks_usable_and_its_engine_takes_no_mo
     assert time.monotonic() - t0 < 3.0  # close() killed the busy engine instead of waiting 60 s
 
 
-@pytest.mark.slow
+@pytest.mark.timing
 def test_k1_ctrl_c_while_waiting_for_a_minute_long_rollout_saves_within_seconds(tmp_path, areno_cache):
     """The third rollout takes a minute (slow_rollout_hooks.py): step 3 waits for it
     when the Ctrl-C comes. The ranks save step 2 at once; the busy engine process

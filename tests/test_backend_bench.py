@@ -12,7 +12,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
 def test_bench_handoff_runs_and_reports_both_transports(tmp_path: Path) -> None:
     out = tmp_path / "handoff.json"
     proc = subprocess.run(

@@ -18,7 +18,7 @@ from test_backend_procs import assert_clean, config
 from test_backend_units import make_split
 from helpers import rank_debug
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.faults
 
 
 def test_rank_exception_raises_backend_error_fast_and_cleans_up(tiny_chat_path) -> None:

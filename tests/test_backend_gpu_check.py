@@ -15,7 +15,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
 def test_gpu_check_cpu_smoke_passes(tmp_path: Path) -> None:
     env = dict(os.environ, OUT=str(tmp_path), ARENO_CACHE=str(tmp_path / "cache"))
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu-smoke"],

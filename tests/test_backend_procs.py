@@ -19,7 +19,6 @@ from areno.backend.handoff import list_segments
 from areno.backend.weight_sync import region_tensors
 from test_backend_units import make_split
 
-pytestmark = pytest.mark.slow
 LR = 1e-3
 
 

@@ -175,7 +175,6 @@ def test_bench_train_smoke_reports_both_trainers(tmp_path: Path):
 VS_TRL = REPO / "scripts" / "bench_demo_vs_trl.py"
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is not None,
                     reason="trl is installed: this covers the run without it")
 def test_demo_vs_trl_without_trl_runs_areno_alone(tmp_path: Path):

@@ -12,12 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.learning
+
 REPO = Path(__file__).resolve().parents[1]
 WINDOW = 20
 MASTERED = 0.9  # mean reward of the last 20 steps (issue 12: seeds 0, 1 and 2)
 
 
-@pytest.mark.slow
 def test_embedded_demo_masters_its_task(tmp_path):
     run_dir = tmp_path / "demo"
     res = subprocess.run(

@@ -87,7 +87,6 @@ def eval_records(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(run_dir) if "eval/pass@1" in r}
 
 
-@pytest.mark.slow
 def test_eval_runs_at_step_0_every_interval_and_at_the_end(eval_run):
     out, _, _ = eval_run
     evals = eval_records(out)
@@ -104,7 +103,6 @@ def test_eval_runs_at_step_0_every_interval_and_at_the_end(eval_run):
     assert sorted(train_steps(out)) == [1, 2, 3]
 
 
-@pytest.mark.slow
 def test_eval_only_scores_a_checkpoint_as_the_run_did(eval_run, tmp_path, areno_cache):
     out, data, plugin = eval_run
     ckpt = out / "checkpoints" / "step_000003"
@@ -121,7 +119,6 @@ def test_eval_only_scores_a_checkpoint_as_the_run_did(eval_run, tmp_path, areno_
         assert records[0][key] == final[key], key
 
 
-@pytest.mark.slow
 def test_plot_has_one_point_per_step_in_a_png_of_the_documented_size(eval_run, tmp_path):
     import matplotlib.image as mpimg
 

@@ -41,7 +41,7 @@ from test_resume import (
     wait_group_gone,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.faults
 
 
 def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120, every: float = 0.02):

@@ -16,7 +16,7 @@ import pytest
 
 from faults import B, Run, assert_clean, run_train, write_arith_data, write_plugin
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.faults
 
 FIRST_DIGIT = """
 def reward_fn(record):

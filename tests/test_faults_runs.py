@@ -26,7 +26,7 @@ from areno.rundir.lock import LOCK_FILE
 from faults import (B, FaultRun, Run, assert_clean, assert_no_leftovers, run_train, write_arith_data,
                     write_plugin)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.faults
 
 PLUGIN = "def reward_fn(record):\n    return float(record.completion.strip()[:1] == record.answer)\n"
 

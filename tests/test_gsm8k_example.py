@@ -87,6 +87,7 @@ def test_math_verify_reward_scores_right_and_wrong_answers(gsm8k_file, workers):
     assert r.counts.failures == 0
 
 
+@pytest.mark.alone
 def test_signal_timeouts_like_math_verify_work_inside_reward_workers(tmp_path):
     # math-verify bounds parse/verify with SIGALRM, which only works in a main
     # thread: reward workers run the plugin in theirs, so its own limit fires

@@ -51,6 +51,7 @@ def train(args: list[str], env: dict[str, str], tmp_path: Path) -> tuple[subproc
     return out, time.monotonic() - t0
 
 
+@pytest.mark.alone
 def test_unreachable_model_id_is_one_fast_line(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
@@ -64,6 +65,7 @@ def test_unreachable_model_id_is_one_fast_line(tmp_path):
     assert took < 30, took
 
 
+@pytest.mark.alone
 def test_unreachable_dataset_id_is_one_fast_line(tmp_path, tiny_arith_path):
     out, took = train(["--ckpt", str(tiny_arith_path), "--dataset-path", "gsm8k:main"],
                       offline_env(tmp_path), tmp_path)

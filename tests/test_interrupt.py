@@ -42,7 +42,7 @@ def resume_line(stderr: str) -> str:
     return lines[0]
 
 
-@pytest.mark.slow
+@pytest.mark.timing
 def test_sigint_then_sigterm_save_the_last_finished_step_and_print_a_working_resume_command(
         tmp_path, areno_cache):
     out = tmp_path / "run"
@@ -153,7 +153,7 @@ def test_an_interrupt_during_start_up_says_what_was_written(where, tmp_path, mon
         assert (tmp_path / "run" / "config.yaml").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.timing
 def test_sigint_while_the_ranks_start_names_the_run_dir_and_exits_130(tmp_path, areno_cache):
     out = tmp_path / "run"
     proc = popen_train([*HF1, "--max-steps", "5000", "--output-dir", str(out)], areno_cache)

@@ -201,7 +201,6 @@ print("TOKENS " + json.dumps(list(out[0].outputs[0].token_ids)), flush=True)
 
 
 # -- real rank processes: FSDP2 (2 ranks, gloo) and DDP --------------------------------
-@pytest.mark.slow
 def test_fsdp2_and_ddp_make_the_single_rank_lora_update(tiny_chat_path, tmp_path) -> None:
     from areno.backend import TorchBackend
 
@@ -289,7 +288,6 @@ def lora_run(tmp_path_factory, areno_cache) -> tuple:
     return out, res, evalf
 
 
-@pytest.mark.slow
 def test_lora_run_logs_its_parameters_and_saves_adapters(lora_run, tiny_arith_path) -> None:
     import yaml
 
@@ -309,7 +307,6 @@ def test_lora_run_logs_its_parameters_and_saves_adapters(lora_run, tiny_arith_pa
         str(tiny_arith_path)
 
 
-@pytest.mark.slow
 def test_lora_resume_repeats_the_uninterrupted_steps(lora_run, tmp_path, areno_cache) -> None:
     from safetensors.numpy import load_file
     from test_resume import assert_same_steps, cli, ok, train_steps
@@ -329,7 +326,6 @@ def test_lora_resume_repeats_the_uninterrupted_steps(lora_run, tmp_path, areno_c
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
-@pytest.mark.slow
 def test_changing_the_lora_rank_on_resume_is_one_line(lora_run, tmp_path, areno_cache) -> None:
     from test_resume import cli
 
@@ -343,7 +339,6 @@ def test_changing_the_lora_rank_on_resume_is_one_line(lora_run, tmp_path, areno_
     assert len(lines) == 1 and "--lora-rank 8 -> 16" in lines[0] and "cannot change" in lines[0], res.stderr
 
 
-@pytest.mark.slow
 def test_eval_of_the_adapter_equals_eval_of_its_merged_model(lora_run, tmp_path, areno_cache) -> None:
     from test_resume import cli, ok, read_metrics
 
@@ -364,7 +359,7 @@ def test_eval_of_the_adapter_equals_eval_of_its_merged_model(lora_run, tmp_path,
 LEARN_STEPS, LEARN_WINDOW, LEARN_MARGIN = 150, 30, 0.03
 
 
-@pytest.mark.slow
+@pytest.mark.learning
 def test_lora_demo_learns(tmp_path) -> None:
     """`areno train --lora-rank 8` (the demo, its LR 10x: 3e-3) raises the reward.
     Measured (CPU fp32, deterministic per seed): the mean reward of the first 30 of

@@ -105,7 +105,6 @@ def vllm_engine(tiny_arith_path):
     engine.shutdown()
 
 
-@pytest.mark.slow
 def test_overlap_equals_plain_vllm(vllm_engine, tiny_arith_path, tmp_path):
     from transformers import AutoTokenizer
 

@@ -14,6 +14,8 @@ from test_train_e2e import GPU_ONLY_KEYS, areno_train, documented_metric_keys, r
 
 from realmodel import VOCAB_SIZE
 
+pytestmark = pytest.mark.realmodel
+
 # The GGUF's own context length and default system prompt (its chat template).
 CONTEXT_LEN = 8192
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -99,7 +101,6 @@ def _write_task(tmp_path: Path) -> tuple[Path, Path]:
     return data, reward
 
 
-@pytest.mark.slow
 # Each engine trains once, bf16 (GPU's default) with transformers' engine: a bf16
 # step costs 70-90 s on CI's CPUs (no native bf16 GEMMs). vLLM's bf16 sync of
 # this model is test_engines.py::test_a_correct_bf16_sync_of_the_real_model_passes.

@@ -143,7 +143,6 @@ def uninterrupted(tmp_path_factory, areno_cache, eval_flags) -> Path:
     return out
 
 
-@pytest.mark.slow
 def test_resumed_run_repeats_the_uninterrupted_runs_steps(uninterrupted, tmp_path, areno_cache,
                                                           eval_flags):
     assert_resume_repeats(uninterrupted, tmp_path / "resumed", [*FLAGS, *eval_flags], areno_cache)
@@ -175,7 +174,6 @@ def assert_resume_repeats(uninterrupted: Path, out: Path, flags: list[str], cach
         np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
-@pytest.mark.slow
 def test_checkpoint_is_a_plain_hf_directory_with_the_trainer_state(uninterrupted, tiny_arith_path):
     """transformers loads it as it is (vLLM does too: the resumed run above starts
     its engine from the checkpoint directory)."""

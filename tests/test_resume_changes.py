@@ -43,7 +43,7 @@ def test_resume_keeps_the_saved_options_and_applies_only_those_that_may_change(t
         resume_config(TrainConfig.from_sources(None, bad), set(bad))
 
 
-@pytest.mark.slow
+@pytest.mark.alone
 def test_restart_before_a_checkpoint_then_a_longer_max_steps_gets_the_longer_runs_lr(
         tmp_path, areno_cache):
     out = tmp_path / "run"

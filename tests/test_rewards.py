@@ -167,6 +167,7 @@ def test_good_rewards_in_order_and_numbers_of_any_real_type(scorers):
 
 
 @pytest.mark.parametrize("bad", sorted(BAD))
+@pytest.mark.alone
 def test_fail_policy_raises_one_line_naming_the_sample_and_keeps_working(scorers, bad):
     s = scorers("fail")
     s.score(recs(["ok:1"] * 4))  # warm: workers up
@@ -187,6 +188,7 @@ MIXED = ["ok:1", "raise", "nan", "inf", "exit", "ok:2", "sysexit", "str", "hang"
 EXPECTED = RewardCounts(errors=3, timeouts=1, nan=2, worker_crashes=2)
 
 
+@pytest.mark.alone
 def test_zero_policy_zeroes_and_counts_every_failure_kind(scorers):
     t0 = time.monotonic()
     r = scorers("zero").score(recs(MIXED, start=100))
@@ -207,6 +209,7 @@ def test_skip_policy_marks_failures_invalid_with_nan_rewards(scorers):
     assert r.counts.failures == 8
 
 
+@pytest.mark.alone
 def test_hung_sample_is_killed_within_timeout_and_its_chunk_continues(scorers):
     s = scorers("skip")
     s.score(recs(["ok:0"] * 2))
@@ -260,6 +263,7 @@ def test_async_reward_fn_in_workers_and_in_process(tmp_path):
             assert s.score(recs(["a", "bbb"])).rewards.tolist() == [1.0, 3.0]
 
 
+@pytest.mark.alone
 def test_batch_plugin_gets_chunks_and_timeout_scales_with_chunk_size(tmp_path):
     path = write(tmp_path, "batch.py", """
         import time

@@ -54,7 +54,6 @@ def test_third_party_output_goes_to_run_log_unless_verbose(tmp_path, verbose):
         assert (text in log) != verbose, (text, log)
 
 
-@pytest.mark.slow
 def test_default_startup_shows_areno_lines_only(tmp_path, areno_cache):
     """The default engine (vLLM; the demo's is transformers) and its notices,
     warnings and progress bars."""

@@ -43,11 +43,16 @@ def test_engine_processes_sample_and_load_each_trained_version_checked(tiny_chat
         before = engines.generate(*PROMPTS, 2, sampling)
         # Same weights, same seeds, same engine code: the same samples as colocated.
         np.testing.assert_array_equal(before.response_ids, colocated.response_ids)
+        syncs = []
         for _ in range(2):
             be.train(make_split(1))
-            t = engines.sync_weights()
-            assert t["sync_load_s"] > 0
-        assert "probe_diff" in t or be.publishes == 2
+            syncs.append(engines.sync_weights())
+        assert be.publishes == 2 and all(t["sync_load_s"] > 0 for t in syncs)
+        # Every load compares the sender's fingerprint (load_region raises on a
+        # mismatch); the first also runs the probe, the second skips it (probe_due).
+        assert be.engine_procs_fingerprinted
+        assert syncs[0]["probe_diff"] <= syncs[0]["probe_tolerance"]
+        assert "probe_diff" not in syncs[1]
         after = engines.generate(*PROMPTS, 2, sampling)
         assert not np.array_equal(after.response_logprobs, before.response_logprobs)  # new weights serve
         rank_debug(be, "noop")  # the ranks still answer after the engine commands
@@ -67,6 +72,7 @@ def test_a_corrupted_region_fails_the_engine_process_check(tiny_chat_path):
             stream.gather(60)
 
 
+@pytest.mark.timing
 def test_a_dead_engine_process_stops_the_backend_within_seconds(tiny_chat_path):
     from areno.backend.controller import TorchBackend
 
@@ -79,6 +85,7 @@ def test_a_dead_engine_process_stops_the_backend_within_seconds(tiny_chat_path):
         assert be.dead is not None and "engine process 0" in str(be.dead) and "died" in str(be.dead)
 
 
+@pytest.mark.learning
 def test_demo_with_an_engine_process_follows_the_colocated_learning_curve(tmp_path, areno_cache):
     """Seeded, K = 0: the same run with its engine in a process of its own (weights
     through the shared-memory transport) gives the colocated run's metrics step

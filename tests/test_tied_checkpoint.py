@@ -62,7 +62,6 @@ def test_a_tied_models_checkpoint_stores_the_embedding_once_and_loads_tied(tied_
         torch.testing.assert_close(back(input_ids=ids).logits, hf(input_ids=ids).logits)
 
 
-@pytest.mark.slow
 def test_vllm_loads_a_tied_checkpoint_as_transformers_does(tied_src, tmp_path, ref_logprobs):
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 README_KEYS_SECTION = "Metrics per step"
@@ -55,7 +56,6 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["vllm", "hf"])
 def test_gsm8k_two_steps(engine, tmp_path, tiny_chat_path):
     data = tmp_path / "gsm8k.jsonl"
@@ -91,11 +91,17 @@ def test_gsm8k_two_steps(engine, tmp_path, tiny_chat_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(ckpt)
-    AutoTokenizer.from_pretrained(ckpt)
-    assert model.lm_head.weight.shape[0] > 0
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    src = AutoModelForCausalLM.from_pretrained(tiny_chat_path)
+    got, want = model.state_dict(), src.state_dict()
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
+    assert len(tok) <= model.config.vocab_size == src.config.vocab_size
+    # The checkpoint holds the trained weights: changed exactly when a step's
+    # gradient was not zero (AdamW without weight decay moves nothing otherwise).
+    updated = any(m["train/grad_norm"] > 0 for m in metrics)
+    assert any(not torch.equal(v, want[k]) for k, v in got.items()) == updated
 
 
-@pytest.mark.slow
 def test_bad_dataset_row_is_one_line_exit_2(tmp_path, tiny_chat_path):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"prompt": "ok", "answer": "1"}\n{"prompt": 5, "answer": "2"}\n')
@@ -109,7 +115,6 @@ def test_bad_dataset_row_is_one_line_exit_2(tmp_path, tiny_chat_path):
     assert len(err) == 1 and "row 1" in err[0] and "prompt" in err[0]
 
 
-@pytest.mark.slow
 def test_reward_plugin_that_raises_stops_with_sample_index(tmp_path, tiny_chat_path):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
