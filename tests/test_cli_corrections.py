@@ -60,7 +60,6 @@ def test_given_options_reach_the_loss(files):
     assert (loss.tis_cap, loss.is_level, loss.is_mode, loss.is_mask_low) == (3.0, "geometric", "mask", 0.25)
 
 
-@pytest.mark.slow
 def test_the_overlong_punishment_reaches_the_advantages_of_a_run(tmp_path, areno_cache):
     """The demo at --max-new-tokens 8 with --overlong-buffer 1 --overlong-penalty 0.5:
     a completion cut at 8 tokens loses 0.5, a shorter one nothing (a stop at exactly

@@ -120,7 +120,6 @@ def run_demo(tmp_path, cache, name, *extra):
     return out
 
 
-@pytest.mark.slow
 def test_demo_fills_every_step_with_informative_groups_and_counts_the_bound(tmp_path, areno_cache):
     off = train_steps(run_demo(tmp_path, areno_cache, "off", "--no-save"))
     on = train_steps(run_demo(tmp_path, areno_cache, "on", "--no-save", "--dynamic-sampling", "reward",
@@ -143,7 +142,6 @@ def test_demo_fills_every_step_with_informative_groups_and_counts_the_bound(tmp_
     assert tight[1]["sampling/groups_kept"] == 4 - off[1]["batch/zero_var_groups"]
 
 
-@pytest.mark.slow
 def test_resume_with_dynamic_sampling_repeats_the_uninterrupted_run(tmp_path, areno_cache):
     flags = ["--dynamic-sampling", "reward", "--max-sampling-rounds", "8", "--save-interval", "2",
              "--keep-last", "0"]
@@ -156,7 +154,6 @@ def test_resume_with_dynamic_sampling_repeats_the_uninterrupted_run(tmp_path, ar
     assert_same_steps(full, resumed, [3, 4])
 
 
-@pytest.mark.slow
 def test_split_placement_at_k0_refills_as_the_colocated_run_does(tmp_path, areno_cache):
     """An engine process of its own (K = 0): refill rounds go to it (asyncloop's
     extra_round) and the run equals the colocated one step for step, sampling
