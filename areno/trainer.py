@@ -20,8 +20,8 @@ from areno.rundir.completions import completion_records
 from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config.train import TrainConfig
 from areno.data.prompts import select
-from areno.runtime.interrupt import (defer_interrupts, interrupted, interrupted_at_startup, interrupts_raise,
-                             made_run_dir, raise_held, release_interrupts)
+from areno.runtime.interrupt import interrupted, interrupted_at_startup, made_run_dir
+from areno.runtime.signals import defer_interrupts, interrupts_raise, raise_held, release_interrupts
 from areno.metrics import train_metrics
 from areno.split import build_split_pack
 from areno.rewards import RewardResult, reward_records
