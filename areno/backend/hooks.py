@@ -6,7 +6,7 @@ A normal run uses the base class, whose methods do nothing. Set
 builds its hooks once at startup by calling `attr()` from `module` (a
 RankHooks subclass); spawned ranks inherit the controller's environment and
 sys.path, so a module beside the benchmark script imports there.
-scripts/longcot_ranks.py is the user: it times the ranks' arrival at the first
+areno/bench/longcot/ranks.py is the user: it times the ranks' arrival at the first
 collective, counts device-to-host readbacks, and bounds the compute of a
 1M-token step on CPU ranks, without patching areno.
 
@@ -31,7 +31,7 @@ Once per engine process, at startup (EngineWorker.__init__, before any command):
   make_engine(cfg, device) -> (engine, kind) or None
                            None (the base): the engine rollout.factory.make_engine
                            builds from cfg.engine; a benchmark may return its own
-                           RolloutEngine instead (scripts/longcot_ranks.py: the
+                           RolloutEngine instead (areno/bench/longcot/ranks.py: the
                            long-CoT bench's synthetic engine, so its modelled
                            generation runs inside the engine process at K = 1)
 """
