@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from areno.advantages import zero_variance_groups
-from areno.pack import PACKED_TOKEN_FIELDS, TrainPack, _runs_index
+from areno.pack import PACKED_TOKEN_FIELDS, TrainPack, runs_index
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths
 from areno.split import LossAgg, SplitPack, aggregation_weights, plan_split
 
@@ -143,7 +143,7 @@ def gather_seqs(pack: TrainPack, seq_order: np.ndarray) -> TrainPack:
     cu = pack.cu_seqlens.numpy().astype(np.int64)
     new_len = pack.seq_lengths[seq_order]
     new_cu = offsets_from_lengths(new_len)
-    idx = torch.from_numpy(_runs_index(cu[:-1][seq_order], new_len, int(new_cu[-1])))
+    idx = torch.from_numpy(runs_index(cu[:-1][seq_order], new_len, int(new_cu[-1])))
     fields = {f: getattr(pack, f)[idx] for f in PACKED_TOKEN_FIELDS if f != "seq_index"}
     order_t = torch.from_numpy(seq_order)
     return TrainPack(

@@ -67,7 +67,7 @@ def test_chunked_logprobs_equal_full_log_softmax_values_and_grads(chunk: int) ->
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
 
 
-def _policy(tiny_chat_path, impl: str) -> PolicyModule:
+def policy_module(tiny_chat_path, impl: str) -> PolicyModule:
     from transformers import AutoModelForCausalLM
 
     register()
@@ -102,14 +102,14 @@ def test_packed_and_padded_logprobs_agree(tiny_chat_path, impl: str) -> None:
     """Every packed kernel that runs on CPU keeps attention inside each sequence:
     packed == padded == each sequence alone (flex: forward only, as on CPU
     torch has no flex backward)."""
-    (lp, ent), (lp_pad, ent_pad), alone = _packed_padded_alone(_policy(tiny_chat_path, impl))
+    (lp, ent), (lp_pad, ent_pad), alone = _packed_padded_alone(policy_module(tiny_chat_path, impl))
     torch.testing.assert_close(lp, lp_pad, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(ent, ent_pad, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(lp, alone, atol=2e-5, rtol=1e-5)
 
 
 def test_packed_without_cu_seqlens_derives_them(tiny_chat_path) -> None:
-    (lp, _), (lp_pad, _), _ = _packed_padded_alone(_policy(tiny_chat_path, "sdpa"), pass_cu=False)
+    (lp, _), (lp_pad, _), _ = _packed_padded_alone(policy_module(tiny_chat_path, "sdpa"), pass_cu=False)
     torch.testing.assert_close(lp, lp_pad, atol=2e-5, rtol=1e-5)
 
 
@@ -337,7 +337,7 @@ def test_packed_forward_builds_no_mask(tiny_chat_path, monkeypatch) -> None:
         return sdpa(q, k, v, attn_mask=attn_mask, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_mask_sdpa)
-    policy = _policy(tiny_chat_path, "sdpa")
+    policy = policy_module(tiny_chat_path, "sdpa")
     b = random_batch(seed=3, vocab=VOCAB, max_response=12)
     pack = build_train_pack(b, np.zeros(b.num_responses, np.float32))
     lp, _ = policy(pack.input_ids.long()[None], pack.position_ids.long()[None], pack.targets.long()[None],

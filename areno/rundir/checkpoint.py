@@ -144,14 +144,14 @@ def disk_full_note(root: Path, tmp: Path) -> str | None:
     except OSError:
         return None
     last = latest_checkpoint(root)
-    need = _du(last) if last else 0
-    if free >= LOW_SPACE and free + _du(tmp) >= need:
+    need = dir_bytes(last) if last else 0
+    if free >= LOW_SPACE and free + dir_bytes(tmp) >= need:
         return None
     return (f"no space left on the device of {root} ({free / 2**20:.1f} MiB free"
             + (f"; a checkpoint takes {need / 2**20:.1f} MiB" if need else "") + ")")
 
 
-def _du(path: Path) -> int:
+def dir_bytes(path: Path) -> int:
     total = 0
     for d, _, files in os.walk(path):
         for f in files:
