@@ -24,7 +24,7 @@ cmd_generate, and cmd_rollout after loading the weights it was sent):
   rollout_end(peer, tokens)
                            generation is done (`tokens` response tokens written);
                            the reply's generate_s includes the time spent here
-scripts/bench_async.py is the user: its hooks make each train command and each
+areno/bench/async_loop.py is the user: its hooks make each train command and each
 rollout take a fixed time (sleeping the remainder), stand-ins of given cost.
 
 Once per engine process, at startup (EngineWorker.__init__, before any command):
