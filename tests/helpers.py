@@ -3,10 +3,13 @@ reference transforms of RolloutBatch and TrainPack that only tests use."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 from areno.advantages import zero_variance_groups
+from areno.backend.handoff import SHM_DIR, SHM_PREFIX
 from areno.pack import PACKED_TOKEN_FIELDS, TrainPack, runs_index
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths
 from areno.split import LossAgg, SplitPack, aggregation_weights, plan_split
@@ -181,3 +184,17 @@ def rank_debug(be, actions: dict[int, str] | str, seconds: float = 0.0) -> None:
         action = actions if isinstance(actions, str) else actions.get(r, "noop")
         stream.send(r, "debug", action=action, seconds=seconds)
     stream.gather(be.config.command_timeout_s)
+
+
+def list_segments(pid: int | None = None) -> list[str]:
+    """Names of live areno backend segments (of one controller pid, or all)."""
+    prefix = SHM_PREFIX if pid is None else f"{SHM_PREFIX}{pid}-"
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+def loaded_lora_ids(engine) -> set[int]:
+    """The adapter ids a vLLM engine holds now (its list_loras)."""
+    return set(engine.adapters.llm.llm_engine.list_loras())

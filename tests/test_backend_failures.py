@@ -82,7 +82,7 @@ def test_ctrl_c_in_the_controller_stops_every_rank(tiny_chat_path) -> None:
 _ORPHAN_SCRIPT = r"""
 import os, signal
 from areno.backend import BackendConfig, TorchBackend
-from areno.backend.handoff import list_segments
+from helpers import list_segments
 from test_backend_units import make_split
 if __name__ == "__main__":
     be = TorchBackend(BackendConfig(model_path={model!r}, world_size=1))

@@ -15,8 +15,8 @@ import torch
 
 from areno.backend import BackendConfig, TorchBackend
 from areno.backend.config import rank_cpu_threads
-from areno.backend.handoff import list_segments
 from areno.backend.weight_sync import region_tensors
+from helpers import list_segments
 from test_backend_units import make_split
 
 pytestmark = pytest.mark.slow

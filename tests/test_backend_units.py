@@ -10,12 +10,12 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import random_batch
+from helpers import list_segments, random_batch
 
 from areno.backend.attention import hf_name, register
 from areno.backend.config import BackendConfig
 from areno.backend.controller import free_port
-from areno.backend.handoff import LocalPack, PackWriter, list_segments
+from areno.backend.handoff import LocalPack, PackWriter
 from areno.backend.model import (
     PolicyModule,
     chunked_logprobs,
