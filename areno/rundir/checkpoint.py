@@ -52,13 +52,10 @@ def checkpoint_root(cfg: Any, output_dir: Path) -> Path:
 def recorded_save_path(output_dir: Path) -> str | None:
     """The --save-path the run in `output_dir` recorded in its config.yaml (None: the
     default place, or no readable config.yaml)."""
-    import yaml
+    from areno.config.file import read_run_config
 
-    try:
-        saved = yaml.safe_load((output_dir / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        return None
-    value = saved.get("save_path") if isinstance(saved, dict) else None
+    saved = read_run_config(output_dir)
+    value = saved.get("save_path") if saved else None
     return value if isinstance(value, str) and value else None
 
 

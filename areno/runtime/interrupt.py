@@ -24,6 +24,7 @@ from typing import Any
 from areno.backend.errors import BackendError
 from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
 from areno.runtime.signals import last_signal
+from areno.config.file import RUN_CONFIG
 from areno.errors import UserError
 from areno.rundir.reporting import limit_note
 
@@ -72,12 +73,12 @@ def interrupted_at_startup(cfg: Any) -> None:
     its config.yaml, or nothing), that no checkpoint was, how to start again; exit 130."""
     name = last_signal()
     out = _startup["run_dir"]
-    if out is None and cfg.output_dir and (Path(cfg.output_dir) / "config.yaml").is_file():
+    if out is None and cfg.output_dir and (Path(cfg.output_dir) / RUN_CONFIG).is_file():
         out = Path(cfg.output_dir)  # the interrupt came as make_output_dir returned
     if out is None:
         wrote = "nothing was written yet"
     else:
-        files = ", ".join(f for f in ("config.yaml", "run.log") if (out / f).is_file())
+        files = ", ".join(f for f in (RUN_CONFIG, "run.log") if (out / f).is_file())
         ckpt = "" if cfg.resume else ", no checkpoint (no step ran)"
         wrote = f"run dir {out} has {files or 'nothing'}{ckpt}"
     if cfg.resume:
