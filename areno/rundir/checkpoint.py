@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -86,7 +86,26 @@ def latest_checkpoint(root: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def save_checkpoint(run: Any, step: int) -> Path:
+class CheckpointBackend(Protocol):
+    def save_pretrained(self, path: Path) -> Any: ...
+    def save_state(self, path: Path) -> Any: ...
+
+
+class Checkpointed(Protocol):
+    """What a checkpoint is written from (run.Run is one): the options (cfg:
+    save_path, keep_last, to_dict), the run directory, the ranks' backend, the
+    tokenizer, the data cursor (sampler.state_dict), the base model's path, and
+    the asynchronous loop's state (`ahead`, optional: None or absent at K = 0)."""
+
+    cfg: Any
+    output_dir: Path
+    backend: CheckpointBackend
+    tokenizer: Any
+    sampler: Any
+    model_path: str
+
+
+def save_checkpoint(run: Checkpointed, step: int) -> Path:
     """Write run's state at `step` atomically; prune to --keep-last. Returns the path.
     The asynchronous loop's rollout in flight is waited for and saved with it
     (asyncloop.py; an interrupt drops it first)."""

@@ -29,7 +29,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from areno.errors import SignalInterrupt
@@ -145,6 +145,20 @@ def release_interrupts(*, raise_pending: bool = True) -> None:
     _deferred.update(on=False, hit=False)
     if hit and raise_pending:
         raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def step_window() -> Iterator[Callable[[], None]]:
+    """One step's interrupt window, from its update to its end (log, save). Yields
+    `update_starts`, which the step calls as its update begins (defer_interrupts):
+    from then on the first signal only marks the step, and the block's end raises
+    it. Leaving the block by an exception ends the deferral without raising."""
+    try:
+        yield defer_interrupts
+    except BaseException:
+        release_interrupts(raise_pending=False)
+        raise
+    release_interrupts()  # an interrupt during the update or save lands here: the step is whole
 
 
 def stdout_closed() -> None:
