@@ -13,6 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# Every rank and engine process the suite starts, in-process or under `areno train`,
+# gets the suite's own commands ('debug', 'full_state': tests/rank_test_hooks.py)
+# through ARENO_RANK_HOOKS; this directory on PYTHONPATH lets a subprocess's ranks
+# import them. A test that names other hooks replaces these.
+_TESTS = str(Path(__file__).resolve().parent)
+os.environ.setdefault("ARENO_RANK_HOOKS", "rank_test_hooks:TestRankHooks")
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_TESTS, os.environ.get("PYTHONPATH")]))
+
 
 @pytest.fixture(scope="session")
 def areno_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -177,7 +177,7 @@ def split_pack(pack: TrainPack, world_size: int, max_tokens: int, *, num_minibat
 
 
 def rank_debug(be, actions: dict[int, str] | str, seconds: float = 0.0) -> None:
-    """Run a test action ('sleep', 'raise', 'barrier', 'noop': RankWorker.cmd_debug)
+    """Run a test action ('sleep', 'raise', 'barrier', 'noop': rank_test_hooks.cmd_debug)
     on every rank of a TorchBackend, or {rank: action} (others: 'noop')."""
     stream = be.open_stream("debug")
     for r in range(be.world_size):

@@ -13,6 +13,7 @@ import torch.nn.attention.varlen as tv
 import torch.nn.functional as F
 import varlen_signatures as vs
 from helpers import random_batch
+from rank_test_hooks import full_state
 from test_backend_units import VOCAB, policy_module, local_worker, make_split
 
 from areno.backend import attention, worker
@@ -120,7 +121,7 @@ def _one_step(path, monkeypatch, impl: str, strategy: str) -> tuple[dict, dict]:
             step = w.cmd_train(h)["steps"][0]
         finally:
             writer.close()
-        return step, w.cmd_full_state()
+        return step, full_state(w)
 
 
 @pytest.mark.parametrize("strategy", ["auto", "ddp"])

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import list_segments, random_batch
+from rank_test_hooks import full_state
 
 from areno.backend.attention import hf_name, register
 from areno.backend.config import BackendConfig
@@ -284,7 +285,7 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_chat_path, monkeypatc
                 worker.cmd_train(h)
             finally:
                 writer.close()
-            states.append(worker.cmd_full_state())
+            states.append(full_state(worker))
     for k in states[0]:
         torch.testing.assert_close(states[0][k], states[1][k], atol=1e-6, rtol=1e-5)
 
@@ -304,7 +305,7 @@ def test_bfloat16_publish_writes_the_engines_dtype_and_an_engine_loading_it_pass
         try:
             seg.ensure(layout.nbytes, headroom=0.0)
             out = worker.cmd_publish_weights(seg.name, layout, probe_ids(worker.vocab_size))
-            full = worker.cmd_full_state()
+            full = full_state(worker)
             for n, t in region_tensors(seg.buf, layout):
                 assert t.dtype == torch.bfloat16 and torch.equal(t, full[n].to(torch.bfloat16)), n
             engine = HFEngine(tiny_chat_path, dtype="bfloat16", device="cpu")

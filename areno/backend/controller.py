@@ -297,10 +297,6 @@ class TorchBackend:
         self.command("load_state", path=str(path))
         self.step = int(torch.load(path / "trainer.pt", weights_only=False)["step"])
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every exported tensor, gathered and pickled from rank 0 (tests/debugging only)."""
-        return self.command("full_state")[0]
-
     # -- plumbing --------------------------------------------------------------
     def _atomic_dir(self, path: str | os.PathLike, cmd: str) -> Path:
         final = Path(path).absolute()
