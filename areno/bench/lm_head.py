@@ -19,14 +19,12 @@ bf16 one against the fp32 one's direction: relative L2 error). Writes JSON to
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 
-from areno.bench.lib import table, time_interleaved, write_json
-
 from areno.backend.model import chunked_logprobs
+from areno.bench.lib import table, time_interleaved, write_json
 
 SHAPES = {  # tokens N, hidden H, vocab V, positions per lm_head chunk
     "smoke": dict(tokens=256, hidden=64, vocab=1024, chunk=128),
