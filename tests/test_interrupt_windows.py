@@ -85,6 +85,29 @@ def test_every_run_signal_waits_for_the_pipe_message_it_lands_in(sig):
     assert done == ["the rest of the message"], signal.Signals(sig).name
 
 
+def test_the_step_window_defers_from_its_update_to_its_end_and_an_error_ends_it():
+    """train_loop's one deferral block: a signal after update_starts() waits for the
+    block's end; an exception inside ends the deferral, so the next signal raises."""
+    from areno.runtime.signals import step_window
+
+    done = []
+    with interrupts_raise():
+        with pytest.raises(KeyboardInterrupt):
+            with step_window() as update_starts:
+                update_starts()
+                os.kill(os.getpid(), signal.SIGHUP)  # marked: the step goes on
+                done.append("logged and saved")
+        assert done == ["logged and saved"]
+        with pytest.raises(ValueError):
+            with step_window() as update_starts:
+                update_starts()
+                raise ValueError("a backend failure, say")
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # not deferred any more: raises at once
+            done.append("not reached")
+    assert done == ["logged and saved"]
+
+
 def test_an_interrupt_inside_a_periodic_save_waits_for_it(tmp_path, monkeypatch, capsys):
     """The stress script's finding: a Ctrl-C inside --save-interval's save aborted
     the save and the backend with it, so neither that save nor the interrupt's
