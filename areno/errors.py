@@ -29,7 +29,7 @@ class UserError(Exception):
 
 class SignalInterrupt(KeyboardInterrupt):
     """The KeyboardInterrupt areno's own signal handler raises (Ctrl-C, SIGTERM,
-    SIGHUP: areno/runtime/interrupt.py), told apart from one a user's code raises."""
+    SIGHUP: areno/runtime/signals.py), told apart from one a user's code raises."""
 
 
 def is_signal_interrupt(e: BaseException) -> bool:
@@ -42,7 +42,7 @@ def is_signal_interrupt(e: BaseException) -> bool:
         isinstance(e, KeyboardInterrupt) and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 
 
-def _one_line(exc: BaseException, limit: int = 300) -> str:
+def one_line(exc: BaseException, limit: int = 300) -> str:
     """`Type: message` on one line, cut to `limit` characters."""
     text = " ".join(str(exc).split())
     out = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
@@ -66,7 +66,7 @@ def import_user_file(path: str | os.PathLike, *, what: str) -> ModuleType:
     try:
         source = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"{what} {path}: cannot read it: {_one_line(e)}") from None
+        raise UserError(f"{what} {path}: cannot read it: {one_line(e)}") from None
     # Same path and same text -> same module (imported once per process).
     digest = hashlib.sha1(f"{p}\0{source}".encode()).hexdigest()[:12]
     name = f"_areno_user_{digest}_{p.stem}"
@@ -85,7 +85,7 @@ def import_user_file(path: str | os.PathLike, *, what: str) -> ModuleType:
         del sys.modules[name]
         if is_signal_interrupt(e):
             raise
-        raise UserError(f"{what} {path} failed to import: {_one_line(e)}{user_frame(e, p)}") from None
+        raise UserError(f"{what} {path} failed to import: {one_line(e)}{user_frame(e, p)}") from None
     return module
 
 

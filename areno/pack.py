@@ -137,7 +137,7 @@ class PaddedPack:
 
 
 # -- building ----------------------------------------------------------------
-def _runs_index(starts: np.ndarray, lengths: np.ndarray, total: int,
+def runs_index(starts: np.ndarray, lengths: np.ndarray, total: int,
                 out: np.ndarray | None = None) -> np.ndarray:
     """Concatenation of ranges [starts[k], starts[k]+lengths[k]) as one int64 array.
 
@@ -227,7 +227,7 @@ def _source_index(batch: RolloutBatch, order: np.ndarray, p_len: np.ndarray, r: 
     b = n_prompt_tok + batch.response_offsets[order]
     run_starts = np.stack([a, b], axis=1).reshape(-1)
     run_lens = np.stack([p_len, r - 1], axis=1).reshape(-1)
-    return src, _runs_index(run_starts, run_lens, L, out=_empty(ws, "idx", L, np.int64)), b
+    return src, runs_index(run_starts, run_lens, L, out=_empty(ws, "idx", L, np.int64)), b
 
 
 def _inputs_and_targets(src: np.ndarray, idx: np.ndarray, resp_start: np.ndarray, cu: np.ndarray,
@@ -269,7 +269,7 @@ def _mask_and_values(batch: RolloutBatch, order: np.ndarray, seq_adv: np.ndarray
         resp_lp = batch.response_logprobs  # every response packed, in order
     else:
         resp_lp = np.take(
-            batch.response_logprobs, _runs_index(batch.response_offsets[order], r, int(r.sum()))
+            batch.response_logprobs, runs_index(batch.response_offsets[order], r, int(r.sum()))
         )
     old_lp[loss_mask] = resp_lp
     return loss_mask, tok_adv, old_lp

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-import yaml
 
 from areno import evaluate as evaluation
 from areno.asyncloop import RolloutsAhead, load_inflight
@@ -31,7 +30,7 @@ from areno.errors import UserError
 from areno.data.hub import check_model_id
 from areno.runtime.interrupt import made_run_dir
 from areno.runtime.leftovers import clean_leftovers
-from areno.config.file import RECORDED_PARAMS
+from areno.config.file import write_run_config
 from areno.models.directory import MODEL_DIR_FIX, Weights, adapter_base, check_model_dir, is_adapter_dir
 from areno.models.info import check_model
 from areno.runtime.multinode import controller_port, start_local_ranks
@@ -134,8 +133,7 @@ def make_output_dir(cfg: TrainConfig, resume: Resume | None = None, out: Path | 
     resume.validate(cfg, out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        with open(out / "config.yaml", "w") as f:
-            yaml.safe_dump(cfg.to_dict() | ({RECORDED_PARAMS: params} if params else {}), f, sort_keys=False)
+        write_run_config(out, cfg.to_dict(), params)
     except OSError as e:
         raise UserError(f"--output-dir {out}: cannot write there ({e.strerror})") from None
     return out
@@ -270,22 +268,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
     nproc, world_size = ranks_for(cfg, device)
     check_placement(cfg, nproc, world_size, device)
     resume = Resume.find(cfg)  # a bad checkpoint is one line here (checkpoint.check_checkpoint)
-    base_model = resume.base_model if resume.ckpt else model_path_for(cfg)
-    model_path = str(resume.ckpt) if resume.ckpt else base_model
-    weights = check_model_dir(model_path, "--resume" if resume.ckpt else "--ckpt", MODEL_DIR_FIX)
-    adapter = None
-    if is_adapter_dir(model_path):  # a LoRA checkpoint: its base model + the adapter
-        adapter = model_path
-        base_model = base_model if resume.ckpt else adapter_base(model_path, "--ckpt")
-        model_path = base_model
-        weights = check_model_dir(base_model, "--ckpt", MODEL_DIR_FIX)
-    lora = settings.lora_spec(cfg, adapter)
-    params = None
-    if lora is not None:  # the target names against the model, before anything is written
-        from areno.backend.lora import lora_plan
-
-        trainable, total = lora_plan(model_path, lora)
-        params = {"trainable": trainable, "total": total}
+    model_path, base_model, weights, lora, params = model_for(cfg, resume)
     out = output_dir_for(cfg, resume)
     logs.enter_context(lock_run_dirs(cfg, out))  # before anything in it is changed
     make_output_dir(cfg, resume, out, params=params)
@@ -305,26 +288,22 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
             resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,
             timeout=cfg.reward_timeout, on_error=cfg.on_reward_error))
         # The ranks hold the rollout engines, so an eval-only run starts them too.
-        lora_rank = lora.rank if lora else 0
-        spec = None if engine is not None else settings.engine_spec(cfg, device, longest, lora_rank)
+        spec = None if engine is not None else settings.engine_spec(cfg, device, longest, lora.rank if lora else 0)
         bcfg = settings.backend_config(cfg, model_path, base_model, world_size, device, max(total, 1), spec,
                                        lora=lora)
         if cfg.nnodes > 1:  # node 0: the controller, plus this node's ranks
             bcfg = replace(bcfg, launcher="external", listen_port=controller_port(cfg.master_port))
-            ranks = start_local_ranks(cfg.nnodes, 0, nproc, cfg.master_addr, cfg.master_port)
-            stack.callback(stop_ranks, ranks)
+            stack.callback(stop_ranks, start_local_ranks(cfg.nnodes, 0, nproc, cfg.master_addr, cfg.master_port))
         backend = TorchBackend(bcfg)
         stack.callback(backend.close)
         resume.restore_backend(backend)
         if engine is None:
             engine = RankEngines(backend, cfg.tensor_parallel_size)
         logger = stack.enter_context(RunLogger(out, total, cfg.report_to, config=cfg.to_dict(),
-                                               start_step=resume.step,
-                                               completions=bool(cfg.log_completions)))
-        run = Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows,
-                  prompts=prompts, sampler=sampler, sampling=settings.sampling(cfg), scorer=scorer,
-                  backend=backend, engine=engine, logger=logger, world_size=world_size,
-                  total_steps=total, step=resume.step, evalset=evalset,
+                                               start_step=resume.step, completions=bool(cfg.log_completions)))
+        run = Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows, prompts=prompts,
+                  sampler=sampler, sampling=settings.sampling(cfg), scorer=scorer, backend=backend, engine=engine,
+                  logger=logger, world_size=world_size, total_steps=total, step=resume.step, evalset=evalset,
                   max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
         logger.info(start_line(run, resume, device))
         saved = load_inflight(resume.ckpt)  # a K = 1 run's rollout in flight
@@ -339,6 +318,29 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
                 run.engine.sync_weights()
         resume.restore_rng()  # last: engine and backend start-up may reseed the global RNGs
         yield run
+
+
+def model_for(cfg: TrainConfig, resume: Resume) -> tuple[str, str, Weights | None, Any, dict | None]:
+    """(what the ranks load, the base model checkpoints record, its checked weights,
+    the LoRA spec or None, the {trainable, total} parameter counts under LoRA): a
+    LoRA checkpoint (--ckpt or --resume) loads its base model plus the adapter."""
+    base_model = resume.base_model if resume.ckpt else model_path_for(cfg)
+    model_path = str(resume.ckpt) if resume.ckpt else base_model
+    weights = check_model_dir(model_path, "--resume" if resume.ckpt else "--ckpt", MODEL_DIR_FIX)
+    adapter = None
+    if is_adapter_dir(model_path):
+        adapter = model_path
+        base_model = base_model if resume.ckpt else adapter_base(model_path, "--ckpt")
+        model_path = base_model
+        weights = check_model_dir(base_model, "--ckpt", MODEL_DIR_FIX)
+    lora = settings.lora_spec(cfg, adapter)
+    params = None
+    if lora is not None:  # the target names against the model, before anything is written
+        from areno.backend.lora import lora_plan
+
+        trainable, total = lora_plan(model_path, lora)
+        params = {"trainable": trainable, "total": total}
+    return model_path, base_model, weights, lora, params
 
 
 def ranks_for(cfg: TrainConfig, device: str) -> tuple[int, int]:

@@ -15,14 +15,15 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from areno.advantages import advantages_and_keep, overlong_penalty
+from areno.backend.controller import TrainSteps
 from areno.backend.errors import BackendError
 from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
 from areno.rundir.completions import completion_records
 from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config.train import TrainConfig
 from areno.data.prompts import select
-from areno.runtime.interrupt import (defer_interrupts, interrupted, interrupted_at_startup, interrupts_raise,
-                             made_run_dir, raise_held, release_interrupts)
+from areno.runtime.interrupt import interrupted, interrupted_at_startup, made_run_dir
+from areno.runtime.signals import interrupts_raise, raise_held, step_window
 from areno.metrics import train_metrics
 from areno.split import build_split_pack
 from areno.rewards import RewardResult, reward_records
@@ -39,164 +40,14 @@ from areno.run import Run, open_run, steps_text, visible_gpus
 from areno.stats import StreamingStats
 
 
-class PhaseTimer:
-    """Wall time per phase of one step: `times[phase]`, seconds summed over the
-    phase's intervals (the step's time/<phase> metrics).
-
-    The timing hook for benchmarks (scripts/bench_longcot.py): pass
-    `PhaseTimer(keep_spans=True)` to `train_step` and read `spans` afterwards,
-    one (phase, start, end, cpu_s) per interval, start/end on time.monotonic
-    (one clock for the controller and its child processes), cpu_s the calling
-    thread's CPU time in it. Spans include the sub-phases `span()` marks inside
-    a phase (advantages and pack in materialize, ...); those add nothing to
-    `times`, whose phases already hold their time."""
-
-    def __init__(self, keep_spans: bool = False) -> None:
-        self.times: dict[str, float] = {}
-        self.spans: list[tuple[str, float, float, float]] | None = [] if keep_spans else None
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            with self.span(phase):
-                yield
-        finally:
-            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
-
-    @contextmanager
-    def span(self, phase: str) -> Iterator[None]:
-        """A sub-phase: kept in `spans` (when kept), not added to `times`."""
-        if self.spans is None:
-            yield
-            return
-        c0, t0 = time.thread_time(), time.monotonic()
-        try:
-            yield
-        finally:
-            self.spans.append((phase, t0, time.monotonic(), time.thread_time() - c0))
-
-
-def run_training(cfg: TrainConfig, engine: Any = None) -> None:
-    """`areno train`: the whole run, from an opened Run to the final checkpoint.
-    engine: optional RolloutEngine instance (see run.open_run)."""
-    if cfg.node_rank > 0:  # a worker node: its ranks serve node 0's controller
-        raise SystemExit(run_worker_node(cfg.nnodes, cfg.node_rank, cfg.nproc_per_node or
-                                         visible_gpus() or 1, cfg.master_addr, cfg.master_port))
-    run, started = None, -1
-    made_run_dir(None)
-    with interrupts_raise():
-        try:
-            raise_held()  # a Ctrl-C during the imports: the start-up message now
-            with open_run(cfg, engine) as run:
-                if cfg.eval_only:
-                    run.evaluate(0)
-                    return
-                if run.step == 0:  # the starting point; a resumed run's is in its metrics already
-                    run.evaluate(0)
-                started = run.step
-                train_loop(run)
-        except KeyboardInterrupt:  # the loop handles its own: this one came before its first step
-            if run is not None and run.step > started:
-                raise
-            if run is not None and run.backend.dead is not None:  # a rank died, not a Ctrl-C
-                stopped(run, run.backend.dead)
-            interrupted_at_startup(cfg)
-
-
-def train_loop(run: Run) -> None:
-    """Steps run.step + 1 .. run.total_steps, then the final eval and save; an
-    interrupt or a backend failure inside ends the run here (exit 130 / 1)."""
-    cfg = run.cfg
-    before = None
-    try:
-        for step in range(run.step + 1, run.total_steps + 1):
-            before = (step, sampler_before(run, step), run.backend.step)
-            metrics = (train_step_ahead if run.ahead else train_step)(run, step)
-            run.step = step
-            run.logger.log(step, metrics)
-            if not cfg.no_save and due(step, cfg.save_interval):
-                run.save(step)  # still deferred: a Ctrl-C in a save would abort it, and the backend
-            release_interrupts()  # a Ctrl-C during the update or save lands here: the step is whole
-            if due(step, cfg.eval_interval):
-                run.evaluate(step)
-    except (BackendError, WeightSyncError) as e:  # every process is stopped on the way out
-        release_interrupts(raise_pending=False)
-        stopped(run, e)
-    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, or the backend's watchdog (a rank died)
-        release_interrupts(raise_pending=False)
-        if run.backend is not None and run.backend.dead is not None:
-            stopped(run, run.backend.dead)
-        settle_interrupted_step(run, before)
-        interrupted(run)
-    # The end: the last step is evaluated and saved, unless the loop just did (or --no-save).
-    try:
-        if not due(run.step, cfg.eval_interval):
-            run.evaluate(run.step)
-        if not cfg.no_save and not due(run.step, cfg.save_interval):
-            run.save(run.step)
-    except (BackendError, WeightSyncError) as e:
-        stopped(run, e)
-    run.logger.info(f"done: {steps_text(run.step)}; metrics in {run.logger.metrics_path}")
-
-
-def due(step: int, interval: int) -> bool:
-    """Whether something done every `interval` steps (0: never) falls on `step`."""
-    return bool(interval) and step % interval == 0
-
-
-def sampler_before(run: Run, step: int) -> dict:
-    """The sampler's state before step drew its prompts (the asynchronous loop drew
-    them during the step before)."""
-    cur = run.ahead and run.ahead.inflight
-    return cur.sampler_before if cur and cur.step == step else run.sampler.state_dict()
-
-
-def settle_interrupted_step(run: Run, before: tuple[int, dict, int] | None) -> None:
-    """Make run.step and the data cursor agree with the weights after an interrupt
-    inside a step: if its update reached the weights the step counts as finished,
-    otherwise the prompts it drew go back to the sampler. A rollout for a later
-    step (the asynchronous loop's) is dropped and its prompts go back too."""
-    if before is not None and before[0] == run.step + 1:
-        step, sampler_state, backend_step = before
-        if run.backend.step != backend_step:
-            run.step = step
-        else:
-            run.sampler.load_state_dict(sampler_state)
-    cur = run.ahead and run.ahead.inflight
-    if cur:
-        if cur.step == run.step + 1:  # drawn after the last finished step: its prompts go back
-            run.sampler.load_state_dict(cur.sampler_before)
-        run.ahead.inflight = None
-
-
-def stopped(run: Run, e: BackendError | WeightSyncError) -> None:
-    """Report a backend or engine failure as one line naming the step and the
-    checkpoint to resume from, and exit 1. A rank's traceback goes to run.log."""
-    # The backend's watchdog may also have seen the death and be about to interrupt
-    # this thread (SIGINT); from here on the run is stopping anyway.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    last = latest_checkpoint(checkpoint_root(run.cfg, run.output_dir))
-    tb = getattr(e, "remote_traceback", None)
-    log = run.output_dir / "run.log"
-    if tb:
-        with open(log, "a") as f:
-            f.write(tb)
-    message = getattr(e, "remote_message", None) or str(e)
-    print(f"areno: error: training stopped in step {run.step + 1}: {message}"
-          + (f"; continue from the last complete checkpoint with --resume {last}" if last
-             else "; no checkpoint was written yet")
-          + (f" (rank traceback in {log})" if tb else ""),
-          file=sys.stderr, flush=True)
-    raise SystemExit(1)
-
-
-def train_step(run: Run, step: int, timer: PhaseTimer | None = None) -> dict[str, float]:
-    """One synchronous step; timer: the caller's PhaseTimer (benchmarks keep its spans)."""
+def train_step(run: Run, step: int, timer: PhaseTimer | None = None,
+               update_starts: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """One synchronous step; timer: the caller's PhaseTimer (benchmarks keep its spans);
+    update_starts: called as the update begins (the loop's step_window)."""
     timer = timer or PhaseTimer()
     t_step = time.perf_counter()
     filled = sample_rounds(run, colocated_round(run, step, timer))
-    return learn(run, step, filled, timer, t_step, run.engine.sync_weights)
+    return learn(run, step, filled, timer, t_step, run.engine.sync_weights, update_starts)
 
 
 def colocated_round(run: Run, step: int, timer: PhaseTimer) -> Callable[[int], Round]:
@@ -223,7 +74,8 @@ def sample_rounds(run: Run, collect: Callable[[int], Round]) -> Filled:
     return fill_batch(collect, cfg.batch_size, cfg.max_sampling_rounds, informative)
 
 
-def train_step_ahead(run: Run, step: int, timer: PhaseTimer | None = None) -> dict[str, float]:
+def train_step_ahead(run: Run, step: int, timer: PhaseTimer | None = None,
+                     update_starts: Callable[[], None] = lambda: None) -> dict[str, float]:
     """One step of the asynchronous loop (asyncloop.py): train on the rollout that
     was generated while the last step trained; the next one runs meanwhile."""
     timer, t_step = timer or PhaseTimer(), time.perf_counter()
@@ -237,15 +89,15 @@ def train_step_ahead(run: Run, step: int, timer: PhaseTimer | None = None) -> di
             with timer("rollout"):
                 prompt_idx, batch = ahead.extra_round(step, round_sampling(run.sampling_for(step), r))
         return Round(prompt_idx, batch, score(run, prompt_idx, batch, timer))
-    metrics = learn(run, step, sample_rounds(run, collect), timer, t_step, ahead.publish)
+    metrics = learn(run, step, sample_rounds(run, collect), timer, t_step, ahead.publish, update_starts)
     return metrics | ahead.after_update(step, cur)
 
 
 def learn(run: Run, step: int, filled: Filled, timer: PhaseTimer, t_step: float,
-          sync: Callable[[], Any]) -> dict[str, float]:
+          sync: Callable[[], Any], update_starts: Callable[[], None]) -> dict[str, float]:
     """A scored rollout (filled.round; filled.train: which of its groups train,
     dynsample.py) -> advantages, pack, update, `sync()` (new weights to the
-    engines, or published for them), the step's metrics."""
+    engines -> their timings, or published for them -> None), the step's metrics."""
     cfg, (prompt_idx, batch, scored) = run.cfg, filled.round.astuple()
     with timer("materialize"):
         with timer.span("advantages"):
@@ -266,19 +118,20 @@ def learn(run: Run, step: int, filled: Filled, timer: PhaseTimer, t_step: float,
         run.logger.stage_completions(completion_records(
             step, cfg.log_completions, run.tokenizer, run.prompts.texts, prompt_idx, batch,
             scored.rewards, adv))
-    defer_interrupts()  # from the update on, an interrupt waits for the step to end
+    update_starts()  # from the update on, an interrupt waits for the step to end
     with timer("train"):  # each rank sleeps its own engine meanwhile (RankWorker.cmd_train)
-        opt_steps = run.backend.train(split) if split.pack.num_seqs else []
-        train_timings = dict(run.backend.last_timings) if opt_steps else {}
+        trained = run.backend.train(split) if split.pack.num_seqs else TrainSteps()
+        opt_steps = list(trained)
+    synced = {}
     with timer("weight_sync"):
         if opt_steps:
-            sync()
+            synced = sync() or {}
     elapsed = time.perf_counter() - t_step
-    perf = dict(getattr(run.backend, "last_perf", {}))  # perf/train_tokens_per_s, perf/mfu (GPU)
-    if opt_steps and "sync_mb" in run.backend.last_timings:
-        perf["perf/sync_mb"] = run.backend.last_timings["sync_mb"]
-    if "peak_gpu_mem_gb" in train_timings:  # GPU only: the largest rank's allocator peak
-        perf["perf/peak_gpu_mem_gb"] = train_timings["peak_gpu_mem_gb"]
+    perf = dict(trained.perf)  # perf/train_tokens_per_s, perf/mfu (GPU)
+    if "sync_mb" in synced:
+        perf["perf/sync_mb"] = synced["sync_mb"]
+    if opt_steps and "peak_gpu_mem_gb" in trained.timings:  # GPU only: the largest rank's allocator peak
+        perf["perf/peak_gpu_mem_gb"] = trained.timings["peak_gpu_mem_gb"]
     return step_metrics(StepResult(
         batch=batch, scored=scored, prompt_idx=prompt_idx, pack_tokens=split.pack.num_tokens,
         rank_imbalance=split.plan.imbalance, zero_var_groups=n_zero_var, opt_steps=opt_steps,
@@ -292,14 +145,6 @@ def shaping(cfg: TrainConfig, batch: RolloutBatch) -> np.ndarray:
     overlong punishment (--overlong-buffer; zeros when off)."""
     return overlong_penalty(batch.response_lengths, cfg.max_new_tokens, cfg.overlong_buffer,
                             cfg.overlong_penalty)
-
-
-def prompt_hash(prompt_idx: np.ndarray) -> float:
-    """Which prompts a step drew, as one float (48 bits of blake2b over the int64
-    indices, exact in float64): equal across runs iff the data order is."""
-    digest = hashlib.blake2b(np.ascontiguousarray(prompt_idx, dtype=np.int64).tobytes(),
-                             digest_size=6).digest()
-    return float(int.from_bytes(digest, "little"))
 
 
 def rollout_then_score(run: Run, prompt_idx: np.ndarray, sampling: SamplingConfig,
@@ -403,3 +248,164 @@ def step_metrics(res: StepResult) -> dict[str, float]:
     m["data/prompt_hash"] = prompt_hash(res.prompt_idx)
     m.update(res.backend_perf)
     return m
+
+
+def prompt_hash(prompt_idx: np.ndarray) -> float:
+    """Which prompts a step drew, as one float (48 bits of blake2b over the int64
+    indices, exact in float64): equal across runs iff the data order is."""
+    digest = hashlib.blake2b(np.ascontiguousarray(prompt_idx, dtype=np.int64).tobytes(),
+                             digest_size=6).digest()
+    return float(int.from_bytes(digest, "little"))
+
+
+def run_training(cfg: TrainConfig, engine: Any = None) -> None:
+    """`areno train`: the whole run, from an opened Run to the final checkpoint.
+    engine: optional RolloutEngine instance (see run.open_run)."""
+    if cfg.node_rank > 0:  # a worker node: its ranks serve node 0's controller
+        raise SystemExit(run_worker_node(cfg.nnodes, cfg.node_rank, cfg.nproc_per_node or
+                                         visible_gpus() or 1, cfg.master_addr, cfg.master_port))
+    run, started = None, -1
+    made_run_dir(None)
+    with interrupts_raise():
+        try:
+            raise_held()  # a Ctrl-C during the imports: the start-up message now
+            with open_run(cfg, engine) as run:
+                if cfg.eval_only:
+                    run.evaluate(0)
+                    return
+                if run.step == 0:  # the starting point; a resumed run's is in its metrics already
+                    run.evaluate(0)
+                started = run.step
+                train_loop(run)
+        except KeyboardInterrupt:  # the loop handles its own: this one came before its first step
+            if run is not None and run.step > started:
+                raise
+            if run is not None and run.backend.dead is not None:  # a rank died, not a Ctrl-C
+                stopped(run, run.backend.dead)
+            interrupted_at_startup(cfg)
+
+
+def train_loop(run: Run) -> None:
+    """Steps run.step + 1 .. run.total_steps, then the final eval and save; an
+    interrupt or a backend failure inside ends the run here (exit 130 / 1)."""
+    cfg = run.cfg
+    before = None
+    try:
+        for step in range(run.step + 1, run.total_steps + 1):
+            before = (step, sampler_before(run, step), run.backend.step)
+            # From the step's update to its save an interrupt waits (signals.step_window):
+            # once the update reached the weights, finishing the step is the only way to
+            # save it whole; a Ctrl-C inside a save would abort it, and the backend.
+            with step_window() as update_starts:
+                metrics = (train_step_ahead if run.ahead else train_step)(run, step, update_starts=update_starts)
+                run.step = step
+                run.logger.log(step, metrics)
+                if not cfg.no_save and due(step, cfg.save_interval):
+                    run.save(step)
+            if due(step, cfg.eval_interval):
+                run.evaluate(step)
+    except (BackendError, WeightSyncError) as e:  # every process is stopped on the way out
+        stopped(run, e)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM, or the backend's watchdog (a rank died)
+        if run.backend is not None and run.backend.dead is not None:
+            stopped(run, run.backend.dead)
+        settle_interrupted_step(run, before)
+        interrupted(run)
+    # The end: the last step is evaluated and saved, unless the loop just did (or --no-save).
+    try:
+        if not due(run.step, cfg.eval_interval):
+            run.evaluate(run.step)
+        if not cfg.no_save and not due(run.step, cfg.save_interval):
+            run.save(run.step)
+    except (BackendError, WeightSyncError) as e:
+        stopped(run, e)
+    run.logger.info(f"done: {steps_text(run.step)}; metrics in {run.logger.metrics_path}")
+
+
+def due(step: int, interval: int) -> bool:
+    """Whether something done every `interval` steps (0: never) falls on `step`."""
+    return bool(interval) and step % interval == 0
+
+
+def sampler_before(run: Run, step: int) -> dict:
+    """The sampler's state before step drew its prompts (the asynchronous loop drew
+    them during the step before)."""
+    cur = run.ahead and run.ahead.inflight
+    return cur.sampler_before if cur and cur.step == step else run.sampler.state_dict()
+
+
+def settle_interrupted_step(run: Run, before: tuple[int, dict, int] | None) -> None:
+    """Make run.step and the data cursor agree with the weights after an interrupt
+    inside a step: if its update reached the weights the step counts as finished,
+    otherwise the prompts it drew go back to the sampler. A rollout for a later
+    step (the asynchronous loop's) is dropped and its prompts go back too."""
+    if before is not None and before[0] == run.step + 1:
+        step, sampler_state, backend_step = before
+        if run.backend.step != backend_step:
+            run.step = step
+        else:
+            run.sampler.load_state_dict(sampler_state)
+    cur = run.ahead and run.ahead.inflight
+    if cur:
+        if cur.step == run.step + 1:  # drawn after the last finished step: its prompts go back
+            run.sampler.load_state_dict(cur.sampler_before)
+        run.ahead.inflight = None
+
+
+def stopped(run: Run, e: BackendError | WeightSyncError) -> None:
+    """Report a backend or engine failure as one line naming the step and the
+    checkpoint to resume from, and exit 1. A rank's traceback goes to run.log."""
+    # The backend's watchdog may also have seen the death and be about to interrupt
+    # this thread (SIGINT); from here on the run is stopping anyway.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    last = latest_checkpoint(checkpoint_root(run.cfg, run.output_dir))
+    tb = getattr(e, "remote_traceback", None)
+    log = run.output_dir / "run.log"
+    if tb:
+        with open(log, "a") as f:
+            f.write(tb)
+    message = getattr(e, "remote_message", None) or str(e)
+    print(f"areno: error: training stopped in step {run.step + 1}: {message}"
+          + (f"; continue from the last complete checkpoint with --resume {last}" if last
+             else "; no checkpoint was written yet")
+          + (f" (rank traceback in {log})" if tb else ""),
+          file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+class PhaseTimer:
+    """Wall time per phase of one step: `times[phase]`, seconds summed over the
+    phase's intervals (the step's time/<phase> metrics).
+
+    The timing hook for benchmarks (scripts/bench_longcot.py): pass
+    `PhaseTimer(keep_spans=True)` to `train_step` and read `spans` afterwards,
+    one (phase, start, end, cpu_s) per interval, start/end on time.monotonic
+    (one clock for the controller and its child processes), cpu_s the calling
+    thread's CPU time in it. Spans include the sub-phases `span()` marks inside
+    a phase (advantages and pack in materialize, ...); those add nothing to
+    `times`, whose phases already hold their time."""
+
+    def __init__(self, keep_spans: bool = False) -> None:
+        self.times: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float, float]] | None = [] if keep_spans else None
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            with self.span(phase):
+                yield
+        finally:
+            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
+
+    @contextmanager
+    def span(self, phase: str) -> Iterator[None]:
+        """A sub-phase: kept in `spans` (when kept), not added to `times`."""
+        if self.spans is None:
+            yield
+            return
+        c0, t0 = time.thread_time(), time.monotonic()
+        try:
+            yield
+        finally:
+            self.spans.append((phase, t0, time.monotonic(), time.thread_time() - c0))

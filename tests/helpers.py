@@ -3,11 +3,14 @@ reference transforms of RolloutBatch and TrainPack that only tests use."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 from areno.advantages import zero_variance_groups
-from areno.pack import PACKED_TOKEN_FIELDS, TrainPack, _runs_index
+from areno.backend.handoff import SHM_DIR, SHM_PREFIX
+from areno.pack import PACKED_TOKEN_FIELDS, TrainPack, runs_index
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths
 from areno.split import LossAgg, SplitPack, aggregation_weights, plan_split
 
@@ -143,7 +146,7 @@ def gather_seqs(pack: TrainPack, seq_order: np.ndarray) -> TrainPack:
     cu = pack.cu_seqlens.numpy().astype(np.int64)
     new_len = pack.seq_lengths[seq_order]
     new_cu = offsets_from_lengths(new_len)
-    idx = torch.from_numpy(_runs_index(cu[:-1][seq_order], new_len, int(new_cu[-1])))
+    idx = torch.from_numpy(runs_index(cu[:-1][seq_order], new_len, int(new_cu[-1])))
     fields = {f: getattr(pack, f)[idx] for f in PACKED_TOKEN_FIELDS if f != "seq_index"}
     order_t = torch.from_numpy(seq_order)
     return TrainPack(
@@ -174,10 +177,24 @@ def split_pack(pack: TrainPack, world_size: int, max_tokens: int, *, num_minibat
 
 
 def rank_debug(be, actions: dict[int, str] | str, seconds: float = 0.0) -> None:
-    """Run a test action ('sleep', 'raise', 'barrier', 'noop': RankWorker.cmd_debug)
+    """Run a test action ('sleep', 'raise', 'barrier', 'noop': rank_test_hooks.cmd_debug)
     on every rank of a TorchBackend, or {rank: action} (others: 'noop')."""
     stream = be.open_stream("debug")
     for r in range(be.world_size):
         action = actions if isinstance(actions, str) else actions.get(r, "noop")
         stream.send(r, "debug", action=action, seconds=seconds)
     stream.gather(be.config.command_timeout_s)
+
+
+def list_segments(pid: int | None = None) -> list[str]:
+    """Names of live areno backend segments (of one controller pid, or all)."""
+    prefix = SHM_PREFIX if pid is None else f"{SHM_PREFIX}{pid}-"
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+def loaded_lora_ids(engine) -> set[int]:
+    """The adapter ids a vLLM engine holds now (its list_loras)."""
+    return set(engine.adapters.llm.llm_engine.list_loras())

@@ -13,7 +13,8 @@ import torch.nn.attention.varlen as tv
 import torch.nn.functional as F
 import varlen_signatures as vs
 from helpers import random_batch
-from test_backend_units import VOCAB, _policy, local_worker, make_split
+from rank_test_hooks import full_state
+from test_backend_units import VOCAB, policy_module, local_worker, make_split
 
 from areno.backend import attention, worker
 from areno.backend.handoff import PackWriter
@@ -50,7 +51,7 @@ def test_the_adapter_reads_each_signature() -> None:
 def _bf16_forward_backward(tiny_chat_path, impl: str, pack):
     """(logp, grads) of one packed pass under bf16 autocast, backward outside it
     (as the train step), over fp32 master weights."""
-    policy = _policy(tiny_chat_path, impl)
+    policy = policy_module(tiny_chat_path, impl)
     with BF16:
         lp, ent = policy(pack.input_ids.long()[None], pack.position_ids.long()[None], pack.targets.long()[None],
                          cu_seqlens=pack.cu_seqlens, max_seqlen=pack.max_seqlen)
@@ -120,7 +121,7 @@ def _one_step(path, monkeypatch, impl: str, strategy: str) -> tuple[dict, dict]:
             step = w.cmd_train(h)["steps"][0]
         finally:
             writer.close()
-        return step, w.cmd_full_state()
+        return step, full_state(w)
 
 
 @pytest.mark.parametrize("strategy", ["auto", "ddp"])

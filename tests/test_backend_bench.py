@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from areno.bench.lib import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,7 +19,7 @@ def test_bench_handoff_runs_and_reports_both_transports(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_handoff.py"), "--tokens", "30000", "--ranks", "2",
          "--repeats", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=240, cwd=ROOT,
+        capture_output=True, text=True, timeout=240, cwd=ROOT, env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = json.loads(out.read_text())["runs"]["2"]

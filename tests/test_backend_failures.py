@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from areno.backend import BackendError, TorchBackend
+from areno.bench.lib import child_env
 from test_backend_procs import assert_clean, config
 from test_backend_units import make_split
 from helpers import rank_debug
@@ -79,10 +80,9 @@ def test_ctrl_c_in_the_controller_stops_every_rank(tiny_chat_path) -> None:
 
 
 _ORPHAN_SCRIPT = r"""
-import os, signal, sys
-sys.path.insert(0, {tests!r})
+import os, signal
 from areno.backend import BackendConfig, TorchBackend
-from areno.backend.handoff import list_segments
+from helpers import list_segments
 from test_backend_units import make_split
 if __name__ == "__main__":
     be = TorchBackend(BackendConfig(model_path={model!r}, world_size=1))
@@ -107,8 +107,9 @@ def test_ranks_and_segments_do_not_outlive_the_controller(tiny_chat_path, tmp_pa
 
     tests = os.path.dirname(os.path.abspath(__file__))
     script = tmp_path / "controller.py"
-    script.write_text(_ORPHAN_SCRIPT.format(tests=tests, model=str(tiny_chat_path), how=how))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    script.write_text(_ORPHAN_SCRIPT.format(model=str(tiny_chat_path), how=how))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180,
+                          env=child_env(tests))  # test_backend_units beside this file
     lines = proc.stdout.splitlines()
     assert len(lines) >= 2, proc.stderr[-3000:]
     pids, segments = [int(p) for p in lines[0].split()], lines[1].split()

@@ -15,8 +15,9 @@ import torch
 
 from areno.backend import BackendConfig, TorchBackend
 from areno.backend.config import rank_cpu_threads
-from areno.backend.handoff import list_segments
 from areno.backend.weight_sync import region_tensors
+from helpers import list_segments
+from rank_test_hooks import full_state_dict
 from test_backend_units import make_split
 
 LR = 1e-3
@@ -59,7 +60,7 @@ def first_step(tiny_chat_path):
     try:
         m1 = be1.train(make_split(1))
         m2 = be2.train(make_split(2))
-        yield be1, be2, be1.full_state_dict(), be2.full_state_dict(), m1, m2
+        yield be1, be2, full_state_dict(be1), full_state_dict(be2), m1, m2
     finally:
         be1.close()
         be2.close()
@@ -108,7 +109,7 @@ def test_published_weights_load_into_an_engine_of_another_process_and_pass_its_c
     names = [e.name for e in region.layout.entries]
     assert set(names) == set(tiny_chat_model.state_dict().keys()) | {"lm_head.weight"}
     assert "lm_head.weight" in names and not any(n.startswith(("module.", "_orig_mod.", "hf.")) for n in names)
-    full = be2.full_state_dict()
+    full = full_state_dict(be2)
     for n, t in region_tensors(be2._weights[0].buf, region.layout):
         assert torch.equal(t, full[n]), n
     engine = HFEngine(tiny_chat_path, dtype="float32", device="cpu")
@@ -129,7 +130,7 @@ def test_save_pretrained_and_resume_on_another_world_size(first_step, tmp_path) 
     state_dir = be2.save_state(tmp_path / "state")
     assert not any(p.name.startswith(".") for p in tmp_path.iterdir()), "temp dir left behind"
     loaded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-    assert_states_close(loaded, {k: v for k, v in be2.full_state_dict().items() if k in loaded}, atol=0)
+    assert_states_close(loaded, {k: v for k, v in full_state_dict(be2).items() if k in loaded}, atol=0)
     AutoTokenizer.from_pretrained(model_dir)
     split2, split1 = make_split(2, seed=7), make_split(1, seed=7)
     want = be2.train(split2)
@@ -141,7 +142,7 @@ def test_save_pretrained_and_resume_on_another_world_size(first_step, tmp_path) 
         for a, b in zip(got, want):
             for k in ("loss", "grad_norm", "lr"):
                 assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
-        assert_states_close(resumed.full_state_dict(), be2.full_state_dict())
+        assert_states_close(full_state_dict(resumed), full_state_dict(be2))
 
 
 def test_ddp_strategy_matches_fsdp2(first_step, tiny_chat_path) -> None:
@@ -149,7 +150,7 @@ def test_ddp_strategy_matches_fsdp2(first_step, tiny_chat_path) -> None:
     with TorchBackend(config(tiny_chat_path, 2, strategy="ddp")) as be:
         assert be.strategy == "ddp"
         m = be.train(make_split(2))
-        assert_states_close(be.full_state_dict(), s2)
+        assert_states_close(full_state_dict(be), s2)
     assert [x["loss"] for x in m] == pytest.approx([x["loss"] for x in m2], rel=1e-4)
 
 

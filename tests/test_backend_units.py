@@ -10,12 +10,13 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import random_batch
+from helpers import list_segments, random_batch
+from rank_test_hooks import full_state
 
 from areno.backend.attention import hf_name, register
 from areno.backend.config import BackendConfig
 from areno.backend.controller import free_port
-from areno.backend.handoff import LocalPack, PackWriter, list_segments
+from areno.backend.handoff import LocalPack, PackWriter
 from areno.backend.model import (
     PolicyModule,
     chunked_logprobs,
@@ -67,7 +68,7 @@ def test_chunked_logprobs_equal_full_log_softmax_values_and_grads(chunk: int) ->
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)
 
 
-def _policy(tiny_chat_path, impl: str) -> PolicyModule:
+def policy_module(tiny_chat_path, impl: str) -> PolicyModule:
     from transformers import AutoModelForCausalLM
 
     register()
@@ -102,14 +103,14 @@ def test_packed_and_padded_logprobs_agree(tiny_chat_path, impl: str) -> None:
     """Every packed kernel that runs on CPU keeps attention inside each sequence:
     packed == padded == each sequence alone (flex: forward only, as on CPU
     torch has no flex backward)."""
-    (lp, ent), (lp_pad, ent_pad), alone = _packed_padded_alone(_policy(tiny_chat_path, impl))
+    (lp, ent), (lp_pad, ent_pad), alone = _packed_padded_alone(policy_module(tiny_chat_path, impl))
     torch.testing.assert_close(lp, lp_pad, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(ent, ent_pad, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(lp, alone, atol=2e-5, rtol=1e-5)
 
 
 def test_packed_without_cu_seqlens_derives_them(tiny_chat_path) -> None:
-    (lp, _), (lp_pad, _), _ = _packed_padded_alone(_policy(tiny_chat_path, "sdpa"), pass_cu=False)
+    (lp, _), (lp_pad, _), _ = _packed_padded_alone(policy_module(tiny_chat_path, "sdpa"), pass_cu=False)
     torch.testing.assert_close(lp, lp_pad, atol=2e-5, rtol=1e-5)
 
 
@@ -284,7 +285,7 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_chat_path, monkeypatc
                 worker.cmd_train(h)
             finally:
                 writer.close()
-            states.append(worker.cmd_full_state())
+            states.append(full_state(worker))
     for k in states[0]:
         torch.testing.assert_close(states[0][k], states[1][k], atol=1e-6, rtol=1e-5)
 
@@ -304,7 +305,7 @@ def test_bfloat16_publish_writes_the_engines_dtype_and_an_engine_loading_it_pass
         try:
             seg.ensure(layout.nbytes, headroom=0.0)
             out = worker.cmd_publish_weights(seg.name, layout, probe_ids(worker.vocab_size))
-            full = worker.cmd_full_state()
+            full = full_state(worker)
             for n, t in region_tensors(seg.buf, layout):
                 assert t.dtype == torch.bfloat16 and torch.equal(t, full[n].to(torch.bfloat16)), n
             engine = HFEngine(tiny_chat_path, dtype="bfloat16", device="cpu")
@@ -337,7 +338,7 @@ def test_packed_forward_builds_no_mask(tiny_chat_path, monkeypatch) -> None:
         return sdpa(q, k, v, attn_mask=attn_mask, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_mask_sdpa)
-    policy = _policy(tiny_chat_path, "sdpa")
+    policy = policy_module(tiny_chat_path, "sdpa")
     b = random_batch(seed=3, vocab=VOCAB, max_response=12)
     pack = build_train_pack(b, np.zeros(b.num_responses, np.float32))
     lp, _ = policy(pack.input_ids.long()[None], pack.position_ids.long()[None], pack.targets.long()[None],

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from areno.bench.lib import child_env
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_async.py"
 
@@ -19,7 +21,8 @@ def test_bench_async_stand_ins_apply_and_k1_overlaps(tmp_path: Path) -> None:
     R = T = 0.4
     out = tmp_path / "async.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--train-s", str(T), "--ratios", "1", "--steps", "3",
-                           "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+                           "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          env=child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| R/T | R | T | K=0 step | K=1 step | sync | ideal | K=1/ideal | K=1/K=0 |" in proc.stdout
     assert "| 1 | 0.4 s | 0.4 s |" in proc.stdout and "targets:" in proc.stdout

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from areno.bench.lib import child_env
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_longcot.py"
 
@@ -30,13 +32,13 @@ ASYNC_FIELDS = ("take_s", "wait_batch_s", "wait_weights_s", "host_margin_s", "st
                 "step_metric_s", "stream_parts", "period_s", "bench_gap_s")
 
 
-def test_bench_longcot_quick(tmp_path: Path, bl) -> None:
+def test_bench_longcot_quick(tmp_path: Path) -> None:
     out = tmp_path / "longcot.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=170)
+                          capture_output=True, text=True, timeout=170, env=child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    from benchlib import check_finite
+    from areno.bench.lib import check_finite
 
     assert check_finite(data) == []
     assert data["meta"]["quick"] is True and data["meta"]["world_size"] == 2
@@ -80,37 +82,26 @@ def test_bench_longcot_quick(tmp_path: Path, bl) -> None:
     assert "K = 1 (--rollout-world-size 1" in proc.stdout
 
 
-@pytest.fixture(scope="module")
-def bl():
-    """scripts/bench_longcot.py imported as a module (it puts scripts/ on sys.path,
-    so its helper modules import by name too)."""
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_longcot", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_union_in(bl) -> None:
-    from benchlib import union_in
+def test_union_in() -> None:
+    from areno.bench.lib import union_in
 
     assert union_in([], 0, 1) == 0
     assert union_in([(0, 2), (1, 3), (5, 6)], 0.5, 5.5) == pytest.approx(3.0)
     assert union_in([(0, 1), (0.2, 0.4)], 0, 10) == pytest.approx(1.0)
 
 
-def test_cpu_in_counts_outermost_spans_prorated(bl) -> None:
-    from benchlib import cpu_in
+def test_cpu_in_counts_outermost_spans_prorated() -> None:
+    from areno.bench.lib import cpu_in
 
     spans = [("reward", 0.2, 0.4, 0.1), ("decode", 0.0, 1.0, 0.8), ("pack", 2.0, 4.0, 1.0), ("other", 0, 9, 9)]
     # reward is nested in decode (not counted twice); pack is half inside [0, 3]
     assert cpu_in(spans, ("decode", "reward", "pack"), 0.0, 3.0) == pytest.approx(0.8 + 0.5)
 
 
-def test_readback_counter_sees_item_tolist_cpu_with_sites(bl) -> None:
+def test_readback_counter_sees_item_tolist_cpu_with_sites() -> None:
     import torch
-    from benchlib import ReadbackCounter
+    from areno.bench.lib import ReadbackCounter
 
     x = torch.arange(3.0)
     with ReadbackCounter() as counter:
@@ -125,11 +116,11 @@ def test_readback_counter_sees_item_tolist_cpu_with_sites(bl) -> None:
     assert len(counter.calls) == 3
 
 
-def test_rank_pack_record_sees_every_field_and_the_advantages(bl) -> None:
+def test_rank_pack_record_sees_every_field_and_the_advantages() -> None:
     """The ranks' digests cover every field of their share, and the per-sequence
     advantages are the per-sample ones, in the share's order."""
     from helpers import random_batch
-    from longcot_ranks import pack_record
+    from areno.bench.longcot.ranks import pack_record
 
     from areno.backend.handoff import LocalPack, PackWriter
     from areno.split import build_split_pack
@@ -155,8 +146,8 @@ def test_rank_pack_record_sees_every_field_and_the_advantages(bl) -> None:
     assert other["seq_adv"][0] == pytest.approx(recs[0]["seq_adv"][0] + 1.0)
 
 
-def test_identity_checks_catch_a_changed_field(bl) -> None:
-    from longcot_run import MODES, identity_checks
+def test_identity_checks_catch_a_changed_field() -> None:
+    from areno.bench.longcot.run import MODES, identity_checks
 
     def row(step, adv=0.5, ids="a"):
         return {"step": step, "_digests": {"rank0.input_ids": ids, "rank0.advantages": str(adv)},
@@ -175,8 +166,8 @@ def test_identity_checks_catch_a_changed_field(bl) -> None:
     assert ref["differences"][0]["fields"] == ["per-sequence advantages (beyond 1e-5)"]
 
 
-def test_hidden_checks_need_every_step_before_the_rollout_in_flight(bl) -> None:
-    from longcot_run import HIDDEN_SLACK_S, hidden_checks
+def test_hidden_checks_need_every_step_before_the_rollout_in_flight() -> None:
+    from areno.bench.longcot.run import HIDDEN_SLACK_S, hidden_checks
 
     def row(step, host, upd):
         return {"step": step, "host_margin_s": host, "step_margin_s": upd}
@@ -202,11 +193,11 @@ class _Prompts:
         return self.offsets.size - 1
 
 
-def test_synthetic_engine_stream_equals_generate(bl) -> None:
+def test_synthetic_engine_stream_equals_generate() -> None:
     from helpers import concat, take_prompts
 
     prompts = _Prompts([3, 5, 2, 7, 4, 6, 3])
-    from longcot_sim import SyntheticEngine
+    from areno.bench.longcot.sim import SyntheticEngine
 
     eng = SyntheticEngine(n=3, resp_len=20, max_new_tokens=30, vocab=(3, 100), gen_time_s=0.0, seed=1)
     total = eng.prepare(prompts)

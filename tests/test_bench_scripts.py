@@ -22,6 +22,7 @@ import torch
 from helpers import random_batch, random_rewards
 
 from areno.advantages import group_advantages
+from areno.bench.lib import child_env
 from areno.pack import build_train_pack
 from areno.split import build_split_pack
 
@@ -36,12 +37,10 @@ WORKLOADS = (
 
 @pytest.fixture(scope="module")
 def bm():
-    """scripts/bench_materialize.py imported as a module."""
-    spec = importlib.util.spec_from_file_location("bench_materialize", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_materialize"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    """The materialize benchmark's module (scripts/bench_materialize.py runs its main)."""
+    import areno.bench.materialize
+
+    return areno.bench.materialize
 
 
 def _positive_finite(x) -> bool:
@@ -52,7 +51,7 @@ def test_quick_run_writes_every_workload(tmp_path: Path):
     out = tmp_path / "sub" / "materialize.json"  # parent does not exist yet
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--quick", "--repeats", "1", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=child_env(),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "targets:" in proc.stdout
@@ -88,7 +87,7 @@ def test_quick_run_writes_every_workload(tmp_path: Path):
 def test_bad_flag_is_one_line_error(tmp_path: Path):
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--repeats", "0", "--out", str(tmp_path / "x.json")],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO, capture_output=True, text=True, timeout=120, env=child_env(),
     )
     assert proc.returncode == 2
     assert "--repeats" in proc.stderr and "Traceback" not in proc.stderr
@@ -157,7 +156,7 @@ def test_bench_train_smoke_reports_both_trainers(tmp_path: Path):
     out = tmp_path / "train.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench_train.py"), "--smoke", "--threads", "1", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=child_env(),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ratio areno/padded" in proc.stdout
@@ -181,7 +180,7 @@ def test_demo_vs_trl_without_trl_runs_areno_alone(tmp_path: Path):
     """No trl: the install hint, then areno's demo alone (and through vLLM with
     a --variant), with its rows in the table and JSON."""
     out = tmp_path / "vs_trl.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     proc = subprocess.run(
         [sys.executable, str(VS_TRL), "--steps", "3", "--variant", "areno-vllm=--rollout-engine vllm", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300, env=env,

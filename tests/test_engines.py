@@ -96,14 +96,14 @@ def test_two_ranks_both_generate_and_overlap_equals_plain(tiny_arith_path, tmp_p
     from areno.backend.controller import TorchBackend
     from areno.rollout.factory import EngineSpec
     from areno.backend.rank_engines import RankEngines
-    from test_overlap import _check_engine
+    from test_overlap import check_engine
 
     cfg = BackendConfig(model_path=str(tiny_arith_path), world_size=2,
                         engine=EngineSpec(kind=kind, max_model_len=64, kv_cache_bytes=64 << 20))
     with TorchBackend(cfg) as be:
         engines = RankEngines(be)
         assert engines.kinds == [kind] and engines.num_engines == 2
-        _check_engine(engines, AutoTokenizer.from_pretrained(tiny_arith_path), tmp_path)
+        check_engine(engines, AutoTokenizer.from_pretrained(tiny_arith_path), tmp_path)
         assert len(engines.last_tokens) == 2 and min(engines.last_tokens) > 0
         be.sync_weights()  # the probe holds on every rank
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from areno.rundir.checkpoint import _du, checkpoint_bytes, list_checkpoints
+from areno.rundir.checkpoint import dir_bytes, checkpoint_bytes, list_checkpoints
 from areno.config.train import TrainConfig
 from areno.errors import UserError
 from areno.models.directory import check_model_dir
@@ -181,7 +181,7 @@ def test_the_checkpoint_estimate_covers_a_real_checkpoint_closely(saved_run):
     ckpt = list_checkpoints(saved_run[1])[-1]
     weights = check_model_dir(ckpt, "--resume", "")
     estimate = checkpoint_bytes(weights.params, weights.nbytes, 4)  # the CPU run trains in float32
-    assert _du(ckpt) <= estimate <= 1.2 * _du(ckpt)
+    assert dir_bytes(ckpt) <= estimate <= 1.2 * dir_bytes(ckpt)
 
 
 # -- 4. bad model directories and checkpoints ----------------------------------

@@ -13,17 +13,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from areno.runtime.interrupt import interrupts_raise
+from areno.runtime.signals import interrupts_raise
 from helpers import rank_debug
 
 
 class SignalsAt:
-    """A rank's Connection that SIGINTs this process once, inside send (before the
+    """A rank's Connection that signals this process once (SIGINT by default), inside send (before the
     bytes go) or inside recv (after the final "ok" is read): where a real signal
     can land, since Python runs handlers between any two bytecodes."""
 
-    def __init__(self, conn: Any, where: str) -> None:
-        self._conn, self._where, self.fired = conn, where, False
+    def __init__(self, conn: Any, where: str, sig: int = signal.SIGINT) -> None:
+        self._conn, self._where, self._sig, self.fired = conn, where, sig, False
 
     def __getattr__(self, name: str) -> Any:  # fileno, poll, ... for wait()
         return getattr(self._conn, name)
@@ -31,7 +31,7 @@ class SignalsAt:
     def _fire(self) -> None:
         if not self.fired:
             self.fired = True
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), self._sig)
 
     def send(self, obj: Any) -> None:
         if self._where == "send" and obj[0] == "generate":
@@ -54,18 +54,58 @@ def test_an_interrupt_inside_a_rollouts_send_or_read_leaves_the_backend_usable(t
 
     cfg = BackendConfig(model_path=str(tiny_arith_path), world_size=1,
                         engine=EngineSpec(kind="hf", max_model_len=64))
+    # SIGHUP too (a closed terminal): the pipe hold once left it out (issue 25).
+    windows = [(w, s) for s in (signal.SIGINT, signal.SIGHUP) for w in ("send", "recv")]
     with TorchBackend(cfg) as be, interrupts_raise():
-        for where in ("send", "recv"):  # one backend for both windows: start-up is the slow part
+        for where, sig in windows:  # one backend for every window: start-up is the slow part
             conn = be._conns[0]
-            be._conns[0] = spy = SignalsAt(conn, where)
+            be._conns[0] = spy = SignalsAt(conn, where, sig)
             with pytest.raises(KeyboardInterrupt):
                 RankEngines(be).generate(np.array([5, 12, 3, 13], np.int32), np.array([0, 2, 4]), 2,
                                          SamplingConfig(max_tokens=3, seed=1))
             be._conns[0] = conn
-            assert spy.fired, where
-            path = be.save_pretrained(tmp_path / where)  # what interrupted() does next
-            assert (path / "config.json").is_file() and (path / "model.safetensors").is_file(), where
+            what = f"{signal.Signals(sig).name} in {where}"
+            assert spy.fired, what
+            path = be.save_pretrained(tmp_path / f"{where}_{sig}")  # what interrupted() does next
+            assert (path / "config.json").is_file() and (path / "model.safetensors").is_file(), what
         rank_debug(be, "noop")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_every_run_signal_waits_for_the_pipe_message_it_lands_in(sig):
+    """Sent from inside the held block (where a real one lands between two bytecodes
+    of a pipe write): the rest of the block runs, then the run's handler raises."""
+    from areno.runtime.signals import signals_held
+
+    done = []
+    with interrupts_raise(), pytest.raises(KeyboardInterrupt):
+        with signals_held():
+            os.kill(os.getpid(), sig)
+            done.append("the rest of the message")
+    assert done == ["the rest of the message"], signal.Signals(sig).name
+
+
+def test_the_step_window_defers_from_its_update_to_its_end_and_an_error_ends_it():
+    """train_loop's one deferral block: a signal after update_starts() waits for the
+    block's end; an exception inside ends the deferral, so the next signal raises."""
+    from areno.runtime.signals import step_window
+
+    done = []
+    with interrupts_raise():
+        with pytest.raises(KeyboardInterrupt):
+            with step_window() as update_starts:
+                update_starts()
+                os.kill(os.getpid(), signal.SIGHUP)  # marked: the step goes on
+                done.append("logged and saved")
+        assert done == ["logged and saved"]
+        with pytest.raises(ValueError):
+            with step_window() as update_starts:
+                update_starts()
+                raise ValueError("a backend failure, say")
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # not deferred any more: raises at once
+            done.append("not reached")
+    assert done == ["logged and saved"]
 
 
 def test_an_interrupt_inside_a_periodic_save_waits_for_it(tmp_path, monkeypatch, capsys):
@@ -76,10 +116,8 @@ def test_an_interrupt_inside_a_periodic_save_waits_for_it(tmp_path, monkeypatch,
 
     import areno.trainer
     from areno.backend.errors import BackendError
-    from areno.runtime.interrupt import defer_interrupts
-
-    def step(run, n):  # the real one defers interrupts once its update starts
-        defer_interrupts()
+    def step(run, n, update_starts):  # the real one calls it as its update starts
+        update_starts()
         return {}
 
     def save(n: int) -> None:
@@ -114,7 +152,7 @@ def test_an_interrupt_inside_a_periodic_save_waits_for_it(tmp_path, monkeypatch,
 # lands during the start-up imports (torch, numpy, transformers take seconds).
 SIGINT_IN_HOLD = """
 import contextlib, os, signal, sys
-import areno.runtime.startsignals as ss
+import areno.runtime.signals as ss
 hold = ss.held
 @contextlib.contextmanager
 def held_then_sigint():
@@ -149,9 +187,9 @@ def test_a_ctrl_c_during_the_start_up_imports_waits_for_the_command_to_handle_it
 
 
 def test_the_hold_gives_back_the_handlers_it_found():
-    from areno.runtime import startsignals
+    from areno.runtime import signals
     before = signal.getsignal(signal.SIGINT)
-    with startsignals.held():
+    with signals.held():
         os.kill(os.getpid(), signal.SIGINT)  # recorded, not raised
-        assert startsignals.take() == ["SIGINT"]
+        assert signals.take() == ["SIGINT"]
     assert signal.getsignal(signal.SIGINT) is before

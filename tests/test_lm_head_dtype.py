@@ -86,15 +86,11 @@ def test_without_autocast_the_lm_head_runs_in_the_weights_dtype(dtype) -> None:
 
 def test_lm_head_benchmark_smoke_run_times_both_paths(tmp_path) -> None:
     """scripts/bench_lm_head.py --smoke: both backwards timed, the same gradient."""
-    import importlib.util
     import json
     import math
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_lm_head.py"
-    spec = importlib.util.spec_from_file_location("bench_lm_head", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from areno.bench import lm_head as bench
+
     out = tmp_path / "lm_head.json"
     bench.main(["--smoke", "--repeats", "1", "--min-run-time", "0", "--out", str(out)])
     res = json.loads(out.read_text())

@@ -20,6 +20,7 @@ from areno.backend.lora import adapters_disabled, lora_layers, merged_state
 from areno.backend.model import PolicyModule, load_hf_model
 from areno.backend.step import no_grad_logprobs, to_device
 from areno.losses import LossConfig
+from rank_test_hooks import full_state_dict
 from test_backend_units import local_worker, make_split
 
 LORA = LoraSpec(rank=8, alpha=16.0)
@@ -213,12 +214,12 @@ def test_fsdp2_and_ddp_make_the_single_rank_lora_update(tiny_chat_path, tmp_path
         with TorchBackend(config(world, **kw)) as be:
             assert be.strategy == name
             metrics[name] = be.train(make_split(world))
-            states[name] = be.full_state_dict()
+            states[name] = full_state_dict(be)
             if name == "fsdp2":  # adapter + optimizer state through the sharded save/load
                 be.save_pretrained(tmp_path / "model")
                 be.save_state(tmp_path / "state")
                 want = be.train(make_split(2, seed=7))
-                want_state = be.full_state_dict()
+                want_state = full_state_dict(be)
     for name in ("fsdp2", "ddp"):
         for k in states["single"]:
             torch.testing.assert_close(states[name][k], states["single"][k], atol=2e-5, rtol=1e-4,
@@ -234,7 +235,7 @@ def test_fsdp2_and_ddp_make_the_single_rank_lora_update(tiny_chat_path, tmp_path
         for a, b in zip(got, want):
             for k in ("loss", "grad_norm", "lr"):
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-7), k
-        for k, v in resumed.full_state_dict().items():
+        for k, v in full_state_dict(resumed).items():
             torch.testing.assert_close(v, want_state[k], atol=1e-6, rtol=1e-5)
 
 

@@ -23,6 +23,7 @@ from areno.rollout.engine import SamplingConfig
 from areno.rollout.lora import adapter_fingerprint_of, adapter_nbytes, lora_scaling
 from areno.rollout.probe import (WeightSyncError, check_fingerprint, check_logprobs, fingerprint_mismatch,
                                  probe_logprobs, probe_tolerance, reduction_length, rounding_unit)
+from helpers import loaded_lora_ids
 
 MAX_MODEL_LEN = 128
 PROBE_IDS = np.arange(3, 40, dtype=np.int32)
@@ -262,7 +263,7 @@ def test_vllm_adapter_names_are_versioned_and_old_ones_removed(engine, trainer):
         sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), v)
         req = engine.adapters.request
         assert req.lora_name == f"areno-v{v}" and req.lora_int_id == v + 1
-        assert engine.adapters.loaded_ids() == {v + 1}  # list_loras: the previous version is gone
+        assert loaded_lora_ids(engine) == {v + 1}  # list_loras: the previous version is gone
         assert [p.name for p in engine.adapters._root.iterdir()] == [f"v{v}"]
         seen.append(req.lora_name)
     assert len(set(seen)) == 3
@@ -296,7 +297,7 @@ def test_vllm_lora_sleeps_at_level_1_and_re_adds_the_adapter(engine, trainer, mo
         engine.prompt_logprobs(PROBE_IDS)
     engine.wake_up()
     assert calls == [("sleep", 1), ("wake_up", None)]
-    assert engine.adapters.loaded_ids() == {engine.adapters.request.lora_int_id}
+    assert loaded_lora_ids(engine) == {engine.adapters.request.lora_int_id}
     want = adapter_fingerprint_of(adapter_tensors(trainer, DTYPES[engine.dtype_name]), lora_config())
     assert fingerprint_mismatch(engine.adapter_fingerprint(), want) is None
     verify_probe(engine, probe_for(trainer, engine))

@@ -59,7 +59,7 @@ def _assert_same(a, b):
     np.testing.assert_array_equal(sa.valid, sb.valid)
 
 
-def _check_engine(engine, tokenizer, tmp_path):
+def check_engine(engine, tokenizer, tmp_path):
     run, idx = _run(engine, tokenizer, tmp_path, workers=1)
     sampling = SamplingConfig(temperature=1.0, max_tokens=3, seed=11)
     try:
@@ -91,7 +91,7 @@ def test_overlap_equals_plain_hf(tiny_arith_path, tmp_path):
     from areno.rollout.hf import HFEngine
 
     engine = HFEngine(tiny_arith_path, dtype="float32", seed=0, max_model_len=64)
-    _check_engine(engine, AutoTokenizer.from_pretrained(tiny_arith_path), tmp_path)
+    check_engine(engine, AutoTokenizer.from_pretrained(tiny_arith_path), tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def vllm_engine(tiny_arith_path):
 def test_overlap_equals_plain_vllm(vllm_engine, tiny_arith_path, tmp_path):
     from transformers import AutoTokenizer
 
-    _check_engine(vllm_engine, AutoTokenizer.from_pretrained(tiny_arith_path), tmp_path)
+    check_engine(vllm_engine, AutoTokenizer.from_pretrained(tiny_arith_path), tmp_path)
 
 
 def test_vllm_stream_parts_cover_every_prompt_once(vllm_engine):

@@ -8,11 +8,11 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from areno.bench.lib import child_env
 from areno.errors import UserError
 from areno.rewards import (
     MAX_CHUNK,
@@ -347,7 +347,6 @@ def test_workers_die_with_a_killed_trainer(multi, tmp_path):
     # hung plugin, must not outlive it.
     script = write(tmp_path, "trainer.py", f"""
         import sys, time
-        sys.path.insert(0, {str(Path(__file__).parents[1])!r})
         from areno.rewards import RewardScorer, RewardRecord
         if __name__ == "__main__":  # spawned workers import this file too
             s = RewardScorer({multi!r}, workers=2, timeout=1000)
@@ -359,7 +358,7 @@ def test_workers_die_with_a_killed_trainer(multi, tmp_path):
             print(" ".join(str(w.proc.pid) for w in s._pool), flush=True)
             time.sleep(1000)
     """)
-    proc = subprocess.Popen([sys.executable, script], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, script], stdout=subprocess.PIPE, text=True, env=child_env())
     pids: list[int] = []
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]

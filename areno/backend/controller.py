@@ -43,6 +43,18 @@ from areno.rollout.probe import probe_due
 from areno.split import SplitPack
 
 
+class TrainSteps(list):
+    """backend.train's result: one metrics dict per optimizer step (a list, as
+    before), with that call's `timings` (seconds; peak GPU memory on GPU) and
+    `perf` (perf/train_tokens_per_s, perf/mfu on GPU). Empty: nothing trained."""
+
+    def __init__(self, steps: list[dict[str, float]] = (), timings: dict[str, float] | None = None,
+                 perf: dict[str, float] | None = None) -> None:
+        super().__init__(steps)
+        self.timings: dict[str, float] = dict(timings or {})
+        self.perf: dict[str, float] = dict(perf or {})
+
+
 class TorchBackend:
     """N rank processes training one policy. Use as a context manager, or call close()."""
 
@@ -149,13 +161,14 @@ class TorchBackend:
         return [h["pid"] for h in self.hellos]
 
     # -- commands --------------------------------------------------------------
-    def train(self, split: SplitPack) -> list[dict[str, float]]:
+    def train(self, split: SplitPack) -> TrainSteps:
         """One rollout batch: ppo_epochs x num_minibatches optimizer steps.
 
         Returns one dict per optimizer step (loss, grad_norm, lr, clip_frac,
         ratio stats, kl, entropy, logprob_diff, token counts, nan_skipped, step,
-        epoch, minibatch, step_time_s). Raises BackendError (backend shut down)
-        if a rank fails or max_nan_steps non-finite steps come in a row.
+        epoch, minibatch, step_time_s), with the call's timings and perf (TrainSteps).
+        Raises BackendError (backend shut down) if a rank fails or max_nan_steps
+        non-finite steps come in a row.
         """
         self._check_open()
         if split.world_size != self.world_size:
@@ -191,7 +204,7 @@ class TorchBackend:
         if "peak_mem_gb" in replies[0]:
             self.last_timings["peak_gpu_mem_gb"] = max(r["peak_mem_gb"] for r in replies)
             self.last_timings["peak_gpu_reserved_gb"] = max(r["peak_reserved_gb"] for r in replies)
-        return steps
+        return TrainSteps(steps, self.last_timings, self.last_perf)
 
     def publish_weights(self, *, fingerprinted: bool = True, slot: int = 0) -> WeightRegion:
         """Shared-memory transport (weight_sync.py): every rank gathers, rank 0 writes
@@ -283,10 +296,6 @@ class TorchBackend:
             raise FileNotFoundError(f"{path}: not a backend state directory (no trainer.pt)")
         self.command("load_state", path=str(path))
         self.step = int(torch.load(path / "trainer.pt", weights_only=False)["step"])
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every exported tensor, gathered and pickled from rank 0 (tests/debugging only)."""
-        return self.command("full_state")[0]
 
     # -- plumbing --------------------------------------------------------------
     def _atomic_dir(self, path: str | os.PathLike, cmd: str) -> Path:

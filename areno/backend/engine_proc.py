@@ -95,10 +95,3 @@ class EngineWorker:
         t0 = time.perf_counter()
         out = load_region(self.engine, region, self.sync_check)
         return out | {"load_s": time.perf_counter() - t0}
-
-    def cmd_debug(self, action: str, seconds: float = 0.0) -> None:
-        """Test hooks, as RankWorker's: 'sleep', 'raise' ('barrier' is a no-op here)."""
-        if action == "sleep":
-            time.sleep(seconds)
-        elif action == "raise":
-            raise RuntimeError(f"debug failure requested on engine process {self.index}")

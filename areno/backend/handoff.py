@@ -270,10 +270,3 @@ class LocalPack:
         return self.pack.slice_seqs(int(a), int(b))
 
 
-def list_segments(pid: int | None = None) -> list[str]:
-    """Names of live areno backend segments (of one controller pid, or all)."""
-    prefix = SHM_PREFIX if pid is None else f"{SHM_PREFIX}{pid}-"
-    try:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
-    except FileNotFoundError:
-        return []

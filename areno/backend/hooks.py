@@ -1,12 +1,13 @@
 """RankHooks: an optional observer of a rank's train command (and of an engine
-process's rollout), for benchmarks.
+process's rollout), for benchmarks, and the commands the suite adds to them.
 
 A normal run uses the base class, whose methods do nothing. Set
 `ARENO_RANK_HOOKS=module:attr` in the controller's environment and every rank
 builds its hooks once at startup by calling `attr()` from `module` (a
 RankHooks subclass); spawned ranks inherit the controller's environment and
-sys.path, so a module beside the benchmark script imports there.
-scripts/longcot_ranks.py is the user: it times the ranks' arrival at the first
+sys.path (torchrun ranks: its PYTHONPATH), so any module the controller can
+import, areno.bench's or the suite's, imports there.
+areno/bench/longcot/ranks.py is the user: it times the ranks' arrival at the first
 collective, counts device-to-host readbacks, and bounds the compute of a
 1M-token step on CPU ranks, without patching areno.
 
@@ -24,14 +25,19 @@ cmd_generate, and cmd_rollout after loading the weights it was sent):
   rollout_end(peer, tokens)
                            generation is done (`tokens` response tokens written);
                            the reply's generate_s includes the time spent here
-scripts/bench_async.py is the user: its hooks make each train command and each
+areno/bench/async_loop.py is the user: its hooks make each train command and each
 rollout take a fixed time (sleeping the remainder), stand-ins of given cost.
+
+Any command the controller sends that the worker has no cmd_<name> for:
+  command(name) -> fn or None
+                           fn(worker, **kwargs) runs it (the suite's fault
+                           injection and state reads, tests/rank_test_hooks.py)
 
 Once per engine process, at startup (EngineWorker.__init__, before any command):
   make_engine(cfg, device) -> (engine, kind) or None
                            None (the base): the engine rollout.factory.make_engine
                            builds from cfg.engine; a benchmark may return its own
-                           RolloutEngine instead (scripts/longcot_ranks.py: the
+                           RolloutEngine instead (areno/bench/longcot/ranks.py: the
                            long-CoT bench's synthetic engine, so its modelled
                            generation runs inside the engine process at K = 1)
 """
@@ -40,6 +46,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -74,6 +81,12 @@ class RankHooks:
 
     def rollout_end(self, peer: int, tokens: int) -> None:
         """The engine process finished generating: `tokens` response tokens."""
+
+    def command(self, name: str) -> Callable[..., Any] | None:
+        """A command these hooks add to the rank or engine process (the suite's
+        'debug' and 'full_state', tests/rank_test_hooks.py), called as
+        fn(worker, **kwargs) when the worker has no cmd_<name>; None: none (the base)."""
+        return None
 
     def make_engine(self, cfg: BackendConfig, device: torch.device) -> tuple[Any, str] | None:
         """An engine process's rollout engine and its kind (the hello's "engine"),

@@ -113,10 +113,10 @@ def merged_state(hf: nn.Module, names: list[str]) -> Iterator[tuple[str, torch.T
     name in `names` (the base model's `hf_state_names`), target linears merged as
     W0 + scaling * B @ A in fp32. One tensor at a time; every rank must iterate to
     the end (FSDP2 gathers are collectives, taken in the same order everywhere)."""
-    from areno.backend.weights import _tensor_table
+    from areno.backend.weights import tensor_table
 
     layers = lora_layers(hf)
-    table = _tensor_table(hf)
+    table = tensor_table(hf)
     with torch.no_grad():
         for name in names:
             module, _, leaf = name.rpartition(".")

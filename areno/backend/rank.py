@@ -16,6 +16,7 @@ region to map (or, for a rank on another host, one raw bytes message follows).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Client, Connection
+from collections.abc import Callable
 from typing import Any
 
 from areno.backend.config import BackendConfig
@@ -132,10 +134,21 @@ def serve(cfg: BackendConfig, conn: Connection, *, same_host: bool) -> None:
                 buf = bytearray(kwargs["handoff"].nbytes)
                 conn.recv_bytes_into(buf)
                 kwargs["payload"] = buf
-            result = getattr(worker, f"cmd_{cmd}")(**kwargs)
+            result = command_of(worker, cmd)(**kwargs)
             conn.send(("ok", result))
         except BaseException as e:  # noqa: BLE001
             _reply_error(conn, rank, e)
+
+
+def command_of(worker: Any, cmd: str) -> Callable[..., Any]:
+    """worker.cmd_<cmd>, else the command its hooks add (RankHooks.command)."""
+    fn = getattr(worker, f"cmd_{cmd}", None)
+    if fn is not None:
+        return fn
+    extra = worker.hooks.command(cmd)
+    if extra is None:
+        raise AttributeError(f"{type(worker).__name__} has no command {cmd!r}")
+    return functools.partial(extra, worker)
 
 
 def _reply_error(conn: Connection, rank: int, e: BaseException) -> None:

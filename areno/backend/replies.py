@@ -24,7 +24,7 @@ from typing import Any
 
 from areno.backend.errors import USER_ERROR, BackendError, RankUserError
 from areno.backend.heartbeat import HeartbeatWatch, stuck_rank_error
-from areno.backend.signals import signals_held
+from areno.runtime.signals import signals_held
 from areno.runtime.procs import exit_text
 
 

@@ -34,7 +34,7 @@ _AUX_FILES = (
 )
 
 
-def _tensor_table(hf: nn.Module) -> dict[str, torch.Tensor]:
+def tensor_table(hf: nn.Module) -> dict[str, torch.Tensor]:
     """state_dict key -> the live parameter/buffer (a DTensor under FSDP2), in
     state_dict order, plus lm_head.weight (the tied embedding when tied)."""
     live = dict(hf.named_parameters(remove_duplicate=False)) | dict(hf.named_buffers(remove_duplicate=False))
@@ -46,19 +46,19 @@ def _tensor_table(hf: nn.Module) -> dict[str, torch.Tensor]:
 
 def hf_state_names(hf: nn.Module) -> list[str]:
     """The HF model's state_dict keys, with lm_head.weight guaranteed."""
-    return list(_tensor_table(hf))
+    return list(tensor_table(hf))
 
 
 def state_meta(hf: nn.Module, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, dtype, global shape) per exported tensor, in export order: what a
     weight sync sends (every tensor in the engines' `dtype`)."""
-    return [(name, dtype, tuple(t.shape)) for name, t in _tensor_table(hf).items()]
+    return [(name, dtype, tuple(t.shape)) for name, t in tensor_table(hf).items()]
 
 
 def iter_full_state(hf: nn.Module, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor on the param's device), one at a time. Every rank must
     iterate to the end (FSDP2 gathers are collectives)."""
-    table = _tensor_table(hf)
+    table = tensor_table(hf)
     with torch.no_grad():
         for name in names:
             t = table[name].detach()

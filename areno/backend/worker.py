@@ -262,16 +262,3 @@ class RankWorker:
             set_rng_state(torch.load(rng, weights_only=False), self.device)
         dist.barrier()
 
-    def cmd_full_state(self) -> dict | None:
-        """Every exported tensor, gathered to CPU (tests and debugging; pickled)."""
-        out = {n: t.to("cpu", copy=True) for n, t in self.full_state()}
-        return out if self.rank == 0 else None
-
-    def cmd_debug(self, action: str, seconds: float = 0.0) -> None:
-        """Test hooks: 'sleep' (a long command), 'raise' (a failing one), 'barrier'."""
-        if action == "sleep":
-            time.sleep(seconds)
-        elif action == "raise":
-            raise RuntimeError(f"debug failure requested on rank {self.rank}")
-        elif action == "barrier":
-            dist.barrier()

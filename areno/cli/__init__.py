@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from areno.runtime.startsignals import held
+from areno.runtime.signals import held
 
 
 def main(argv: list[str] | None = None) -> int:

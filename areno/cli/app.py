@@ -22,7 +22,7 @@ from areno import __version__
 from areno.config.train import DEMO_PRESET, TrainConfig, field_type
 from areno.errors import UserError
 from areno.config.fieldcheck import flag_name
-from areno.runtime.startsignals import release
+from areno.runtime.signals import release
 
 app = typer.Typer(
     name="areno",
@@ -116,7 +116,7 @@ def train(**kwargs: Any) -> None:
     from areno.config.resume import given_options, resume_config
     from areno.trainer import run_training  # heavy imports only after validation
     from transformers import AutoTokenizer  # noqa: F401 (every run loads one: imported while
-    # start-up still holds Ctrl-C, so it never lands inside this import; see startsignals)
+    # start-up still holds Ctrl-C, so it never lands inside this import; see runtime/signals.py)
 
     cfg = resume_config(cfg, given_options(config_path, kwargs))
 

@@ -1,13 +1,15 @@
 """One option's value against its declaration: its type (bool, int, float, str,
 one of a Literal's choices, or None where the type is Optional) and the bounds
 that `config.opt(ge=, gt=, le=, lt=)` records. A mismatch is a UserError naming
-the flag."""
+the flag. Also: a file option's file exists (check_file)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 from areno.errors import UserError
@@ -59,3 +61,17 @@ def check_value(f: dataclasses.Field, hint: Any, value: Any) -> None:
         return
     if base is str and not isinstance(value, str):
         raise UserError(f"{flag}: expected a string; got {value!r}")
+
+
+def looks_local(s: str) -> bool:
+    """A path, not a hub id: it starts like one or exists."""
+    return s.startswith((".", "/", "~")) or os.path.exists(s)
+
+
+def check_file(flag: str, path: str, suffix: str | None = None) -> None:
+    """A file option names an existing file (with `suffix`, when given)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"{flag}: file not found: {path}")
+    if suffix and p.suffix != suffix:
+        raise UserError(f"{flag}: expected a {suffix} file, got {path}")

@@ -12,7 +12,6 @@ then the rules between options (`validate`).
 from __future__ import annotations
 
 import dataclasses
-import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from areno.config.choices import (
 from areno.errors import UserError
 from areno.config.lora import FULL_FT_LR, LORA_LR_FACTOR, check_lora_options
 from areno.data.tasks.arith import DEMO_PRESET
-from areno.config.fieldcheck import base_type, check_value
+from areno.config.fieldcheck import base_type, check_file, check_value, looks_local
 from areno.models.directory import MODEL_DIR_FIX, check_model_dir
 from areno.runtime.multinode import check_authkey
 from areno.config.offpolicy import OFF_POLICY_TIS_CAP, check_off_policy, off_policy_defaults
@@ -354,7 +353,7 @@ class TrainConfig:
         hints = _type_hints()
         for f in dataclasses.fields(self):
             check_value(f, hints[f.name], getattr(self, f.name))
-        if self.ckpt is not None and _looks_local(self.ckpt) and not Path(self.ckpt).is_dir():
+        if self.ckpt is not None and looks_local(self.ckpt) and not Path(self.ckpt).is_dir():
             raise UserError(f"--ckpt: no model directory at {self.ckpt}")
         if self.ckpt is not None:  # a few small reads: a bad model is one line in a second
             check_model_dir(self.ckpt, "--ckpt", MODEL_DIR_FIX)
@@ -372,9 +371,9 @@ class TrainConfig:
             raise UserError("--reward-fn-path is required with --dataset-path "
                             "(a .py file defining reward_fn or reward_fn_batch)")
         if self.reward_fn_path is not None and not self.reward_fn_path.startswith("builtin:"):
-            _check_file("--reward-fn-path", self.reward_fn_path, suffix=".py")
+            check_file("--reward-fn-path", self.reward_fn_path, suffix=".py")
         if self.dataset_loader_fn is not None:
-            _check_file("--dataset-loader-fn", self.dataset_loader_fn.split(":", 1)[0], suffix=".py")
+            check_file("--dataset-loader-fn", self.dataset_loader_fn.split(":", 1)[0], suffix=".py")
         if self.resume is None:  # resuming: on the config in effect, by resume.resume_config
             check_off_policy(self)
         _check_correction_options(self)
@@ -431,18 +430,6 @@ def _check_reward_timeout(given: dict[str, Any]) -> None:
         raise UserError(f"--reward-timeout {given['reward_timeout']} cannot be enforced with "
                         "--reward-workers 0 (in-process scoring has no worker to kill): give "
                         "--reward-workers 1 or more, or drop --reward-timeout")
-
-
-def _looks_local(s: str) -> bool:
-    return s.startswith((".", "/", "~")) or os.path.exists(s)
-
-
-def _check_file(flag: str, path: str, suffix: str | None = None) -> None:
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise UserError(f"{flag}: file not found: {path}")
-    if suffix and p.suffix != suffix:
-        raise UserError(f"{flag}: expected a {suffix} file, got {path}")
 
 
 _HINTS: dict[str, Any] = {}

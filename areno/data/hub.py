@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from areno.errors import UserError, _one_line
+from areno.errors import UserError, one_line
 
 PROBE_TIMEOUT_S = 5.0  # one metadata request; the hub answers in well under a second
 RepoType = Literal["model", "dataset"]
@@ -62,9 +62,9 @@ def hub_status(repo_id: str, repo_type: RepoType) -> HubStatus:
     except GatedRepoError:
         return HubStatus("found")  # it exists; the loaders say what access it needs
     except (RepositoryNotFoundError, HFValidationError) as e:
-        return HubStatus("missing", _one_line(e, 160))
+        return HubStatus("missing", one_line(e, 160))
     except Exception as e:  # noqa: BLE001 - DNS, refused, timeout, proxy, 5xx: all "cannot reach"
-        return HubStatus("unreachable", _one_line(e, 160))
+        return HubStatus("unreachable", one_line(e, 160))
     return HubStatus("found")
 
 

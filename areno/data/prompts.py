@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from areno.errors import UserError, _one_line
+from areno.errors import UserError, one_line
 from areno.rollout.batch import offsets_from_lengths
 
 
@@ -94,7 +94,7 @@ def render_prompts(
                 try:
                     tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
                 except Exception as e:  # noqa: BLE001
-                    raise UserError(f"row {i}: field 'prompt': the chat template failed on it: {_one_line(e)}") from None
+                    raise UserError(f"row {i}: field 'prompt': the chat template failed on it: {one_line(e)}") from None
             raise
     texts = []
     for i, r in enumerate(rows):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from areno.data.source import parse_dataset_spec, read_raw
-from areno.errors import UserError, _one_line, import_user_file, user_frame
+from areno.errors import UserError, one_line, import_user_file, user_frame
 
 DEFAULT_LOADER_FN = "load_row"
 _MAX_REASONS = 5  # skip reasons kept for the log
@@ -158,7 +158,7 @@ def normalize_rows(
                     out = loader_fn(dict(row))
                 except Exception as e:  # noqa: BLE001 - the user's code failed on this row
                     raise _RowError(
-                        i, None, f"loader_fn raised {_one_line(e)}"
+                        i, None, f"loader_fn raised {one_line(e)}"
                         f"{user_frame(e, loader_path) if loader_path else ''}"
                     ) from None
                 if out is None:

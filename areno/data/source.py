@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from areno.data import hub
-from areno.errors import UserError, _one_line
+from areno.errors import UserError, one_line
 
 DATASET_ALIASES = {"gsm8k": "openai/gsm8k"}
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -139,10 +139,10 @@ def _load_dataset(ds: DatasetSpec) -> Any:
         if ds.kind == "hub":
             raise UserError(
                 f"could not load dataset {ds.describe()} from the Hugging Face hub: "
-                f"{_one_line(e)}. Check the name, or download it and pass a local path "
+                f"{one_line(e)}. Check the name, or download it and pass a local path "
                 "(.jsonl/.json/.parquet/.csv file, save_to_disk directory, or a copy of the repo)"
             ) from None
-        raise UserError(f"could not load dataset {ds.describe()}: {_one_line(e)}") from None
+        raise UserError(f"could not load dataset {ds.describe()}: {one_line(e)}") from None
     finally:
         if bars_were_on:
             datasets.enable_progress_bars()
@@ -163,7 +163,7 @@ def _load_file(path: str) -> Any:
         cause: BaseException = e
         while cause.__cause__ is not None or cause.__context__ is not None:
             cause = cause.__cause__ or cause.__context__
-        raise UserError(f"dataset {path}: not valid {builder.upper()}: {_one_line(cause)}") from None
+        raise UserError(f"dataset {path}: not valid {builder.upper()}: {one_line(cause)}") from None
     finally:
         datasets.logging.set_verbosity(verbosity)
 
@@ -199,7 +199,7 @@ def read_json_rows(path: Path, *, skip_bad_rows: bool = False) -> RawRows:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"could not load dataset {path}: {_one_line(e)}") from None
+        raise UserError(f"could not load dataset {path}: {one_line(e)}") from None
     if not text.strip():
         raise UserError(f"dataset {path}: the file is empty (expected one JSON object per line)")
     whole = _whole_json(path, text)

@@ -11,11 +11,11 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from areno.rewards.plugin import _ERROR, _MAX_MESSAGES, _OK, REWARD_LIMIT, RewardCounts, RewardError, \
-    out_of_range
+from areno.rewards.plugin import (MAX_MESSAGES, REWARD_LIMIT, STATUS_ERROR, STATUS_OK, RewardCounts, RewardError,
+                                  out_of_range)
 
 
-class _Job:
+class Job:
     """One submit(): results land here by position."""
 
     def __init__(self, ticket: int, records: list) -> None:
@@ -34,8 +34,8 @@ class _Job:
 
 
 @dataclass
-class _Chunk:
-    job: _Job
+class Chunk:
+    job: Job
     pos: np.ndarray  # [n] int64 positions in the job
     records: list
     seq: int
@@ -52,19 +52,19 @@ class JobBook:
         self.workers = workers
         self.batch = batch  # the plugin scores a chunk in one call
         self.max_chunk = max_chunk
-        self.jobs: dict[int, _Job] = {}
-        self.pending: collections.deque[_Chunk] = collections.deque()
+        self.jobs: dict[int, Job] = {}
+        self.pending: collections.deque[Chunk] = collections.deque()
         self.next_ticket = 0
         self.seq = 0  # last chunk number handed out
 
-    def add(self, records: list) -> tuple[int, list[_Chunk]]:
+    def add(self, records: list) -> tuple[int, list[Chunk]]:
         """A new job for `records`: (its ticket, its chunks)."""
         ticket = self.next_ticket
         self.next_ticket += 1
-        job = self.jobs[ticket] = _Job(ticket, records)
+        job = self.jobs[ticket] = Job(ticket, records)
         return ticket, self.chunks(job, np.arange(len(records), dtype=np.int64), records)
 
-    def chunks(self, job: _Job, pos: np.ndarray, records: list, attempts: int = 0) -> list[_Chunk]:
+    def chunks(self, job: Job, pos: np.ndarray, records: list, attempts: int = 0) -> list[Chunk]:
         """Split records into chunks of up to max_chunk, ~4 per worker (1 for batch plugins)."""
         n = len(records)
         per = max(1, self.workers) * (1 if self.batch else 4)
@@ -72,10 +72,10 @@ class JobBook:
         out = []
         for lo in range(0, n, size):
             self.seq += 1
-            out.append(_Chunk(job, pos[lo : lo + size], records[lo : lo + size], self.seq, attempts))
+            out.append(Chunk(job, pos[lo : lo + size], records[lo : lo + size], self.seq, attempts))
         return out
 
-    def fail(self, job: _Job, pos: np.ndarray, kind: str, text: str) -> None:
+    def fail(self, job: Job, pos: np.ndarray, kind: str, text: str) -> None:
         """Apply the on_error policy to failed samples `pos` of `job`."""
         if job.done.is_set() or pos.size == 0:
             return
@@ -95,16 +95,16 @@ class JobBook:
         else:
             job.valid[pos] = False
             job.counts["skipped"] += k
-        if len(job.messages) < _MAX_MESSAGES:
+        if len(job.messages) < MAX_MESSAGES:
             job.messages.append(msg)
         self._settle(job, k)
 
-    def _settle(self, job: _Job, k: int) -> None:
+    def _settle(self, job: Job, k: int) -> None:
         job.remaining -= k
         if job.remaining == 0:
             self._finish(job)
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: Job) -> None:
         job.done.set()
         if any(c.job is job for c in self.pending):
             self.pending = collections.deque(c for c in self.pending if c.job is not job)
@@ -116,12 +116,12 @@ class JobBook:
                 job.done.set()
         self.pending.clear()
 
-    def record(self, chunk: _Chunk, stat: np.ndarray, vals: np.ndarray) -> None:
+    def record(self, chunk: Chunk, stat: np.ndarray, vals: np.ndarray) -> None:
         """Take the finished samples (status != pending) of a chunk."""
         job = chunk.job
         if job.done.is_set():
             return
-        ok = stat == _OK
+        ok = stat == STATUS_OK
         wild = out_of_range(vals)
         fine = ok & ~wild
         good = chunk.pos[fine]
@@ -134,6 +134,6 @@ class JobBook:
             self.fail(job, chunk.pos[bad], "nan", f"returned {v:g}{why} (rewards must be finite "
                       f"and within +-{REWARD_LIMIT:g}: scale it down)")
         errors = chunk.errors or {}
-        for i in np.flatnonzero(stat == _ERROR):
+        for i in np.flatnonzero(stat == STATUS_ERROR):
             text = errors.get(int(i)) or errors.get(-1) or "raised an exception"
             self.fail(job, chunk.pos[i : i + 1], "errors", text)

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from areno.config.choices import OnError
-from areno.errors import UserError, _one_line, import_user_file, is_signal_interrupt, user_frame
+from areno.errors import UserError, one_line, import_user_file, is_signal_interrupt, user_frame
 from areno.rollout.batch import FINISH_REASONS
 
 ON_ERROR: tuple[str, ...] = typing.get_args(OnError)
@@ -33,8 +33,8 @@ FAILURE_KINDS = ("errors", "timeouts", "nan", "worker_crashes")
 # advantage and reward metric of the step would turn inf/NaN. It is a failure
 # of kind `nan`, handled by --on-reward-error like NaN (README, "Rewards").
 REWARD_LIMIT = 1e6
-_MAX_MESSAGES = 5  # failure messages kept in a RewardResult
-_PENDING, _OK, _ERROR = 0, 1, 2  # per-sample status (in shared memory under workers)
+MAX_MESSAGES = 5  # failure messages kept in a RewardResult
+STATUS_PENDING, STATUS_OK, STATUS_ERROR = 0, 1, 2  # per-sample status (in shared memory under workers)
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class RewardResult:
             rewards=np.concatenate([r.rewards for r in results] or [np.zeros(0, np.float32)]),
             valid=np.concatenate([r.valid for r in results] or [np.zeros(0, bool)]),
             counts=counts,
-            messages=tuple(m for r in results for m in r.messages)[:_MAX_MESSAGES],
+            messages=tuple(m for r in results for m in r.messages)[:MAX_MESSAGES],
         )
 
 
@@ -125,8 +125,8 @@ class RewardResult:
 
 def _as_reward(out: Any) -> tuple[int, float, str]:
     if isinstance(out, (numbers.Real, np.bool_)):
-        return _OK, float(out), ""
-    return _ERROR, math.nan, f"returned {type(out).__name__} {_short(out)}, not a number"
+        return STATUS_OK, float(out), ""
+    return STATUS_ERROR, math.nan, f"returned {type(out).__name__} {_short(out)}, not a number"
 
 
 def out_of_range(vals: np.ndarray) -> np.ndarray:
@@ -153,17 +153,17 @@ def _run(plugin: RewardPlugin, arg: Any, loop: asyncio.AbstractEventLoop | None)
 def _raised(e: BaseException, plugin: RewardPlugin) -> str:
     if is_signal_interrupt(e):  # a Ctrl-C; a plugin's own KeyboardInterrupt is its error
         raise e
-    return f"raised {_one_line(e)}{user_frame(e, plugin.path)}"
+    return f"raised {one_line(e)}{user_frame(e, plugin.path)}"
 
 
-def _score_one(plugin: RewardPlugin, rec: Any, loop: Any) -> tuple[int, float, str]:
+def score_one(plugin: RewardPlugin, rec: Any, loop: Any) -> tuple[int, float, str]:
     try:
         return _as_reward(_run(plugin, rec, loop))
     except BaseException as e:  # noqa: BLE001 - SystemExit is the plugin's error too
-        return _ERROR, math.nan, _raised(e, plugin)
+        return STATUS_ERROR, math.nan, _raised(e, plugin)
 
 
-def _score_batch(plugin: RewardPlugin, recs: list, loop: Any) -> tuple[list, str]:
+def score_batch(plugin: RewardPlugin, recs: list, loop: Any) -> tuple[list, str]:
     """-> ([(status, value, msg)] per record, chunk-level error message or '')."""
     try:
         out = _run(plugin, list(recs), loop)

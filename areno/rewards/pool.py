@@ -52,22 +52,22 @@ from typing import Any
 
 import numpy as np
 
-from areno.errors import UserError, _one_line
+from areno.errors import UserError, one_line
 from areno.runtime.procs import exit_text
-from areno.rewards.jobs import JobBook, _Chunk
+from areno.rewards.jobs import JobBook, Chunk
 from areno.rewards.plugin import (
-    _ERROR,
-    _PENDING,
+    STATUS_ERROR,
+    STATUS_PENDING,
     ON_ERROR,
     OnError,
     RewardCounts,
     RewardError,
     RewardResult,
-    _score_batch,
-    _score_one,
+    score_batch,
+    score_one,
     load_reward_plugin,
 )
-from areno.rewards.worker import _Worker
+from areno.rewards.worker import Worker
 
 STARTUP_TIMEOUT_S = 120.0  # a worker must import the plugin within this
 MAX_CHUNK = 64  # samples per chunk, per-sample plugins (batch plugins: 4x)
@@ -117,7 +117,7 @@ class RewardScorer:
             self._ctx = mp.get_context("spawn")
             self._wake_r, self._wake_w = os.pipe()
             os.set_blocking(self._wake_w, False)
-            self._pool: list[_Worker] = []
+            self._pool: list[Worker] = []
             self._thread = threading.Thread(target=self._pump, name="areno-reward-pump", daemon=True)
             self._thread.start()
         _LIVE.add(self)
@@ -185,16 +185,16 @@ class RewardScorer:
         except BlockingIOError:  # the pipe is full of wake-ups already
             pass
 
-    def _score_inline(self, chunk: _Chunk) -> None:
+    def _score_inline(self, chunk: Chunk) -> None:
         """workers=0: score now, in this thread."""
         n = len(chunk.records)
         if self.plugin.batch:
-            results, err = _score_batch(self.plugin, chunk.records, self._loop)
+            results, err = score_batch(self.plugin, chunk.records, self._loop)
             if err:
-                results = [(_ERROR, math.nan, err)] * n
+                results = [(STATUS_ERROR, math.nan, err)] * n
         else:
-            results = [_score_one(self.plugin, r, self._loop) for r in chunk.records]
-        chunk.errors = {i: m for i, (s, _, m) in enumerate(results) if s == _ERROR}
+            results = [score_one(self.plugin, r, self._loop) for r in chunk.records]
+        chunk.errors = {i: m for i, (s, _, m) in enumerate(results) if s == STATUS_ERROR}
         stat = np.fromiter((s for s, _, _ in results), np.int8, n)
         vals = np.fromiter((v for _, v, _ in results), np.float64, n)
         self._book.record(chunk, stat, vals)
@@ -216,7 +216,7 @@ class RewardScorer:
                     self._service(ready)
         except BaseException as e:  # noqa: BLE001 - reported to every collect()
             with self._lock:
-                self._fatal = e if isinstance(e, RewardError) else RuntimeError(f"reward scorer failed: {_one_line(e)}")
+                self._fatal = e if isinstance(e, RewardError) else RuntimeError(f"reward scorer failed: {one_line(e)}")
                 self._fatal.__cause__ = e
                 self._book.abort_all(self._fatal)
         finally:
@@ -230,8 +230,8 @@ class RewardScorer:
                 w.stop(kill=w.chunk is not None)
                 w.conn.close()
 
-    def _spawn(self) -> _Worker:
-        return _Worker(self._ctx, self.path, self.max_chunk)
+    def _spawn(self) -> Worker:
+        return Worker(self._ctx, self.path, self.max_chunk)
 
     def _dispatch(self) -> None:
         for w in self._pool:
@@ -240,12 +240,12 @@ class RewardScorer:
             if w.ready and w.chunk is None:
                 chunk = self._book.pending.popleft()
                 n = len(chunk.records)
-                np.frombuffer(w.status, np.int8)[:n] = _PENDING
+                np.frombuffer(w.status, np.int8)[:n] = STATUS_PENDING
                 chunk.errors = {}
                 w.chunk = chunk
                 w.conn.send((chunk.seq, chunk.records))
 
-    def _limit(self, chunk: _Chunk) -> float:
+    def _limit(self, chunk: Chunk) -> float:
         return self.timeout * (len(chunk.records) if self.plugin.batch else 1)
 
     def _next_deadline(self) -> float:
@@ -271,20 +271,20 @@ class RewardScorer:
             elif w.chunk is not None and self._expired(w, now):
                 self._retire(slot, "timeouts", f"timed out after {self._limit(w.chunk):g} s (worker killed)")
 
-    def _expired(self, w: _Worker, now: float) -> bool:
+    def _expired(self, w: Worker, now: float) -> bool:
         seq, pos, t0 = w.progress[0], w.progress[1], w.progress[2]
         if seq != w.chunk.seq or now <= t0 + self._limit(w.chunk):
             return False
         return (w.progress[0], w.progress[1]) == (seq, pos)  # not moved on meanwhile
 
-    def _drain(self, w: _Worker) -> None:
+    def _drain(self, w: Worker) -> None:
         try:
             while w.conn.poll(0):
                 self._on_message(w, w.conn.recv())
         except (EOFError, OSError):
             pass
 
-    def _on_message(self, w: _Worker, msg: tuple) -> None:
+    def _on_message(self, w: Worker, msg: tuple) -> None:
         kind = msg[0]
         if kind == "ready":
             w.ready = True
@@ -320,12 +320,12 @@ class RewardScorer:
             self._salvage(w, chunk, kind, text)
         self._pool[slot] = self._spawn()
 
-    def _salvage(self, w: _Worker, chunk: _Chunk, kind: str, text: str) -> None:
+    def _salvage(self, w: Worker, chunk: Chunk, kind: str, text: str) -> None:
         n = len(chunk.records)
         stat = np.frombuffer(w.status, np.int8)[:n].copy()
         vals = np.frombuffer(w.values, np.float64)[:n].copy()
         self._book.record(chunk, stat, vals)
-        left = stat == _PENDING
+        left = stat == STATUS_PENDING
         if w.progress[0] == chunk.seq:  # it had started the chunk: charge the culprit
             culprit = left.copy() if self.plugin.batch else np.zeros(n, bool)
             pos = int(w.progress[1])

@@ -17,20 +17,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from areno.errors import UserError, _one_line
+from areno.errors import UserError, one_line
 from areno.runtime.procs import die_with_parent
-from areno.rewards.plugin import _ERROR, _score_batch, _score_one, load_reward_plugin
+from areno.rewards.plugin import STATUS_ERROR, load_reward_plugin, score_batch, score_one
 from areno.rundir.log import redirect_child_output
 
 if TYPE_CHECKING:
-    from areno.rewards.jobs import _Chunk
+    from areno.rewards.jobs import Chunk
 
 
 def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, parent_pid: int) -> None:
     die_with_parent(parent_pid)
     # A session (and process group) of its own, before the plugin runs: every
     # process the plugin starts (a compiler, a test binary, a fork) joins it,
-    # and _Worker.stop kills the whole group with the worker.
+    # and Worker.stop kills the whole group with the worker.
     os.setsid()
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/rundir/log.py)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
@@ -40,7 +40,7 @@ def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, 
     try:
         plugin = load_reward_plugin(path)
     except BaseException as e:  # noqa: BLE001
-        conn.send(("fatal", str(e) if isinstance(e, UserError) else _one_line(e)))
+        conn.send(("fatal", str(e) if isinstance(e, UserError) else one_line(e)))
         return
     conn.send(("ready",))
     loop = asyncio.new_event_loop() if plugin.is_async else None
@@ -60,13 +60,13 @@ def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, 
         progress[1] = 0
         progress[0] = seq
         if plugin.batch:
-            results, err = _score_batch(plugin, recs, loop)
+            results, err = score_batch(plugin, recs, loop)
             if err:
                 conn.send(("err", seq, -1, err))  # before the status, so status => message sent
-                stat[: len(recs)] = _ERROR
+                stat[: len(recs)] = STATUS_ERROR
             else:
                 for i, (s, v, m) in enumerate(results):
-                    if s == _ERROR:
+                    if s == STATUS_ERROR:
                         conn.send(("err", seq, i, m))
                     vals[i] = v
                     stat[i] = s
@@ -75,15 +75,15 @@ def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, 
                 if i:
                     progress[2] = time.monotonic()
                     progress[1] = i
-                s, v, m = _score_one(plugin, rec, loop)
-                if s == _ERROR:
+                s, v, m = score_one(plugin, rec, loop)
+                if s == STATUS_ERROR:
                     conn.send(("err", seq, i, m))
                 vals[i] = v
                 stat[i] = s
         conn.send(("done", seq))
 
 
-class _Worker:
+class Worker:
     def __init__(self, ctx: Any, path: str, max_chunk: int) -> None:
         self.progress = ctx.RawArray("d", 3)  # chunk seq, position, start time
         self.progress[0] = -1
@@ -101,7 +101,7 @@ class _Worker:
         self.started = time.monotonic()
         self.ready = False
         self.fatal = ""
-        self.chunk: _Chunk | None = None  # the chunk it is scoring
+        self.chunk: Chunk | None = None  # the chunk it is scoring
 
     def stop(self, kill: bool) -> None:
         """Kill (or wait for) the process, then what is left of its process group

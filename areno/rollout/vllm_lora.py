@@ -145,9 +145,6 @@ class VLLMAdapters:
         lora_id = None if self.request is None else self.request.lora_int_id
         return self.llm.collective_rpc(served_fingerprint, args=(lora_id,))[0]
 
-    def loaded_ids(self) -> set[int]:
-        return set(self.llm.llm_engine.list_loras())
-
     def close(self) -> None:
         shutil.rmtree(self._root, ignore_errors=True)
         self._dir = None

@@ -29,7 +29,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -52,13 +52,10 @@ def checkpoint_root(cfg: Any, output_dir: Path) -> Path:
 def recorded_save_path(output_dir: Path) -> str | None:
     """The --save-path the run in `output_dir` recorded in its config.yaml (None: the
     default place, or no readable config.yaml)."""
-    import yaml
+    from areno.config.file import read_run_config
 
-    try:
-        saved = yaml.safe_load((output_dir / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        return None
-    value = saved.get("save_path") if isinstance(saved, dict) else None
+    saved = read_run_config(output_dir)
+    value = saved.get("save_path") if saved else None
     return value if isinstance(value, str) and value else None
 
 
@@ -89,7 +86,26 @@ def latest_checkpoint(root: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def save_checkpoint(run: Any, step: int) -> Path:
+class CheckpointBackend(Protocol):
+    def save_pretrained(self, path: Path) -> Any: ...
+    def save_state(self, path: Path) -> Any: ...
+
+
+class Checkpointed(Protocol):
+    """What a checkpoint is written from (run.Run is one): the options (cfg:
+    save_path, keep_last, to_dict), the run directory, the ranks' backend, the
+    tokenizer, the data cursor (sampler.state_dict), the base model's path, and
+    the asynchronous loop's state (`ahead`, optional: None or absent at K = 0)."""
+
+    cfg: Any
+    output_dir: Path
+    backend: CheckpointBackend
+    tokenizer: Any
+    sampler: Any
+    model_path: str
+
+
+def save_checkpoint(run: Checkpointed, step: int) -> Path:
     """Write run's state at `step` atomically; prune to --keep-last. Returns the path.
     The asynchronous loop's rollout in flight is waited for and saved with it
     (asyncloop.py; an interrupt drops it first)."""
@@ -144,14 +160,14 @@ def disk_full_note(root: Path, tmp: Path) -> str | None:
     except OSError:
         return None
     last = latest_checkpoint(root)
-    need = _du(last) if last else 0
-    if free >= LOW_SPACE and free + _du(tmp) >= need:
+    need = dir_bytes(last) if last else 0
+    if free >= LOW_SPACE and free + dir_bytes(tmp) >= need:
         return None
     return (f"no space left on the device of {root} ({free / 2**20:.1f} MiB free"
             + (f"; a checkpoint takes {need / 2**20:.1f} MiB" if need else "") + ")")
 
 
-def _du(path: Path) -> int:
+def dir_bytes(path: Path) -> int:
     total = 0
     for d, _, files in os.walk(path):
         for f in files:

@@ -114,11 +114,11 @@ def reward_failures(m: dict[str, float]) -> str:
 
 class RunConsole(Console):
     """The run's console: a closed stdout (`areno train | head -3`) stops the run
-    as an interrupt does (saved, resume line on stderr: interrupt.stdout_closed),
+    as an interrupt does (saved, resume line on stderr: signals.stdout_closed),
     where rich would exit 1 with no word and no checkpoint."""
 
     def on_broken_pipe(self) -> None:
-        from areno.runtime.interrupt import stdout_closed
+        from areno.runtime.signals import stdout_closed
 
         self.quiet = True
         stdout_closed()

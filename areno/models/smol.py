@@ -15,7 +15,8 @@ model.safetensors, generation_config.json and the tokenizer files. The build
 runs in a temp dir beside it and is renamed into place, so an interrupted
 build never leaves a half-written model where the next run would take it.
 
-Only tests use this (fixture `smol_path` in tests/conftest.py).
+The suite (fixture `smol_path` in tests/conftest.py) and scripts/bench_lora.py
+use it; nothing in a run does.
 """
 
 from __future__ import annotations

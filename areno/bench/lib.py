@@ -26,6 +26,15 @@ from torch.overrides import TorchFunctionMode
 
 
 # -- CLI and output -------------------------------------------------------------
+def child_env(*paths: str | Path, **extra: str) -> dict[str, str]:
+    """os.environ + extra, with PYTHONPATH led by the directory that holds this
+    areno (then `paths`): a child process (`python -m areno.cli`, a script)
+    imports the same checkout as its parent, installed or not."""
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(filter(None, [str(root), *map(str, paths), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, **extra, "PYTHONPATH": path}
+
+
 def write_json(path: Path, obj: Any) -> None:
     """Write to a temp file beside `path`, then rename (never half-written)."""
     path.parent.mkdir(parents=True, exist_ok=True)

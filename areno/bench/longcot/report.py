@@ -8,7 +8,7 @@ the same load.
 from __future__ import annotations
 
 import numpy as np
-from benchlib import table, target, target_lines
+from areno.bench.lib import table, target, target_lines
 
 
 def paired_ratio(out: dict, num: str, den: str, key_num: str, key_den: str | None = None) -> float:

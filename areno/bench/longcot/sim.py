@@ -21,7 +21,7 @@ call, then of the publish) before the next call replaces them.
 
 ProcEngine: the same engine inside the engine process of split placement (the
 K = 1 mode: --rollout-world-size 1 --off-policy-steps 1), built there by
-longcot_ranks.LongcotRankHooks.make_engine when ENGINE_SPEC_ENV names a spec
+ranks.LongcotRankHooks.make_engine when ENGINE_SPEC_ENV names a spec
 file. The controller writes that file (write_engine_spec: the engine's
 arguments and the Run's PromptSet) once its Run is open; the engine reads it
 at its first rollout and prepares the very responses and timeline the
@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
-from benchlib import sleep_until
-from listref import ListRollouts
+from areno.bench.lib import sleep_until
+from areno.bench.listref import ListRollouts
 
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths
 

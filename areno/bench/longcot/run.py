@@ -1,5 +1,5 @@
 """bench_longcot's run: the modes, one measured step, the rounds, the checks.
-scripts/bench_longcot.py (the CLI, and what is measured) calls `run_bench`.
+areno/bench/longcot/cli.py (the CLI, and what is measured) calls `run_bench`.
 
 Imported only by the bench's main process: the ranks and reward workers are
 spawned, and spawn imports the main script in every child, so bench_longcot.py
@@ -24,11 +24,11 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from benchlib import cpu_in, loadavg, proc_kb, reset_peak_rss, union_in
-from longcot_ranks import HOOKS_SPEC, MICRO_LIMIT_ENV, PROBE_DIR_ENV, RankLog, rank_figures
-from longcot_ref import ref_train_step
-from longcot_report import evaluate_targets
-from longcot_sim import (ENGINE_SPEC_ENV, REWARD_COST_ENV, REWARD_PLUGIN, SyntheticEngine, set_reward_cost,
+from areno.bench.lib import cpu_in, loadavg, proc_kb, reset_peak_rss, union_in
+from areno.bench.longcot.ranks import HOOKS_SPEC, MICRO_LIMIT_ENV, PROBE_DIR_ENV, RankLog, rank_figures
+from areno.bench.longcot.ref import ref_train_step
+from areno.bench.longcot.report import evaluate_targets
+from areno.bench.longcot.sim import (ENGINE_SPEC_ENV, REWARD_COST_ENV, REWARD_PLUGIN, SyntheticEngine, set_reward_cost,
                          write_dataset, write_engine_spec)
 
 from areno.backend.hooks import RANK_HOOKS_ENV
@@ -173,7 +173,7 @@ def bench_config(args: argparse.Namespace, tmp: Path, k1: bool = False) -> tuple
         output_dir=str(tmp / ("run_k1" if k1 else "run")), no_save=True, lr=1e-6,
         max_tokens_per_micro=args.max_tokens_per_micro, overlap_rewards=True, seed=args.seed,
         # K = 1: the engine process builds the real engine for the weights, and
-        # ProcEngine around it (longcot_ranks.LongcotRankHooks.make_engine)
+        # ProcEngine around it (ranks.LongcotRankHooks.make_engine)
         **(dict(rollout_world_size=1, off_policy_steps=1, rollout_engine="hf") if k1 else {}),
     ))
     return cfg, cost_file
@@ -336,7 +336,7 @@ def run_async(args: argparse.Namespace, tmp: Path, cost_file: Path) -> tuple[lis
     cfg, _ = bench_config(args, tmp, k1=True)
     set_reward_cost(cost_file, 0.0, args.reward_busy)
     spec, log = tmp / "engine_spec.json", tmp / "engine_rollouts.jsonl"
-    os.environ[ENGINE_SPEC_ENV] = str(spec)  # read by the engine process (longcot_ranks.make_engine)
+    os.environ[ENGINE_SPEC_ENV] = str(spec)  # read by the engine process (ranks.make_engine)
     try:
         with open_run(cfg) as run:
             ref = SyntheticEngine(n=args.samples, resp_len=args.resp_len, max_new_tokens=args.max_new_tokens,

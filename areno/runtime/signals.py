@@ -1,0 +1,200 @@
+"""Ctrl-C, SIGTERM and SIGHUP: every handler areno installs, over ONE list of
+signals (HELD), and the three ways it holds them.
+
+1. Start-up (`held`, `take`, `release`). Start-up imports take seconds (torch,
+   numpy, transformers), and a KeyboardInterrupt raised inside one leaves the
+   module half-initialised: a later import of it fails with a traceback ("CPU
+   dispatcher tracer already initialized", a circular import in accelerate),
+   and one raised while a C extension runs Python code makes CPython end by
+   SIGINT after areno's own clean exit (status -2, not 130). So from `main()`
+   on, the signals are only recorded until the command takes them: `train` at
+   the start of its run (`raise_held`, which stops at once with the start-up
+   message if one came), the other commands as they start (`release`).
+2. The run (`interrupts_raise`, `defer_interrupts`/`release_interrupts`). Each
+   signal raises SignalInterrupt in the main thread (SIGTERM normally kills the
+   process without a word, SIGHUP comes from a closed terminal or ssh session);
+   once a step's update has started the first one only marks the step, which
+   then ends whole (areno/runtime/interrupt.py says what the run does next).
+3. A pipe message (`signals_held`): held across one write or read of the
+   command pipes, so that an interrupt can never split one (issue 17).
+
+Standard library only (and areno.errors): areno.cli imports it before anything
+heavy, so the start-up hold begins at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from areno.errors import SignalInterrupt
+
+HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_received: list[str] = []  # the names of the signals the run has seen, newest last
+
+
+def last_signal() -> str:
+    """The name of the newest signal that stopped the run ("SIGINT" if none was seen)."""
+    return _received[-1] if _received else "SIGINT"
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+# --- 1. start-up ----------------------------------------------------------------
+
+_pending: list[str] = []  # the held signals' names, oldest first
+_holding = [False]
+
+
+def _record(signum: int, _frame: object) -> None:
+    _pending.append(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def held() -> Iterator[None]:
+    """Record HELD signals instead of acting on them until `take()`/`release()`;
+    the handlers in place before are back at the end (main() called in-process)."""
+    if not _in_main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, _record) for s in HELD}
+    _pending.clear()
+    _holding[0] = True
+    try:
+        yield
+    finally:
+        _holding[0] = False
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def take() -> list[str]:
+    """End the hold: the held signals' names (oldest first), emptied. The caller
+    installs its own handlers next and acts on what came meanwhile."""
+    _holding[0] = False
+    got, _pending[:] = list(_pending), []
+    return got
+
+
+def release() -> None:
+    """End the hold for a command without handlers of its own: Ctrl-C raises
+    KeyboardInterrupt again (now, if one came meanwhile), the others kill."""
+    if not _holding[0]:
+        return
+    got = take()
+    for s in HELD:
+        signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+    if got:
+        raise KeyboardInterrupt
+
+
+def raise_held() -> None:
+    """Raise the interrupt that came while start-up held the signals, if one
+    did; from here on they are the run's (interrupts_raise)."""
+    came = take()
+    if came:
+        _received.extend(came)
+        raise SignalInterrupt
+
+
+# --- 2. the run -----------------------------------------------------------------
+
+_deferred: dict[str, bool] = {"on": False, "hit": False}
+
+
+def _raise(signum: int, _frame: Any) -> None:
+    _received.append(signal.Signals(signum).name)
+    if _deferred["on"] and not _deferred["hit"]:  # a second one raises at once
+        _deferred["hit"] = True
+        return
+    raise SignalInterrupt
+
+
+@contextlib.contextmanager
+def interrupts_raise() -> Iterator[None]:
+    """HELD signals raise SignalInterrupt (a KeyboardInterrupt) while the block
+    runs (only the main thread may set handlers: elsewhere, a no-op)."""
+    if not _in_main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, _raise) for s in HELD}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def defer_interrupts() -> None:
+    """From here until release_interrupts(), the first signal only marks the
+    step: once its update has reached the weights, finishing it (sync, log) is
+    the only way to save it as a whole."""
+    _deferred.update(on=True, hit=False)
+
+
+def release_interrupts(*, raise_pending: bool = True) -> None:
+    """End the deferral; raise KeyboardInterrupt if an interrupt came meanwhile."""
+    hit = _deferred["hit"]
+    _deferred.update(on=False, hit=False)
+    if hit and raise_pending:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def step_window() -> Iterator[Callable[[], None]]:
+    """One step's interrupt window, from its update to its end (log, save). Yields
+    `update_starts`, which the step calls as its update begins (defer_interrupts):
+    from then on the first signal only marks the step, and the block's end raises
+    it. Leaving the block by an exception ends the deferral without raising."""
+    try:
+        yield defer_interrupts
+    except BaseException:
+        release_interrupts(raise_pending=False)
+        raise
+    release_interrupts()  # an interrupt during the update or save lands here: the step is whole
+
+
+def stdout_closed() -> None:
+    """stdout's reader went away (`areno train | head -3`): stop as a closed
+    pipe stops any Unix command, but as an interrupt (save the last finished
+    step, the resume line on stderr). Later writes go to /dev/null, so the
+    shutdown's own output cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    _received.append("SIGPIPE")
+    raise SignalInterrupt
+
+
+# --- 3. a pipe message ----------------------------------------------------------
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """HELD signals that arrive in the block run their Python handler when it
+    ends, in arrival order: a message half sent, or read but not yet counted as
+    the rank's reply, would leave the controller waiting for a reply that will
+    not come, and the interrupt's save would then find the backend aborted
+    ("step N could not be saved", issue 17). Only the main thread runs handlers
+    (elsewhere a no-op); handlers that are not Python callables (SIG_IGN,
+    SIG_DFL) stay as they are."""
+    if not _in_main_thread():
+        yield
+        return
+    seen: list[tuple[int, Any]] = []
+    old = {s: h for s in HELD if callable(h := signal.getsignal(s))}
+    for s in old:
+        signal.signal(s, lambda signum, frame: seen.append((signum, frame)))
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        for signum, frame in seen:
+            old[signum](signum, frame)

@@ -1,0 +1,45 @@
+"""The suite's rank-side commands, installed in every rank and engine process the
+tests start through ARENO_RANK_HOOKS (set in tests/conftest.py; see
+areno/backend/hooks.py): fault injection ('debug') and a read of the full weights
+('full_state'). Nothing in a run has them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from areno.backend.hooks import RankHooks
+
+
+def cmd_debug(worker: Any, action: str, seconds: float = 0.0) -> None:
+    """'sleep' (a long command), 'raise' (a failing one), 'barrier' (ranks only), 'noop'."""
+    if action == "sleep":
+        time.sleep(seconds)
+    elif action == "raise":
+        where = f"rank {worker.rank}" if hasattr(worker, "rank") else f"engine process {worker.index}"
+        raise RuntimeError(f"debug failure requested on {where}")
+    elif action == "barrier" and hasattr(worker, "rank"):
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def full_state(worker: Any) -> dict | None:
+    """Every exported tensor of a RankWorker, gathered to CPU (rank 0; None elsewhere)."""
+    out = {n: t.to("cpu", copy=True) for n, t in worker.full_state()}
+    return out if worker.rank == 0 else None
+
+
+class TestRankHooks(RankHooks):
+    __test__ = False  # not a pytest class
+
+    COMMANDS: dict[str, Callable[..., Any]] = {"debug": cmd_debug, "full_state": full_state}
+
+    def command(self, name: str) -> Callable[..., Any] | None:
+        return self.COMMANDS.get(name)
+
+
+def full_state_dict(be: Any) -> dict:
+    """A running backend's full weights, from rank 0 (the 'full_state' command)."""
+    return be.command("full_state")[0]
