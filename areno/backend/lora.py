@@ -20,6 +20,17 @@ loads them back (resume, --eval-only of an adapter checkpoint).
 
 KL: `adapters_disabled` turns every adapter off for the reference forward, so
 the reference log-probs are the base model's without a second copy of it.
+
+Dropout (--lora-dropout): on in the update's forward only (`dropout_active`),
+where peft means it (a regulariser of the adapters' training); off everywhere
+the trainer's log-probs must equal the engine's, which never drops: the sync
+probe, --recompute-logprobs, the KL reference, the first sync after --resume
+or of --eval-only. peft's nn.Dropout follows the module's train/eval mode,
+which get_peft_model leaves in train mode and --grad-checkpointing sets for
+the whole model, so `apply_lora` swaps it for `AdapterDropout`, which ignores
+the mode and acts only while its `active` flag is set. Its masks come from the
+rank's torch RNG, which checkpoints save and resume restores (worker), so a
+resumed run draws the uninterrupted run's masks.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from areno.backend.config import LoraSpec
@@ -71,6 +83,16 @@ def lora_config(spec: LoraSpec, targets: tuple[str, ...], base_path: str):
                       base_model_name_or_path=base_path)
 
 
+class AdapterDropout(nn.Dropout):
+    """peft's adapter dropout, on only while `active` (`dropout_active`): the
+    module's train/eval mode does not switch it (see the module docstring)."""
+
+    active = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.p, training=True) if self.active else x
+
+
 def apply_lora(hf: nn.Module, spec: LoraSpec, base_path: str, adapter_path: str | None = None) -> nn.Module:
     """Wrap `hf` (fp32, not yet sharded) with LoRA adapters, base weights frozen;
     adapter weights from `adapter_path` (a saved adapter directory) when given.
@@ -82,6 +104,10 @@ def apply_lora(hf: nn.Module, spec: LoraSpec, base_path: str, adapter_path: str 
     inner = peft_model.get_base_model()
     for n, p in inner.named_parameters():
         p.requires_grad_(".lora_" in n)
+    for layer in lora_layers(inner).values():
+        for name, d in list(layer.lora_dropout.items()):
+            if isinstance(d, nn.Dropout):  # p > 0 (peft puts nn.Identity for 0)
+                layer.lora_dropout[name] = AdapterDropout(d.p)
     if adapter_path is not None:
         load_adapter_weights(inner, adapter_path)
     # kept for peft's own helpers; set past nn.Module so it is no submodule (it holds `inner`)
@@ -185,16 +211,17 @@ def adapters_disabled(hf: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def dropout_active(hf: nn.Module, on: bool) -> Iterator[None]:
-    """Train mode for the adapters' dropout modules only (from_pretrained leaves the
-    model in eval mode, where nn.Dropout is the identity), in the update's forward."""
-    mods = [d for m in lora_layers(hf).values() for d in m.lora_dropout.values()] if on else []
+    """The adapters' dropout on (`on`) for the update's forward, off again after;
+    everywhere else it is off (AdapterDropout)."""
+    mods = [d for m in lora_layers(hf).values() for d in m.lora_dropout.values()
+            if isinstance(d, AdapterDropout)] if on else []
     for d in mods:
-        d.train()
+        d.active = True
     try:
         yield
     finally:
         for d in mods:
-            d.eval()
+            d.active = False
 
 
 def lora_plan(model_path: str, spec: LoraSpec) -> tuple[int, int]:
