@@ -80,6 +80,7 @@ def lora_config(spec: LoraSpec, targets: tuple[str, ...], base_path: str):
 
     return LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                       target_modules=list(targets), bias="none", task_type="CAUSAL_LM",
+                      use_rslora=spec.use_rslora,
                       base_model_name_or_path=base_path)
 
 
@@ -224,6 +225,33 @@ def dropout_active(hf: nn.Module, on: bool) -> Iterator[None]:
             d.active = False
 
 
+def check_adapter_modules(model: nn.Module, targets: tuple[str, ...], adapter_path: str) -> None:
+    """UserError unless the saved adapter has A and B for exactly the linears
+    areno adapts (every decoder linear named in `targets`): an adapter of some
+    layers only (full module paths in target_modules, layers_to_transform) would
+    otherwise get trained fresh adapters beside its own."""
+    from safetensors import safe_open
+
+    from areno.errors import UserError
+    from areno.rollout.lora import adapter_module
+
+    with safe_open(str(Path(adapter_path) / ADAPTER_WEIGHTS), "pt") as f:
+        names = list(f.keys())
+    try:
+        saved = {adapter_module(n) for n in names}
+    except ValueError as e:
+        raise UserError(f"{adapter_path}: {e}") from None
+    layers = model.get_decoder().layers if hasattr(model, "get_decoder") else model.model.layers
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    want = {(f"{prefix}.{n}", k) for n, m in layers.named_modules() if isinstance(m, nn.Linear)
+            and n.rsplit(".", 1)[-1] in targets for k in ("lora_A", "lora_B")}
+    for label, diff in (("has no", want - saved), ("has an adapter the targets do not name:", saved - want)):
+        if diff:
+            module, kind = sorted(diff)[0]
+            raise UserError(f"{adapter_path}: the adapter {label} {kind} for {module} ({len(diff)} such; "
+                            f"areno adapts every decoder linear named in target_modules)")
+
+
 def lora_plan(model_path: str, spec: LoraSpec) -> tuple[int, int]:
     """Controller side, before any rank starts: the target names checked against the
     model (UserError naming the first it lacks) on a weightless meta-device copy;
@@ -238,6 +266,8 @@ def lora_plan(model_path: str, spec: LoraSpec) -> tuple[int, int]:
         targets = resolve_targets(model, spec.target_modules)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if spec.adapter_path is not None:
+        check_adapter_modules(model, targets, spec.adapter_path)
     layers = model.get_decoder().layers if hasattr(model, "get_decoder") else model.model.layers
     trainable = sum(spec.rank * (m.in_features + m.out_features) for n, m in layers.named_modules()
                     if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets)
