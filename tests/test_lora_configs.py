@@ -173,3 +173,16 @@ def test_a_dora_adapter_on_the_cli_is_one_line_exit_2(tiny_arith_path, tmp_path,
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "sets use_dora=true" in lines[0], res.stderr
+
+
+def test_an_adapter_checkpoint_with_tensor_parallel_engines_is_refused(tiny_chat_path, tmp_path) -> None:
+    """--resume / --ckpt of an adapter at --tensor-parallel-size 2: one line before
+    any rank starts (the adapter checksum compares whole tensors; --lora-rank with
+    TP > 1 is refused at config time, test_lora's CLI cases)."""
+    from areno.config.settings import lora_spec
+    from areno.config.train import TrainConfig
+
+    adapter = saved_adapter(tiny_chat_path, tmp_path / "a")
+    assert lora_spec(TrainConfig(), str(adapter)).rank == 4
+    with pytest.raises(UserError, match="LoRA with --tensor-parallel-size 2"):
+        lora_spec(TrainConfig(tensor_parallel_size=2), str(adapter))

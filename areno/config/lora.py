@@ -29,6 +29,7 @@ def check_lora_options(cfg: Any) -> None:
         if given:
             raise UserError(f"{given[0]} needs --lora-rank > 0 (0 is full fine-tuning)")
         return
+    check_lora_tp(cfg.tensor_parallel_size)
     if cfg.rollout_world_size:
         raise UserError("--lora-rank with --rollout-world-size: engine processes take full weights "
                         "only so far, not adapters; drop one (colocated engines serve adapters)")
@@ -37,6 +38,18 @@ def check_lora_options(cfg: Any) -> None:
         raise UserError("--lora-target-modules: name at least one module (or all-linear)")
     if "all-linear" in targets and len(targets) > 1:
         raise UserError("--lora-target-modules: all-linear already names every linear; give it alone")
+
+
+def check_lora_tp(tp: int) -> None:
+    """LoRA with a tensor-parallel engine is refused: the adapter's sync check
+    (rollout.lora's checksum) compares whole tensors, a TP shard holds slices of
+    some (column-parallel B, row-parallel A) and copies of others, and a summed
+    checksum could only be tested on a multi-process vLLM TP group, which the CPU
+    build does not run here; the probe alone cannot tell a small adapter from
+    the base model (issue 26)."""
+    if tp > 1:
+        raise UserError(f"LoRA with --tensor-parallel-size {tp}: the adapter sync is checked on "
+                        "whole tensors only; use --tensor-parallel-size 1 (or full fine-tuning)")
 
 
 # adapter_config.json (peft's LoraConfig): the fields areno serves as peft computes them

@@ -12,7 +12,7 @@ import os
 
 from areno.backend.config import BackendConfig, LoraSpec
 from areno.config.train import TrainConfig
-from areno.config.lora import adapter_settings, lora_targets
+from areno.config.lora import adapter_settings, check_lora_tp, lora_targets
 from areno.errors import UserError
 from areno.models.directory import adapter_config
 from areno.losses import LossConfig
@@ -81,6 +81,7 @@ def lora_spec(cfg: TrainConfig, adapter: str | None = None) -> LoraSpec | None:
         if cfg.lora_rank and cfg.lora_rank != r:
             raise UserError(f"--lora-rank {cfg.lora_rank}: the adapter at {adapter} has rank {r}; "
                             f"drop --lora-rank (or give {r})")
+        check_lora_tp(cfg.tensor_parallel_size)
         return LoraSpec(**fields, adapter_path=str(adapter), save_merged=cfg.save_merged)
     if cfg.lora_rank == 0:
         return None
