@@ -145,10 +145,13 @@ def test_sync_serves_the_adapter_exactly(engine, trainer):
     sent = adapter_tensors(trainer, dtype)
     assert out["adapter_bytes"] == adapter_nbytes(sent) > 0 and out["adapter_tensors"] == len(sent)
     got, want = engine.adapter_fingerprint(), adapter_fingerprint_of(sent, lora_config())
-    # one group per (parent module, A | B), the same on both sides, compared group by group
+    # a sum of squares per (parent module, A | B) and a projection per (target, A | B),
+    # the same keys on both sides (vLLM's packed slots named by their sub-module), compared one by one
     assert set(got.sums) == set(want.sums)
-    assert {g.rsplit(".", 1)[-1] for g in want.sums} == {"lora_A", "lora_B"}
-    assert len(want.sums) == 2 * 2 * 2  # 2 layers x (self_attn, mlp) x (A, B)
+    squares = {g for g in want.sums if not g.endswith(" projection")}
+    assert {g.rsplit(".", 1)[-1] for g in squares} == {"lora_A", "lora_B"}
+    assert len(squares) == 2 * 2 * 2  # 2 layers x (self_attn, mlp) x (A, B)
+    assert len(want.sums) - len(squares) == 2 * len(TARGETS) * 2  # 2 layers x targets x (A, B)
     assert fingerprint_mismatch(got, want) is None
     rel = max(abs(got.sums[g] - want.sums[g]) / want.sums[g] for g in want.sums)
     assert rel < 1e-13

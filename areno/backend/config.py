@@ -35,6 +35,9 @@ class LoraSpec:
     """A saved adapter directory to start from (resume, an adapter --ckpt); None = fresh (B = 0)."""
     save_merged: bool = False
     """Checkpoints also hold the merged full model in HF format, in merged/."""
+    use_rslora: bool = False
+    """rsLoRA's scaling alpha / sqrt(rank) instead of alpha / rank (an adapter from
+    another tool that says so: config.lora.adapter_settings)."""
 
     def __post_init__(self) -> None:
         if self.rank < 1:

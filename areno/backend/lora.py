@@ -21,6 +21,17 @@ loads them back (resume, --eval-only of an adapter checkpoint).
 
 KL: `adapters_disabled` turns every adapter off for the reference forward, so
 the reference log-probs are the base model's without a second copy of it.
+
+Dropout (--lora-dropout): on in the update's forward only (`dropout_active`),
+where peft means it (a regulariser of the adapters' training); off everywhere
+the trainer's log-probs must equal the engine's, which never drops: the sync
+probe, --recompute-logprobs, the KL reference, the first sync after --resume
+or of --eval-only. peft's nn.Dropout follows the module's train/eval mode,
+which get_peft_model leaves in train mode and --grad-checkpointing sets for
+the whole model, so `apply_lora` swaps it for `AdapterDropout`, which ignores
+the mode and acts only while its `active` flag is set. Its masks come from the
+rank's torch RNG, which checkpoints save and resume restores (worker), so a
+resumed run draws the uninterrupted run's masks.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from areno.backend.config import LoraSpec
@@ -69,7 +81,18 @@ def lora_config(spec: LoraSpec, targets: tuple[str, ...], base_path: str):
 
     return LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                       target_modules=list(targets), bias="none", task_type="CAUSAL_LM",
+                      use_rslora=spec.use_rslora,
                       base_model_name_or_path=base_path)
+
+
+class AdapterDropout(nn.Dropout):
+    """peft's adapter dropout, on only while `active` (`dropout_active`): the
+    module's train/eval mode does not switch it (see the module docstring)."""
+
+    active = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.p, training=True) if self.active else x
 
 
 def apply_lora(hf: nn.Module, spec: LoraSpec, base_path: str, adapter_path: str | None = None) -> nn.Module:
@@ -83,6 +106,10 @@ def apply_lora(hf: nn.Module, spec: LoraSpec, base_path: str, adapter_path: str 
     inner = peft_model.get_base_model()
     for n, p in inner.named_parameters():
         p.requires_grad_(".lora_" in n)
+    for layer in lora_layers(inner).values():
+        for name, d in list(layer.lora_dropout.items()):
+            if isinstance(d, nn.Dropout):  # p > 0 (peft puts nn.Identity for 0)
+                layer.lora_dropout[name] = AdapterDropout(d.p)
     if adapter_path is not None:
         load_adapter_weights(inner, adapter_path)
     # kept for peft's own helpers; set past nn.Module so it is no submodule (it holds `inner`)
@@ -186,16 +213,44 @@ def adapters_disabled(hf: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def dropout_active(hf: nn.Module, on: bool) -> Iterator[None]:
-    """Train mode for the adapters' dropout modules only (from_pretrained leaves the
-    model in eval mode, where nn.Dropout is the identity), in the update's forward."""
-    mods = [d for m in lora_layers(hf).values() for d in m.lora_dropout.values()] if on else []
+    """The adapters' dropout on (`on`) for the update's forward, off again after;
+    everywhere else it is off (AdapterDropout)."""
+    mods = [d for m in lora_layers(hf).values() for d in m.lora_dropout.values()
+            if isinstance(d, AdapterDropout)] if on else []
     for d in mods:
-        d.train()
+        d.active = True
     try:
         yield
     finally:
         for d in mods:
-            d.eval()
+            d.active = False
+
+
+def check_adapter_modules(model: nn.Module, targets: tuple[str, ...], adapter_path: str) -> None:
+    """UserError unless the saved adapter has A and B for exactly the linears
+    areno adapts (every decoder linear named in `targets`): an adapter of some
+    layers only (full module paths in target_modules, layers_to_transform) would
+    otherwise get trained fresh adapters beside its own."""
+    from safetensors import safe_open
+
+    from areno.errors import UserError
+    from areno.rollout.lora import adapter_module
+
+    with safe_open(str(Path(adapter_path) / ADAPTER_WEIGHTS), "pt") as f:
+        names = list(f.keys())
+    try:
+        saved = {adapter_module(n) for n in names}
+    except ValueError as e:
+        raise UserError(f"{adapter_path}: {e}") from None
+    layers = model.get_decoder().layers if hasattr(model, "get_decoder") else model.model.layers
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    want = {(f"{prefix}.{n}", k) for n, m in layers.named_modules() if isinstance(m, nn.Linear)
+            and n.rsplit(".", 1)[-1] in targets for k in ("lora_A", "lora_B")}
+    for label, diff in (("has no", want - saved), ("has an adapter the targets do not name:", saved - want)):
+        if diff:
+            module, kind = sorted(diff)[0]
+            raise UserError(f"{adapter_path}: the adapter {label} {kind} for {module} ({len(diff)} such; "
+                            f"areno adapts every decoder linear named in target_modules)")
 
 
 def lora_plan(model_path: str, spec: LoraSpec) -> tuple[int, int]:
@@ -212,6 +267,8 @@ def lora_plan(model_path: str, spec: LoraSpec) -> tuple[int, int]:
         targets = resolve_targets(model, spec.target_modules)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if spec.adapter_path is not None:
+        check_adapter_modules(model, targets, spec.adapter_path)
     layers = model.get_decoder().layers if hasattr(model, "get_decoder") else model.model.layers
     trainable = sum(spec.rank * (m.in_features + m.out_features) for n, m in layers.named_modules()
                     if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets)

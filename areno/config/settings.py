@@ -12,7 +12,7 @@ import os
 
 from areno.backend.config import BackendConfig, LoraSpec
 from areno.config.train import TrainConfig
-from areno.config.lora import lora_targets
+from areno.config.lora import adapter_settings, check_lora_tp, lora_targets
 from areno.errors import UserError
 from areno.models.directory import adapter_config
 from areno.losses import LossConfig
@@ -74,18 +74,16 @@ def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_siz
 def lora_spec(cfg: TrainConfig, adapter: str | None = None) -> LoraSpec | None:
     """The LoRA adapters the ranks train (None: full fine-tuning). adapter: a saved
     adapter directory to start from (a LoRA checkpoint being resumed or evaluated);
-    its adapter_config.json then says rank, alpha, dropout and targets."""
+    its adapter_config.json then says rank, alpha, dropout, targets and rsLoRA
+    (config.lora.adapter_settings, which refuses what areno would not serve exactly)."""
     if adapter is not None:
-        saved = adapter_config(adapter) or {}
-        r = int(saved.get("r") or 0)
+        fields = adapter_settings(adapter_config(adapter) or {}, adapter)
+        r = fields["rank"]
         if cfg.lora_rank and cfg.lora_rank != r:
             raise UserError(f"--lora-rank {cfg.lora_rank}: the adapter at {adapter} has rank {r}; "
                             f"drop --lora-rank (or give {r})")
-        targets = saved.get("target_modules") or ["all-linear"]
-        targets = [targets] if isinstance(targets, str) else sorted(targets)
-        return LoraSpec(rank=r, alpha=float(saved.get("lora_alpha") or 2 * r),
-                        dropout=float(saved.get("lora_dropout") or 0.0), target_modules=tuple(targets),
-                        adapter_path=str(adapter), save_merged=cfg.save_merged)
+        check_lora_tp(cfg.tensor_parallel_size)
+        return LoraSpec(**fields, adapter_path=str(adapter), save_merged=cfg.save_merged)
     if cfg.lora_rank == 0:
         return None
     return LoraSpec(rank=cfg.lora_rank, alpha=float(cfg.lora_alpha or 2 * cfg.lora_rank),

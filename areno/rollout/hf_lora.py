@@ -84,7 +84,12 @@ class HFAdapters:
         from peft import get_peft_model
         from peft.utils import get_peft_model_state_dict
 
-        peft = get_peft_model(self.model, config, adapter_name=ADAPTER, autocast_adapter_dtype=False)
+        # peft draws A's random init from the global RNG, which in a rank is the
+        # trainer's (the update's dropout masks, resumed from a checkpoint): the
+        # engine must not move it. The drawn values are overwritten by `load`.
+        device = next(self.model.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            peft = get_peft_model(self.model, config, adapter_name=ADAPTER, autocast_adapter_dtype=False)
         self.model.eval()  # the new layers (dropout) come in training mode
         params = dict(peft.named_parameters())
         saved = get_peft_model_state_dict(peft, adapter_name=ADAPTER, save_embedding_layers=False)

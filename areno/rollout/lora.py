@@ -7,23 +7,38 @@ tensors named as `get_peft_model_state_dict(model)` names them (what
 `adapter_model.safetensors` holds), e.g.
 `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`.
 
-**The adapter fingerprint.** As for full weights (rollout.probe), the fp64 sum
-of squares of the values the engine holds, per group. A group is the target
-module's parent and the matrix, e.g. `model.layers.0.self_attn.lora_A` (q/k/v/o's
-A) and `model.layers.0.self_attn.lora_B`: vLLM packs q/k/v (and gate/up) into one
-layer with one slot per projection, within the parent, and pads each slot to its
-`max_lora_rank` with zeros; a sum of squares is invariant to both. vLLM also
-folds the scaling into B when it registers an adapter (`lora_b *= alpha/r`, in
-the engine dtype, `LoRALayerWeights.optimize`), so the quantity both sides sum
-is A and B·scaling, the product rounded to the engine dtype exactly as vLLM
-does it (one torch multiply by the same Python float: deterministic). The
-transformers engine keeps B and the scaling apart (peft) and computes the same
-product from its live parameters. Only the summation order differs: the slack is
-rollout.probe's (fp64 rounding, n·2^-52 of the group's sum).
+**The adapter fingerprint.** Two parts, both exact up to fp64 summation order
+(rollout.probe's slack, n·2^-52 of a sum of n non-negative terms):
+  - *sums of squares* as for full weights (rollout.probe), per group: a target
+    module's parent and the matrix, e.g. `model.layers.0.self_attn.lora_A`
+    (q/k/v/o's A). vLLM packs q/k/v (and gate/up) into one layer with one slot per
+    projection and pads each slot to its `max_lora_rank` with zeros; a sum of
+    squares reads the padding too (it must stay zero) but is blind to where a value
+    sits: a q<->k swap, a transposed or sign-flipped block pass it;
+  - *a projection per slot* (`slot_checksum`), which sees layout: for each
+    projection's A and B (`model.layers.0.self_attn.q_proj.lora_A projection`),
+    sum_ij max(R_ij·X_ij, 0) with R a [rows, cols] fp64 matrix in [-1, 1) drawn
+    from a CPU generator seeded by that key, so both sides draw the same R. Each
+    product R_ij·X_ij is one correctly rounded fp64 multiply of the same two
+    numbers on both sides (X widened exactly from bf16/fp32), and the terms kept
+    are non-negative, so only the summation order differs and the relative slack
+    is rigorous (a plain Σ R·X can cancel to ~0, where no relative slack holds).
+    A value moved to another position or slot, or a flipped sign, meets another
+    R_ij: the sum moves by ~1/sqrt(n) of itself, 10^10 times the slack.
+vLLM also folds the scaling into B when it registers an adapter (`lora_b *= alpha/r`,
+in the engine dtype, `LoRALayerWeights.optimize`), so what both sides read is A
+and B·scaling, the product rounded to the engine dtype exactly as vLLM does it
+(one torch multiply by the same Python float: deterministic). The transformers
+engine keeps B and the scaling apart (peft) and computes the same product from
+its live parameters. The trainer's side is `adapter_fingerprint_of`, the engines'
+`HFAdapters.fingerprint` and `vllm_lora.served_fingerprint`; all three end in
+`held_fingerprint`. The projections are computed on the CPU (an adapter is small:
+SmolLM2-135M at rank 8 on every linear is 2.4 M values).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -89,32 +104,55 @@ def scaled_b(b: torch.Tensor, scaling: float) -> torch.Tensor:
 def adapter_fingerprint_of(tensors: Mapping[str, torch.Tensor], config: Any,
                            dtype: torch.dtype | None = None) -> Fingerprint:
     """The trainer's side: the fingerprint of an adapter as an engine of `dtype`
-    (None: the tensors' own) holds it: sums of squares of A and of B·scaling
-    (see the module docstring), one device read."""
+    (None: the tensors' own) holds it: A and B·scaling (see the module docstring)."""
     scaling = lora_scaling(config)
-    items: list[tuple[str, torch.Tensor, int]] = []
+    held: list[tuple[str, str, torch.Tensor]] = []
     for name, t in tensors.items():
         module, kind = adapter_module(name)
         t = t.detach()
         if dtype is not None:
             t = t.to(dtype)
-        if kind == "lora_B":
-            t = scaled_b(t, scaling)
-        items.append((fingerprint_item(module, kind), sum_squares(t), t.numel()))
-    return _grouped(items)
+        held.append((module, kind, scaled_b(t, scaling) if kind == "lora_B" else t))
+    return held_fingerprint(held)
 
 
-def _grouped(items: list[tuple[str, torch.Tensor, int]]) -> Fingerprint:
-    if not items:
+def projection_key(module: str, kind: str) -> str:
+    return f"{module}.{kind} projection"
+
+
+def _projection(key: str, shape: torch.Size) -> torch.Tensor:
+    """R: fp64 in [-1, 1) of `shape`, the same on every host for `key` (a CPU
+    generator seeded by a hash of it; Python's hash() is salted per process)."""
+    seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.rand(tuple(shape), generator=g, dtype=torch.float64).mul_(2).sub_(1)
+
+
+def slot_checksum(key: str, t: torch.Tensor) -> torch.Tensor:
+    """0-d fp64 (CPU): sum of max(R·t, 0) over t's elements, R = `_projection(key)`
+    (see the module docstring). t: one projection's A [r, in] or B·scaling [out, r]."""
+    x = t.detach().to("cpu", torch.float64)
+    return (x * _projection(key, x.shape)).clamp_(min=0).sum()
+
+
+def held_fingerprint(modules: Iterable[tuple[str, str, torch.Tensor]],
+                     padded: Iterable[tuple[str, str, torch.Tensor]] | None = None) -> Fingerprint:
+    """Both sides' fingerprint. modules: (HF module path of one projection,
+    "lora_A" | "lora_B", its values as served: A [r, in], B·scaling [out, r]);
+    padded: what the sums of squares read, (module path, kind, values) (vLLM:
+    each whole padded slot, under its packed module's path); None: `modules`."""
+    modules = list(modules)
+    squares = [(fingerprint_item(m, k), sum_squares(t), t.numel()) for m, k, t in
+               (modules if padded is None else padded)]
+    slots = [(projection_key(m, k), slot_checksum(projection_key(m, k), t), t.numel()) for m, k, t in modules]
+    if not squares:
         return Fingerprint({}, {})
-    sums = torch.stack([s.to("cpu") for _, s, _ in items]).tolist()
-    return Fingerprint.of((n, s, k) for (n, _, k), s in zip(items, sums))
-
-
-def held_fingerprint(modules: Iterable[tuple[str, str, torch.Tensor]]) -> Fingerprint:
-    """The engine's side: (module path, "lora_A" | "lora_B", the values held,
-    B already scaled) -> grouped fingerprint."""
-    return _grouped([(fingerprint_item(m, k), sum_squares(t), t.numel()) for m, k, t in modules])
+    grouped = Fingerprint.of((n, s, k) for (n, _, k), s in
+                             zip(squares, torch.stack([s.to("cpu") for _, s, _ in squares]).tolist()))
+    sums, counts = dict(grouped.sums), dict(grouped.counts)
+    for (key, s, n) in slots:
+        sums[key], counts[key] = float(s), n
+    return Fingerprint(sums, counts)
 
 
 def check_adapter_names(names: Iterable[str], expected: set[str] | None = None) -> set[str]:

@@ -18,7 +18,9 @@ every generate / prompt_logprobs passes the current request.
 **What is served.** `served_fingerprint` runs on the worker and reads the
 layers' stacked slots (`lora_a_stacked` / `lora_b_stacked`, one slot per packed
 projection) at the slot the current adapter occupies (`lora_index_to_id`): what
-the punica kernels multiply by, B already scaled (rollout.lora). An adapter
+the punica kernels multiply by, B already scaled (rollout.lora): each padded
+slot for the sums of squares, its [rank, in] / [out, rank] corner, named by the
+packed sub-module it holds, for the layout-aware projections. An adapter
 not in a slot (never added, evicted, reset by a base reload) reports nothing.
 
 **Sleep.** Level 2 would discard the base weights, and under LoRA the trainer
@@ -68,25 +70,32 @@ def lora_llm_kwargs(max_lora_rank: int) -> dict[str, Any]:
                 max_cpu_loras=2)
 
 
-def served_fingerprint(worker: Any, lora_id: int | None) -> Fingerprint:
+def served_fingerprint(worker: Any, lora_id: int | None, rank: int = 0) -> Fingerprint:
     """Run on the worker (`collective_rpc`): the fingerprint of the slot holding
-    adapter `lora_id`, every LoRA layer the adapter has weights for (see the
-    module docstring); empty if it is in no slot."""
+    adapter `lora_id` (of LoRA rank `rank`), every LoRA layer the adapter has
+    weights for (see the module docstring); empty if it is in no slot. A packed
+    layer's slots are its sub-modules (`packed_modules`: qkv_proj's q/k/v): the
+    projection of slot i is keyed by sub-module i's HF path; the sums of squares
+    read each whole padded slot."""
     mgr = worker.model_runner.lora_manager._adapter_manager
     if lora_id is None or lora_id not in mgr.lora_index_to_id:
         return Fingerprint({}, {})
-    slot = mgr.lora_index_to_id.index(lora_id)
+    index = mgr.lora_index_to_id.index(lora_id)
     lora_model = mgr.get_adapter(lora_id)
     held: list[tuple[str, str, torch.Tensor]] = []
+    padded: list[tuple[str, str, torch.Tensor]] = []
     with torch.no_grad():
         for name, module in mgr.modules.items():
-            if lora_model is None or not mgr._get_lora_layer_weights(lora_model, name):
+            weights = None if lora_model is None else mgr._get_lora_layer_weights(lora_model, name)
+            if not weights:
                 continue
-            for a in module.lora_a_stacked:
-                held.append((name, "lora_A", a[slot]))
-            for b in module.lora_b_stacked:
-                held.append((name, "lora_B", b[slot]))
-    return held_fingerprint(held)
+            subs = mgr.packed_modules.get(name, [name])
+            present = weights.lora_a if isinstance(weights.lora_a, (list, tuple)) else [weights.lora_a]
+            for i, (a, b) in enumerate(zip(module.lora_a_stacked, module.lora_b_stacked)):
+                padded += [(name, "lora_A", a[index]), (name, "lora_B", b[index])]
+                if i < len(subs) and i < len(present) and present[i] is not None:
+                    held += [(subs[i], "lora_A", a[index, 0, :rank, :]), (subs[i], "lora_B", b[index, 0, :, :rank])]
+    return held_fingerprint(held, padded)
 
 
 class VLLMAdapters:
@@ -99,6 +108,7 @@ class VLLMAdapters:
         self.request: Any = None  # the LoRARequest every generate passes
         self.version: int | None = None
         self.names: set[str] | None = None  # tensor names of the first adapter: later ones must match
+        self.rank: int | None = None  # the served adapter's LoRA rank (its slots are padded beyond it)
         self._dir: Path | None = None
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self._root = base / f"areno-lora-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -124,6 +134,7 @@ class VLLMAdapters:
             raise
         old, old_dir = self.request, self._dir
         self.request, self._dir, self.version, self.names = request, path, version, names
+        self.rank = int(config.r)
         if old is not None:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
         if old_dir is not None:
@@ -143,7 +154,8 @@ class VLLMAdapters:
 
     def fingerprint(self) -> Fingerprint:
         lora_id = None if self.request is None else self.request.lora_int_id
-        return self.llm.collective_rpc(served_fingerprint, args=(lora_id,))[0]
+        rank = 0 if self.rank is None else self.rank
+        return self.llm.collective_rpc(served_fingerprint, args=(lora_id, rank))[0]
 
     def close(self) -> None:
         shutil.rmtree(self._root, ignore_errors=True)
