@@ -32,16 +32,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from benchlib import write_json  # noqa: E402
+from areno.bench.lib import write_json
 
 
 def demo_batch(tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
