@@ -19,6 +19,7 @@ import torch
 from areno import evaluate as evaluation
 from areno.asyncloop import RolloutsAhead, load_inflight
 from areno.config import settings
+from areno.backend.launch import EarlyPeers, spawn_peers
 from areno.backend.rank_engines import EngineView, RankEngines
 from areno.rundir import lock as runlock
 from areno.rundir.checkpoint import Resume, check_free_space, checkpoint_bytes, checkpoint_root, save_checkpoint
@@ -29,6 +30,7 @@ from areno.data.sampler import PromptSampler
 from areno.errors import UserError
 from areno.data.hub import check_model_id
 from areno.runtime.interrupt import made_run_dir
+from areno.runtime.signals import signals_held
 from areno.runtime.leftovers import clean_leftovers
 from areno.config.file import write_run_config
 from areno.models.directory import MODEL_DIR_FIX, Weights, adapter_base, check_model_dir, is_adapter_dir
@@ -238,7 +240,8 @@ def total_steps_for(cfg: TrainConfig, sampler: PromptSampler) -> int:
 
 
 def load_tokenizer(model_path: str) -> Any:
-    from transformers import AutoTokenizer  # seconds to import; worker nodes never need it
+    with signals_held():  # seconds to import: a Ctrl-C lands after it, never inside (runtime/signals.py)
+        from transformers import AutoTokenizer
 
     check_model_id(model_path)  # a hub id with no network: one line now, not a minute of retries
     try:
@@ -246,6 +249,17 @@ def load_tokenizer(model_path: str) -> Any:
     except OSError as e:
         raise UserError(f"--ckpt {model_path}: cannot load a tokenizer from it "
                         f"({' '.join(str(e).split())[:200]})") from None
+
+
+def spawn_early(cfg: TrainConfig, world_size: int, logs: contextlib.ExitStack) -> EarlyPeers | None:
+    """One node: start the ranks (and engine processes) now, so that their imports
+    overlap the controller's tokenizer and data loading; stopped when `logs`
+    closes unless the backend adopted them (a user mistake in the data meanwhile)."""
+    if cfg.nnodes > 1:
+        return None
+    early = spawn_peers(world_size, cfg.rollout_world_size, heartbeat_timeout_s=cfg.rank_heartbeat_timeout)
+    logs.callback(early.close)
+    return early
 
 
 @contextlib.contextmanager
@@ -275,6 +289,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
     made_run_dir(out)  # an interrupt before the first step names what was written
     logs.enter_context(third_party_to_log(out, cfg.verbose))
     check_save_room(cfg, out, weights, device, lora_params=params and params["trainable"])
+    early = spawn_early(cfg, world_size, logs)  # their imports overlap the tokenizer's and the data's
     tokenizer = load_tokenizer(model_path)
     rows, prompts = (None, None) if cfg.eval_only else load_data(cfg, tokenizer)
     evalset = load_eval_data(cfg, tokenizer) if cfg.eval_dataset_path else None
@@ -294,7 +309,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
         if cfg.nnodes > 1:  # node 0: the controller, plus this node's ranks
             bcfg = replace(bcfg, launcher="external", listen_port=controller_port(cfg.master_port))
             stack.callback(stop_ranks, start_local_ranks(cfg.nnodes, 0, nproc, cfg.master_addr, cfg.master_port))
-        backend = TorchBackend(bcfg)
+        backend = TorchBackend(bcfg, early)
         stack.callback(backend.close)
         resume.restore_backend(backend)
         if engine is None:

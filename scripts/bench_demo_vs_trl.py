@@ -159,6 +159,7 @@ def summarize(name: str, wall: float, recs: list[dict[str, Any]]) -> dict[str, A
     rewards = [r["reward/mean"] for r in recs]
     steady = recs[STEADY_FROM:]
     row: dict[str, Any] = {"trainer": name, "wall_s": wall, "steps": len(recs),
+                           "first_step_s": recs[0]["seen_s"] if recs else None,
                            "s_per_step": None, "own_s_per_step": None, "final_reward": None,
                            "to_target_step": None, "to_target_s": None}
     if len(steady) >= 2:

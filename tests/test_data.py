@@ -425,7 +425,8 @@ def test_sampler_rejects_impossible_batch_and_foreign_state():
 
 
 def test_cli_reports_a_broken_line_in_one_line_with_exit_2(tmp_path, capsys, tiny_arith_path):
-    """Through `areno train`, before any process starts."""
+    """Through `areno train`, before any rank is built (tests/test_startup.py: the
+    processes started early to overlap start-up are stopped)."""
     from areno.cli import main
 
     f = tmp_path / "d.jsonl"

@@ -32,7 +32,7 @@ from areno.backend.config import BackendConfig
 from areno.backend.errors import BackendError
 from areno.backend.handoff import PackWriter, ShmSegment
 from areno.backend.heartbeat import HeartbeatWatch, stuck_rank_error
-from areno.backend.launch import accept_ranks, free_port, spawn_ranks  # noqa: F401 (re-exported)
+from areno.backend.launch import EarlyPeers, accept_ranks, early_peers_for, free_port  # noqa: F401 (re-exported)
 from areno.backend.replies import Peers, ReplyStream
 from areno.backend.weight_sync import WeightLayout, WeightRegion
 from areno.backend.weights import probe_ids
@@ -58,7 +58,9 @@ class TrainSteps(list):
 class TorchBackend:
     """N rank processes training one policy. Use as a context manager, or call close()."""
 
-    def __init__(self, config: BackendConfig) -> None:
+    def __init__(self, config: BackendConfig, early: EarlyPeers | None = None) -> None:
+        """early: peers spawn_peers started already (the run's start-up overlaps
+        their imports with its own), adopted here; else spawned now."""
         self.config = config
         self.world_size = config.world_size
         self._procs: list = []
@@ -85,8 +87,7 @@ class TorchBackend:
         beats = None  # watched once every rank said hello (heartbeat.py)
         try:
             if config.launcher == "spawn":
-                beats = HeartbeatWatch(peers, config.heartbeat_timeout_s)
-                self._procs.extend(spawn_ranks(config, self._conns, beats.slots))
+                beats = self._adopt(early or early_peers_for(config))
             else:
                 accept_ranks(config, self._conns, self._marker)
             hellos = self.peers.open("startup", pending=range(peers)).gather(config.startup_timeout_s)
@@ -104,6 +105,20 @@ class TorchBackend:
         self.strategy: str = h0["strategy"]
         self._layout = WeightLayout.build(h0["weights"])
         self._probe_ids = probe_ids(self.vocab_size)
+
+    def _adopt(self, early: EarlyPeers) -> HeartbeatWatch:
+        """Take over spawned peers and send each its config -> their heartbeat watch."""
+        if not early.fits(self.config):
+            early.close()
+            raise ValueError(f"early peers are {early.world_size} ranks + {early.rollout_world_size} engine "
+                             f"processes; the config asks for {self.config.world_size} + "
+                             f"{self.config.rollout_world_size}")
+        early.adopted = True
+        self._procs.extend(early.procs)
+        self._conns[:] = early.conns
+        for c in self._conns:
+            c.send(self.config)
+        return early.beats
 
     def _peer_name(self, r: int) -> str:
         """How messages name peer r: a rank, or an engine process of split placement."""

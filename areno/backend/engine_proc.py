@@ -1,7 +1,7 @@
 """Split placement: rollout engines in processes of their own, beside the ranks.
 
 With `BackendConfig.rollout_world_size` M > 0 the controller spawns M engine
-processes after the N ranks (launch.spawn_ranks). Each runs the rank process's
+processes after the N ranks (launch.spawn_peers). Each runs the rank process's
 command loop (rank.serve) around an `EngineWorker` instead of a RankWorker: it
 trains nothing and joins no process group. On CPU the processes share the
 cores; on GPU engine i would take device N + i (see docs/DESIGN.md, "Split

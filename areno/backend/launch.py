@@ -7,12 +7,15 @@ import secrets
 import socket
 import sys
 import threading
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 from areno.backend.config import BackendConfig
 from areno.backend.errors import BackendError
 from areno.backend.handoff import ShmSegment
+from areno.backend.heartbeat import HeartbeatWatch
+from areno.runtime.procs import stop_processes
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -21,38 +24,68 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(cfg: BackendConfig, conns: list[Connection | None], beats: Any = None) -> list:
+@dataclass
+class EarlyPeers:
+    """Rank and engine processes spawned before their BackendConfig exists: they
+    import torch, transformers and their worker module while the controller
+    loads the tokenizer and the data (the run's start-up), then take the config
+    from their pipe (`TorchBackend(config, early=...)` sends it and adopts them).
+    close() stops them unless a backend adopted them (a user mistake found
+    meanwhile). beats: their heartbeat slots (heartbeat.py)."""
+
+    procs: list
+    conns: list[Connection]
+    beats: HeartbeatWatch
+    world_size: int
+    rollout_world_size: int
+    adopted: bool = False
+
+    def close(self) -> None:
+        if not self.adopted:
+            stop_processes(self.procs, self.conns, [], grace_s=3.0)
+
+    def fits(self, cfg: BackendConfig) -> bool:
+        return (self.world_size, self.rollout_world_size) == (cfg.world_size, cfg.rollout_world_size)
+
+
+def spawn_peers(world_size: int, rollout_world_size: int = 0, master_addr: str = "127.0.0.1",
+                master_port: int | None = None, heartbeat_timeout_s: float = 0.0) -> EarlyPeers:
     """Start world_size rank processes, then rollout_world_size engine processes
-    (spawn context); fills conns[r]; returns the processes. beats: the heartbeat
-    slots ([world_size + rollout_world_size] shared float64) they write."""
+    (spawn context), each waiting for its BackendConfig on its pipe."""
     import torch.multiprocessing as tmp
 
     from areno.backend.rank import spawn_main
 
     ctx = tmp.get_context("spawn")
-    port = cfg.master_port or free_port(cfg.master_addr)
+    port = master_port or free_port(master_addr)
+    beats = HeartbeatWatch(world_size + rollout_world_size, heartbeat_timeout_s)
     # PR_SET_PDEATHSIG fires when the spawning *thread* exits: only safe from the main thread
     pdeathsig = threading.current_thread() is threading.main_thread()
-    procs = []
-    for r in range(cfg.world_size + cfg.rollout_world_size):
+    procs, conns = [], []
+    for r in range(world_size + rollout_world_size):
         parent, child = ctx.Pipe(duplex=True)
-        if r < cfg.world_size:
+        if r < world_size:
             env = {
-                "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "RANK": str(r),
-                "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r),
-                "LOCAL_WORLD_SIZE": str(cfg.world_size),
+                "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "RANK": str(r),
+                "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world_size),
             }
         else:  # an engine process of split placement (engine_proc.py): no process group
             env = {"ARENO_PEER_INDEX": str(r)}
         p = ctx.Process(
-            target=spawn_main, args=(cfg, child, env, os.getpid(), pdeathsig, beats),
-            name=f"areno-rank{r}" if r < cfg.world_size else f"areno-engine{r - cfg.world_size}", daemon=True,
+            target=spawn_main, args=(child, env, os.getpid(), pdeathsig, beats.slots),
+            name=f"areno-rank{r}" if r < world_size else f"areno-engine{r - world_size}", daemon=True,
         )
         p.start()
         child.close()
         procs.append(p)
-        conns[r] = parent
-    return procs
+        conns.append(parent)
+    return EarlyPeers(procs, conns, beats, world_size, rollout_world_size)
+
+
+def early_peers_for(cfg: BackendConfig) -> EarlyPeers:
+    """spawn_peers with cfg's shape, rendezvous and heartbeat bound."""
+    return spawn_peers(cfg.world_size, cfg.rollout_world_size, cfg.master_addr, cfg.master_port,
+                       cfg.heartbeat_timeout_s)
 
 
 def accept_ranks(cfg: BackendConfig, conns: list[Connection | None], marker: ShmSegment) -> None:

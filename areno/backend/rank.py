@@ -1,7 +1,7 @@
 """The rank process: one per GPU (or gloo CPU process), driven by the controller.
 
 Two ways in, one loop:
-  * spawn (one node): `TorchBackend` starts `spawn_main` in N processes with a
+  * spawn (one node): `launch.spawn_peers` starts `spawn_main` in N processes with a
     duplex pipe each; MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE come in `env`.
   * torchrun (multi-node): `python -m areno.backend.rank --connect HOST:PORT`
     under torchrun reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT from
@@ -43,16 +43,38 @@ def _quiet() -> None:
 
 
 # -- entry points --------------------------------------------------------------
-def spawn_main(cfg: BackendConfig, conn: Connection, env: dict[str, str], parent_pid: int,
-               use_pdeathsig: bool, beats: Any = None) -> None:
-    """Target of the controller's spawn processes; beats: heartbeat slots (heartbeat.py)."""
+def spawn_main(conn: Connection, env: dict[str, str], parent_pid: int, use_pdeathsig: bool,
+               beats: Any = None) -> None:
+    """Target of the controller's spawn processes (launch.spawn_peers): the heavy
+    imports first, then the BackendConfig from the pipe (the controller may still
+    be loading its tokenizer and data meanwhile); beats: heartbeat slots."""
     die_with_parent(parent_pid, use_pdeathsig)
     if beats is not None:
         start_beating(beats, int(env.get("ARENO_PEER_INDEX", env.get("RANK"))))
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/rundir/log.py)
     _quiet()
     os.environ.update(env)
+    worker_class("ARENO_PEER_INDEX" in env)  # torch, transformers, the worker: while the controller works
+    try:
+        cfg = conn.recv()
+    except (EOFError, OSError):  # the controller stopped first (a user mistake in its data)
+        os._exit(4)
     serve(cfg, conn, same_host=True)
+
+
+def worker_class(engine_proc: bool) -> type:
+    """The worker this process runs: an EngineWorker (split placement's engine
+    process) or a RankWorker; importing it imports torch and transformers."""
+    if engine_proc:
+        from areno.backend.engine_proc import EngineWorker
+
+        return EngineWorker
+    import transformers
+
+    from areno.backend.worker import RankWorker
+
+    transformers.AutoModelForCausalLM  # noqa: B018 - the lazy module's heavy import, now
+    return RankWorker
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,12 +129,7 @@ def serve(cfg: BackendConfig, conn: Connection, *, same_host: bool) -> None:
     engine_proc = "ARENO_PEER_INDEX" in os.environ
     rank = int(os.environ["ARENO_PEER_INDEX" if engine_proc else "RANK"])
     try:
-        if engine_proc:
-            from areno.backend.engine_proc import EngineWorker as Worker
-        else:
-            from areno.backend.worker import RankWorker as Worker
-
-        worker = Worker(cfg, same_host=same_host)
+        worker = worker_class(engine_proc)(cfg, same_host=same_host)
         worker.emit = lambda part: conn.send(("part", part))
         conn.send(("ok", worker.hello()))
     except BaseException as e:  # noqa: BLE001 - reported, then exit

@@ -115,8 +115,6 @@ def train(**kwargs: Any) -> None:
     cfg = TrainConfig.from_sources(config_path, kwargs)
     from areno.config.resume import given_options, resume_config
     from areno.trainer import run_training  # heavy imports only after validation
-    from transformers import AutoTokenizer  # noqa: F401 (every run loads one: imported while
-    # start-up still holds Ctrl-C, so it never lands inside this import; see runtime/signals.py)
 
     cfg = resume_config(cfg, given_options(config_path, kwargs))
 
