@@ -295,14 +295,18 @@ def measure_async_step(run: Any, step: int, ranks: RankLog) -> dict:
     t_end = time.monotonic()
     hwm = proc_kb("VmHWM") if peak_ok else 0
     spans = timer.spans
-    t_host = min(a for p, a, _, _ in spans if p == "decode")
+    # The rollout's parts were decoded and scored as they streamed in, mostly during
+    # the step before (add_streamed): the critical window opens when this step does.
+    decodes = sorted((a, z) for p, a, z, _ in spans if p == "decode")
+    t_host = max(t_step, decodes[0][0])
     (t_pub,) = [z for p, _, z, _ in spans if p == "weight_sync"]
     eng = {"t_gen_end": t_host, "t_start": t_step, "train": timer.snaps["train"], "export": timer.snaps["export"],
            "t_update_weights": t_pub}
     row = {"step": step, **controller_figures(spans, eng, t_step, t_end)}
     row.update(take_s=t_host - t_step, wait_batch_s=m["time/wait_batch"], wait_weights_s=m["time/wait_weights"],
                step_metric_s=m["time/step"], train_time_metric_s=m.get("time/train", float("nan")),
-               _t_hand=t_host + row["critical_s"], _t_pub=t_pub, _t_step=t_step)
+               _t_hand=t_host + row["critical_s"], _t_pub=t_pub, _t_step=t_step, _decodes=decodes,
+               _scored_end=decodes[-1][1])
     row.update(rss_peak_mb=hwm / 1024 if peak_ok else float("nan"), rss_start_mb=rss0 / 1024,
                rss_growth_mb=(hwm - rss0) / 1024 if peak_ok else float("nan"), loadavg_1m=load)
     recs = ranks.new()
@@ -323,6 +327,20 @@ def add_inflight(row: dict, nxt: dict) -> None:
                busy_s=t_pub - nxt["t_start"])
     row["hidden"] = row["host_margin_s"] >= -HIDDEN_SLACK_S
     row["step_hidden"] = row["step_margin_s"] >= -HIDDEN_SLACK_S
+
+
+def add_streamed(row: dict, own: dict) -> None:
+    """Step k's row + how its own rollout streamed in (issue 27, 2): the parts
+    decoded and scored before its last completion came (the engine's t_gen_end),
+    by how much the last of them ended before it (stream_margin_s > 0: decode
+    and reward kept up with generation), and the scoring left after it (the
+    last part's)."""
+    decodes, t_last = row.pop("_decodes"), own["t_gen_end"]
+    row.update(stream_parts_scored=len(decodes), parts_generated=own.get("parts", 1),
+               stream_margin_s=t_last - max(z for _, z in decodes[:-1]) if len(decodes) > 1 else float("nan"),
+               stream_after_last_s=max(0.0, row.pop("_scored_end") - t_last),
+               stream_decode_total_s=sum(z - a for a, z in decodes))
+    row["streamed"] = len(decodes) > 1 and row["stream_margin_s"] >= -HIDDEN_SLACK_S
 
 
 def run_async(args: argparse.Namespace, tmp: Path, cost_file: Path) -> tuple[list[dict], dict]:
@@ -361,6 +379,7 @@ def run_async(args: argparse.Namespace, tmp: Path, cost_file: Path) -> tuple[lis
     starts = [row.pop("_t_step") for row in rows]
     for i, row in enumerate(rows):  # rollouts[k - 1] is step k's, rollouts[k] the one generated during k
         add_inflight(row, rollouts[row["step"]])
+        add_streamed(row, rollouts[row["step"] - 1])
         if i + 1 < len(rows):  # the last (extra) step only ends the period of the one before
             row["period_s"] = starts[i + 1] - starts[i]
             row["bench_gap_s"] = row["period_s"] - row["step_s"]
@@ -381,7 +400,11 @@ def hidden_checks(rows: list[dict], steps: int, quick: bool) -> dict:
 
     slack = f"(+{HIDDEN_SLACK_S * 1e3:.0f} ms)"
     host, step = late("host_margin_s"), late("step_margin_s")
+    unstreamed = [{"round": r["step"], "parts_scored": r["stream_parts_scored"],
+                   "stream_margin_ms": round(r["stream_margin_s"] * 1e3, 1)} for r in rows if not r["streamed"]]
     return {
+        f"streamed (K=1): decode and reward of step k's parts end before its last completion arrives {slack}":
+            {"pass": not unstreamed and len(rows) == steps, "differences": unstreamed},
         f"hidden (K=1): host work on step k ends before rollout k+1's generation {slack}":
             {"pass": not host and len(rows) == steps, "differences": host},
         f"hidden (K=1): host work + train + publish of step k end before rollout k+1's generation {slack}":
