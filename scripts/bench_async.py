@@ -176,7 +176,7 @@ def summarize(name: str, runs: dict[int, dict], rollout_mean_s: float) -> dict:
                      "lag_mean": mean(r, "rollout/policy_lag_mean"), "period_s": period(r),
                      "max_overrun_s": max((c["work_s"] - c["cost_s"] for c in cmds), default=0.0),
                      "train_cmds": len(r["train_cmds"]), "rollout_cmds": len(r["rollout_cmds"]),
-                     "measured_steps": len(r["steps"])})
+                     "measured_steps": len(r["steps"]), "step_times_s": [x["time/step"] for x in r["steps"]]})
     return {"name": name, "rows": rows}
 
 
