@@ -26,7 +26,7 @@ def score(run: Run, prompt_idx: np.ndarray, batch: RolloutBatch, timer: PhaseTim
 
 class PartScorer(Parts):
     """One rollout's parts, each decoded and submitted to the reward workers as it
-    comes (add); finish() waits for the rewards outstanding and puts batch and
+    comes (add: keep, then score); finish() waits for the rewards outstanding and puts batch and
     rewards back in prompt order, so the result equals score()'s. Decode goes
     to `timer`'s decode phase, the submits to a reward span."""
 
@@ -35,7 +35,8 @@ class PartScorer(Parts):
         self.run, self.prompt_idx, self.timer = run, prompt_idx, timer
         self.tickets: list[int] = []
 
-    def add(self, pos: np.ndarray, part: RolloutBatch) -> None:
+    def score(self, pos: np.ndarray, part: RolloutBatch) -> None:
+        """Decode a kept part and submit it to the reward workers."""
         run, n = self.run, self.run.cfg.n_samples
         with self.timer("decode"):
             completions = decode_completions(run.tokenizer, part)
@@ -43,7 +44,6 @@ class PartScorer(Parts):
         with self.timer.span("reward"):
             self.tickets.append(run.scorer.submit(reward_records(
                 run.rows, run.prompts, self.prompt_idx[pos], part, completions, index=index)))
-        super().add(pos, part)
 
     def finish(self, timer: PhaseTimer) -> tuple[RolloutBatch, RewardResult]:
         """-> (the batch, its rewards), both in prompt order."""

@@ -103,7 +103,7 @@ def async_lines(out: dict) -> list[str]:
     lines = ["K = 1 (--rollout-world-size 1 --off-policy-steps 1: the engine process generates step k+1 while the "
              "controller scores, packs and hands off step k and the ranks train it), ms unless marked: generation "
              "of the rollout in flight (k+1), take (collect k + send k+1), the controller's critical work on k "
-             "(first decode -> hand-off written: decode, reward, adv, pack, hand-off), train, publish (weights "
+             "(the batch whole -> hand-off written: what is left of decode and reward, adv, pack, hand-off), train, publish (weights "
              "k for rollout k+2), time/wait_batch, time/wait_weights (the engine idle before its rollout), "
              "margins = end of k+1's generation - end of the host work / of the publish, step wall "
              "(train_step_ahead), period (step start to the next step's: the bench's gc and probe reading "

@@ -282,8 +282,8 @@ class SnapTimer(PhaseTimer):
 
 def measure_async_step(run: Any, step: int, ranks: RankLog) -> dict:
     """One step of the K = 1 loop (trainer.train_step_ahead). The controller's
-    critical work is its window from the first decode (the batch in hand) to the
-    hand-off written: the same phases as the synchronous modes' critical path.
+    critical work is its window from the batch whole (the end of the collect's
+    wait) to the hand-off written: the same phases as the synchronous modes' critical path.
     The figures of the rollout generated meanwhile (step + 1's) are added by
     run_async once it is done (add_inflight)."""
     gc.collect()
@@ -295,10 +295,11 @@ def measure_async_step(run: Any, step: int, ranks: RankLog) -> dict:
     t_end = time.monotonic()
     hwm = proc_kb("VmHWM") if peak_ok else 0
     spans = timer.spans
-    # The rollout's parts were decoded and scored as they streamed in, mostly during
-    # the step before (add_streamed): the critical window opens when this step does.
+    # The rollout's parts were decoded and scored as they streamed in, during the
+    # step before or the wait for it (add_streamed): the critical window opens when
+    # the batch is whole, at the end of that wait.
     decodes = sorted((a, z) for p, a, z, _ in spans if p == "decode")
-    t_host = max(t_step, decodes[0][0])
+    t_host = t_step + m["time/wait_batch"]
     (t_pub,) = [z for p, _, z, _ in spans if p == "weight_sync"]
     eng = {"t_gen_end": t_host, "t_start": t_step, "train": timer.snaps["train"], "export": timer.snaps["export"],
            "t_update_weights": t_pub}
@@ -370,11 +371,11 @@ def run_async(args: argparse.Namespace, tmp: Path, cost_file: Path) -> tuple[lis
                       f"  train {r['train_s']:5.2f} s  publish {r['export_s'] * 1e3:6.1f} ms  wait_batch "
                       f"{r['wait_batch_s'] * 1e3:7.1f} ms  step {r['step_s']:5.2f} s  load {r['loadavg_1m']:.1f}",
                       flush=True)
-            run.ahead.ready_for_eval()  # the last rollout in flight, collected: the last step's margins
+            run.ahead.ready_for_eval()  # the rollouts in flight, collected: the last step's margins
     finally:
         os.environ.pop(ENGINE_SPEC_ENV, None)
     rollouts = [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()]
-    if len(rollouts) != len(rows) + 1:
+    if len(rollouts) != len(rows) + 2:  # and the two in flight after the last step: k+1's and k+2's
         raise RuntimeError(f"K = 1: {len(rollouts)} rollouts logged by the engine process for {len(rows)} steps")
     starts = [row.pop("_t_step") for row in rows]
     for i, row in enumerate(rows):  # rollouts[k - 1] is step k's, rollouts[k] the one generated during k

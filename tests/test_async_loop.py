@@ -90,10 +90,9 @@ class _Sink(Parts):
         super().__init__()
         self.gate, self.seen, self.pending, self.waiting = gate, [], None, "nothing"
 
-    def add(self, pos, part) -> None:
+    def score(self, pos, part) -> None:
         self.seen.append((int(pos[0]), self.pending.whole, self.waiting))
         self.gate.touch()
-        super().add(pos, part)
 
 
 def test_a_rollouts_parts_reach_the_controller_while_it_runs_and_while_the_ranks_train(

@@ -27,7 +27,8 @@ STEP_FIELDS = (
 MODES = ("areno_overlap_free", "reference_free", "areno_plain_free", "areno_overlap_5ms",
          "areno_plain_5ms", "areno_async_free")
 ASYNC_FIELDS = ("take_s", "wait_batch_s", "wait_weights_s", "host_margin_s", "step_margin_s", "busy_s",
-                "step_metric_s", "stream_parts", "period_s", "bench_gap_s")
+                "step_metric_s", "stream_parts", "period_s", "bench_gap_s", "stream_margin_s",
+                "stream_after_last_s", "stream_decode_total_s")
 
 
 def test_bench_longcot_quick(tmp_path: Path, bl) -> None:
@@ -64,6 +65,9 @@ def test_bench_longcot_quick(tmp_path: Path, bl) -> None:
         # the publish ends after the hand-off: by the train and publish at least
         assert s["host_margin_s"] - s["step_margin_s"] >= s["train_s"] + s["export_s"] - 0.01
         assert s["wait_batch_s"] < 0.1 and s["busy_s"] > 0 and isinstance(s["step_hidden"], bool)
+        # issue 27, 2: the step's own parts were decoded as they streamed in, all but the
+        # last before its last completion came (parts sent only at the end: one decode)
+        assert s["stream_parts_scored"] == s["parts_generated"] == 4 and s["streamed"] is True, s
     assert warm["wait_batch_s"] >= 0.25 and warm["step"] == 1 and [s["step"] for s in k1["steps"]] == [2]
     checks = data["checks"]
     for name in ("identical:areno_overlap_free==areno_plain_free",
@@ -72,6 +76,8 @@ def test_bench_longcot_quick(tmp_path: Path, bl) -> None:
         assert checks[name]["pass"], (name, checks[name])
     hidden = [n for n in checks if n.startswith("hidden (K=1)")]
     assert len(hidden) == 2 and checks[hidden[0]]["pass"], checks
+    (streamed,) = [n for n in checks if n.startswith("streamed (K=1)")]
+    assert checks[streamed]["pass"], checks[streamed]
     assert all(c["pass"] for c in checks.values() if c.get("required", True)), checks
     names = {t["target"] for t in data["targets"]}
     assert any("critical reward time" in n for n in names) and any("readbacks" in n for n in names)

@@ -25,6 +25,7 @@ import numpy as np
 
 from areno.backend.engine_host import OutRegion
 from areno.backend.replies import ReplyStream
+from areno.backend.signals import signals_held
 from areno.backend.weight_sync import WeightRegion
 from areno.rollout.batch import RolloutBatch, csr_take, offsets_from_lengths
 from areno.rollout.engine import SamplingConfig, prompt_seeds, validate_prompts
@@ -202,15 +203,24 @@ class RolloutPlan:
 
 
 class Parts:
-    """A rollout's finished parts as they come -> the batch in prompt order (merge)."""
+    """A rollout's finished parts as they come -> the batch in prompt order (merge).
+    add = keep (the batch) + score (nothing here; scoring.PartScorer's decode and
+    rewards), two steps so that an interrupt between them loses no part."""
 
     def __init__(self) -> None:
         self.parts: list[RolloutBatch] = []
         self.positions: list[np.ndarray] = []
 
     def add(self, pos: np.ndarray, part: RolloutBatch) -> None:
+        self.keep(pos, part)
+        self.score(pos, part)
+
+    def keep(self, pos: np.ndarray, part: RolloutBatch) -> None:
         self.parts.append(part)
         self.positions.append(pos)
+
+    def score(self, pos: np.ndarray, part: RolloutBatch) -> None:
+        """Work on a kept part (none here)."""
 
     def merge(self) -> tuple[RolloutBatch, np.ndarray]:
         """(the batch in prompt order, the permutation from arrival order to it)."""
@@ -218,7 +228,9 @@ class Parts:
 
 
 class PartSink(Protocol):
-    def add(self, pos: np.ndarray, part: RolloutBatch) -> None: ...
+    def keep(self, pos: np.ndarray, part: RolloutBatch) -> None: ...
+
+    def score(self, pos: np.ndarray, part: RolloutBatch) -> None: ...
 
 
 class PendingRollout:
@@ -236,16 +248,20 @@ class PendingRollout:
         return not self.stream.pending
 
     def consume(self) -> None:
-        """Take what was read for this rollout so far: each part into the sink."""
-        while self.stream.inbox:
-            self._take(*self.stream.inbox.popleft())
-
-    def _take(self, r: int, kind: str, meta: Any) -> None:
-        g = self.engines._group_of[r]
-        if kind == "ok":
-            self.replies[g] = meta
-        else:
-            self.sink.add(*self.engines._part(self.plan, g, meta))
+        """Take what was read for this rollout so far: each part into the sink,
+        kept whole under an interrupt (the rollout it completes may be saved),
+        then scored (an interrupted run needs no rewards)."""
+        inbox = self.stream.inbox
+        while inbox:
+            with signals_held():
+                r, kind, meta = inbox.popleft()
+                g = self.engines._group_of[r]
+                if kind == "ok":
+                    self.replies[g] = meta
+                    continue
+                pos, part = self.engines._part(self.plan, g, meta)
+                self.sink.keep(pos, part)
+            self.sink.score(pos, part)
 
     def wait(self, until: float) -> bool:
         """Wait until the rollout is whole (True) or time.monotonic() reaches `until`."""
@@ -258,8 +274,8 @@ class PendingRollout:
         longest an engine waited before it; sync_load_s: the slowest load, when it
         began with one}. Its segment goes back to the engines' pool."""
         self.consume()
-        for msg in self.stream.events(self.engines.backend.config.command_timeout_s):
-            self._take(*msg)
+        for _ in self.stream.events(self.engines.backend.config.command_timeout_s):
+            pass  # nothing comes out: its hook (consume) takes each message as it is read
         replies = [self.replies[g] for g in range(self.engines.num_engines)]
         self.engines.last_tokens = [r["tokens"] for r in replies]
         self.engines._free_segments.append(self.plan.segment)

@@ -15,8 +15,9 @@ oldest open stream its peer owes (a peer answers its commands in order), so
 several streams may be out to the same peers: the asynchronous loop's rollouts
 in flight. Those are `background` streams: whatever stream the controller waits
 on, their peers are read too, and each background stream's `on_message` hook
-runs after the read (outside the held block), so the engines never block on a
-full pipe and their parts are scored while the controller waits for the ranks. The owner (TorchBackend) and the loop-side
+runs after the read (outside the held block), also while the stream itself is
+waited on, so the engines never block on a full pipe and their parts are
+scored as they come, while the controller waits for the ranks or for them. The owner (TorchBackend) and the loop-side
 engine view (backend/rank_engines.py) both use these objects, never each
 other's internals.
 """
@@ -182,9 +183,10 @@ class Peers:
         """Wait (<= 1 s) for messages of `stream`'s pending peers and of every
         background stream's, and route each read to its owner's inbox (route);
         a peer whose final "ok" came leaves its owner's `pending` here, in the
-        same held block as the read. Then the background streams that got
-        messages run their on_message. Raises BackendError for a peer's error,
-        death or the deadline (late_ok: return instead)."""
+        same held block as the read. Then the streams that got messages and have
+        an on_message hook (a rollout in flight: it takes its own) run it.
+        Raises BackendError for a peer's error, death or the deadline (late_ok:
+        return instead)."""
         left = deadline - time.monotonic()
         if left <= 0:
             if late_ok:
@@ -213,7 +215,7 @@ class Peers:
                             errors.append(e)
                             continue
                         owner = self.route(r, msg, stream)
-                        if owner is not stream and owner.on_message is not None and owner not in fed:
+                        if owner.on_message is not None and owner not in fed:
                             fed.append(owner)
             dead = [r for s, r in sentinels.items() if s in ready]
             if errors and not dead and sentinels:
