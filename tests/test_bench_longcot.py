@@ -184,17 +184,19 @@ def test_identity_checks_catch_a_changed_field(bl) -> None:
 def test_hidden_checks_need_every_step_before_the_rollout_in_flight(bl) -> None:
     from longcot_run import HIDDEN_SLACK_S, hidden_checks
 
-    def row(step, host, upd):
-        return {"step": step, "host_margin_s": host, "step_margin_s": upd}
+    def row(step, host, upd, streamed=True):
+        return {"step": step, "host_margin_s": host, "step_margin_s": upd, "streamed": streamed,
+                "stream_parts_scored": 4 if streamed else 1, "stream_margin_s": 0.01 if streamed else float("nan")}
 
     rows = [row(2, 1.0, 0.5), row(3, 0.2, -HIDDEN_SLACK_S / 2)]  # within the slack
-    host, full = hidden_checks(rows, 2, quick=False).values()
-    assert host["pass"] and full["pass"] and full["required"]
-    rows.append(row(4, -2 * HIDDEN_SLACK_S, -1.0))
-    host, full = hidden_checks(rows, 3, quick=True).values()
+    streamed, host, full = hidden_checks(rows, 2, quick=False).values()
+    assert streamed["pass"] and host["pass"] and full["pass"] and full["required"]
+    rows.append(row(4, -2 * HIDDEN_SLACK_S, -1.0, streamed=False))  # its parts all came at the end
+    streamed, host, full = hidden_checks(rows, 3, quick=True).values()
+    assert not streamed["pass"] and [d["round"] for d in streamed["differences"]] == [4]
     assert not host["pass"] and [d["round"] for d in host["differences"]] == [4]
     assert not full["pass"] and full["required"] is False  # --quick: info only
-    short, _ = hidden_checks(rows[:1], 2, quick=False).values()
+    _, short, _ = hidden_checks(rows[:1], 2, quick=False).values()
     assert not short["pass"]  # a measured step missing
 
 
