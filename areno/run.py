@@ -321,11 +321,11 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
                   logger=logger, world_size=world_size, total_steps=total, step=resume.step, evalset=evalset,
                   max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
         logger.info(start_line(run, resume, device))
-        saved = load_inflight(resume.ckpt)  # a K = 1 run's rollout in flight
-        if saved is not None and not cfg.off_policy_steps:  # K = 0 samples it again, from these weights
-            sampler.load_state_dict(saved.sampler_before)
-            saved = None
-        if cfg.rollout_world_size:  # engine processes: their loop, K = 0 or 1 (asyncloop.py)
+        saved = load_inflight(resume.ckpt)  # a K >= 1 run's rollouts in flight
+        if saved and not cfg.off_policy_steps:  # K = 0 samples them again, from these weights
+            sampler.load_state_dict(saved[0].sampler_before)
+            saved = []
+        if cfg.rollout_world_size:  # engine processes: their loop, any K (asyncloop.py)
             run.ahead = RolloutsAhead(run, int(resume.state.get("weight_version", resume.step)), saved)
         if lora is not None:
             logger.info(lora_line(lora, params))

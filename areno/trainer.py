@@ -8,9 +8,8 @@ import hashlib
 import signal
 import sys
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 
@@ -26,18 +25,15 @@ from areno.runtime.interrupt import interrupted, interrupted_at_startup, made_ru
 from areno.runtime.signals import interrupts_raise, raise_held, step_window
 from areno.metrics import train_metrics
 from areno.split import build_split_pack
-from areno.rewards import RewardResult, reward_records
-from areno.rollout.batch import (
-    FINISH_LENGTH,
-    RolloutBatch,
-    decode_completions,
-    overlong_mask,
-)
+from areno.rewards import RewardResult
+from areno.rollout.batch import FINISH_LENGTH, RolloutBatch, overlong_mask
 from areno.rollout.engine import SamplingConfig
 from areno.rollout.probe import WeightSyncError
 from areno.runtime.multinode import run_worker_node
 from areno.run import Run, open_run, steps_text, visible_gpus
+from areno.scoring import PartScorer, score
 from areno.stats import StreamingStats
+from areno.timing import PhaseTimer  # noqa: F401 (the benchmarks' timing hook lives there)
 
 
 def train_step(run: Run, step: int, timer: PhaseTimer | None = None,
@@ -76,18 +72,18 @@ def sample_rounds(run: Run, collect: Callable[[int], Round]) -> Filled:
 
 def train_step_ahead(run: Run, step: int, timer: PhaseTimer | None = None,
                      update_starts: Callable[[], None] = lambda: None) -> dict[str, float]:
-    """One step of the asynchronous loop (asyncloop.py): train on the rollout that
-    was generated while the last step trained; the next one runs meanwhile."""
+    """One step of the asynchronous loop (asyncloop.py): train on a rollout that
+    was generated, decoded and scored while earlier steps trained; the next ones
+    run meanwhile."""
     timer, t_step = timer or PhaseTimer(), time.perf_counter()
     ahead = run.ahead
-    cur = ahead.take(step)
+    cur = ahead.take(step, timer)
 
-    def collect(r: int) -> Round:  # round 0: the loop's rollout; a refill: generated now (K = 0)
+    def collect(r: int) -> Round:  # round 0: the loop's rollout, scored; a refill: generated now (K = 0)
         if r == 0:
-            prompt_idx, batch = cur.prompt_idx, cur.batch
-        else:
-            with timer("rollout"):
-                prompt_idx, batch = ahead.extra_round(step, round_sampling(run.sampling_for(step), r))
+            return Round(cur.prompt_idx, cur.batch, cur.scored)
+        with timer("rollout"):
+            prompt_idx, batch = ahead.extra_round(step, round_sampling(run.sampling_for(step), r))
         return Round(prompt_idx, batch, score(run, prompt_idx, batch, timer))
     metrics = learn(run, step, sample_rounds(run, collect), timer, t_step, ahead.publish, update_starts)
     return metrics | ahead.after_update(step, cur)
@@ -156,43 +152,21 @@ def rollout_then_score(run: Run, prompt_idx: np.ndarray, sampling: SamplingConfi
     return batch, score(run, prompt_idx, batch, timer)
 
 
-def score(run: Run, prompt_idx: np.ndarray, batch: RolloutBatch, timer: PhaseTimer) -> RewardResult:
-    """Decode the whole batch in one call, then score it."""
-    with timer("decode"):
-        completions = decode_completions(run.tokenizer, batch)
-    with timer("reward"):
-        return run.scorer.score(reward_records(run.rows, run.prompts, prompt_idx, batch, completions))
-
-
 def rollout_overlapped(run: Run, prompt_idx: np.ndarray, sampling: SamplingConfig,
                        timer: PhaseTimer) -> tuple[RolloutBatch, RewardResult]:
     """Decode and submit each part of the rollout to the reward workers as its
-    groups finish; after the last one only the outstanding rewards are waited
-    for. The result is put back in prompt order, so it equals rollout_then_score's.
-    time/rollout includes the overlapped decode; time/reward is what remains."""
-    n = run.cfg.n_samples
-    parts, positions, tickets = [], [], []
+    groups finish (scoring.PartScorer); after the last one only the outstanding
+    rewards are waited for. time/rollout includes the overlapped decode;
+    time/reward is what remains."""
+    scorer = PartScorer(run, prompt_idx, timer)
     with timer("rollout"):
         ids, offsets = select(run.prompts, prompt_idx)
         # Every finished group goes out at once: the last part, whose scoring
         # cannot hide behind generation, stays as small as possible (with parts of
         # P/4 groups a quarter of the reward time stayed on the critical path).
-        stream = run.engine.generate_stream(ids, offsets, n, sampling, min_groups=1)
-        for pos, part in stream:
-            with timer("decode"):
-                completions = decode_completions(run.tokenizer, part)
-            index = pos[part.group_index] * n + np.arange(part.num_responses) % n
-            with timer.span("reward"):
-                tickets.append(run.scorer.submit(reward_records(
-                    run.rows, run.prompts, prompt_idx[pos], part, completions, index=index)))
-            parts.append(part)
-            positions.append(pos)
-    with timer("reward"):
-        results = [run.scorer.collect(t) for t in tickets]
-    with timer.span("merge"):
-        batch, perm = RolloutBatch.merge_parts(parts, positions)  # one copy of the token arrays
-        merged = RewardResult.concat(results)
-    return batch, replace(merged, rewards=merged.rewards[perm], valid=merged.valid[perm])
+        for pos, part in run.engine.generate_stream(ids, offsets, run.cfg.n_samples, sampling, min_groups=1):
+            scorer.add(pos, part)
+    return scorer.finish(timer)
 
 
 @dataclass(frozen=True)
@@ -329,27 +303,29 @@ def due(step: int, interval: int) -> bool:
 
 def sampler_before(run: Run, step: int) -> dict:
     """The sampler's state before step drew its prompts (the asynchronous loop drew
-    them during the step before)."""
-    cur = run.ahead and run.ahead.inflight
+    them during an earlier step)."""
+    cur = run.ahead.inflight[0] if run.ahead and run.ahead.inflight else None
     return cur.sampler_before if cur and cur.step == step else run.sampler.state_dict()
 
 
 def settle_interrupted_step(run: Run, before: tuple[int, dict, int] | None) -> None:
     """Make run.step and the data cursor agree with the weights after an interrupt
     inside a step: if its update reached the weights the step counts as finished,
-    otherwise the prompts it drew go back to the sampler. A rollout for a later
-    step (the asynchronous loop's) is dropped and its prompts go back too."""
+    otherwise the prompts it drew go back to the sampler (the asynchronous loop
+    keeps its rollout in flight instead). The loop's rollouts for later steps are
+    kept when whole, for the checkpoint, or dropped with their prompts back
+    (asyncloop.RolloutsAhead.settle_interrupt)."""
+    ahead = run.ahead
     if before is not None and before[0] == run.step + 1:
         step, sampler_state, backend_step = before
         if run.backend.step != backend_step:
             run.step = step
-        else:
+        elif ahead is None:
             run.sampler.load_state_dict(sampler_state)
-    cur = run.ahead and run.ahead.inflight
-    if cur:
-        if cur.step == run.step + 1:  # drawn after the last finished step: its prompts go back
-            run.sampler.load_state_dict(cur.sampler_before)
-        run.ahead.inflight = None
+        else:
+            ahead.put_back(step)
+    if ahead is not None and (state := ahead.settle_interrupt(run.step)) is not None:
+        run.sampler.load_state_dict(state)
 
 
 def stopped(run: Run, e: BackendError | WeightSyncError) -> None:
@@ -371,41 +347,3 @@ def stopped(run: Run, e: BackendError | WeightSyncError) -> None:
           + (f" (rank traceback in {log})" if tb else ""),
           file=sys.stderr, flush=True)
     raise SystemExit(1)
-
-
-class PhaseTimer:
-    """Wall time per phase of one step: `times[phase]`, seconds summed over the
-    phase's intervals (the step's time/<phase> metrics).
-
-    The timing hook for benchmarks (scripts/bench_longcot.py): pass
-    `PhaseTimer(keep_spans=True)` to `train_step` and read `spans` afterwards,
-    one (phase, start, end, cpu_s) per interval, start/end on time.monotonic
-    (one clock for the controller and its child processes), cpu_s the calling
-    thread's CPU time in it. Spans include the sub-phases `span()` marks inside
-    a phase (advantages and pack in materialize, ...); those add nothing to
-    `times`, whose phases already hold their time."""
-
-    def __init__(self, keep_spans: bool = False) -> None:
-        self.times: dict[str, float] = {}
-        self.spans: list[tuple[str, float, float, float]] | None = [] if keep_spans else None
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            with self.span(phase):
-                yield
-        finally:
-            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
-
-    @contextmanager
-    def span(self, phase: str) -> Iterator[None]:
-        """A sub-phase: kept in `spans` (when kept), not added to `times`."""
-        if self.spans is None:
-            yield
-            return
-        c0, t0 = time.thread_time(), time.monotonic()
-        try:
-            yield
-        finally:
-            self.spans.append((phase, t0, time.monotonic(), time.thread_time() - c0))

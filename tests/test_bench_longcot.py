@@ -29,7 +29,8 @@ STEP_FIELDS = (
 MODES = ("areno_overlap_free", "reference_free", "areno_plain_free", "areno_overlap_5ms",
          "areno_plain_5ms", "areno_async_free")
 ASYNC_FIELDS = ("take_s", "wait_batch_s", "wait_weights_s", "host_margin_s", "step_margin_s", "busy_s",
-                "step_metric_s", "stream_parts", "period_s", "bench_gap_s")
+                "step_metric_s", "stream_parts", "period_s", "bench_gap_s", "stream_margin_s",
+                "stream_after_last_s", "stream_decode_total_s")
 
 
 def test_bench_longcot_quick(tmp_path: Path) -> None:
@@ -66,6 +67,9 @@ def test_bench_longcot_quick(tmp_path: Path) -> None:
         # the publish ends after the hand-off: by the train and publish at least
         assert s["host_margin_s"] - s["step_margin_s"] >= s["train_s"] + s["export_s"] - 0.01
         assert s["wait_batch_s"] < 0.1 and s["busy_s"] > 0 and isinstance(s["step_hidden"], bool)
+        # issue 27, 2: the step's own parts were decoded as they streamed in, all but the
+        # last before its last completion came (parts sent only at the end: one decode)
+        assert s["stream_parts_scored"] == s["parts_generated"] == 4 and s["streamed"] is True, s
     assert warm["wait_batch_s"] >= 0.25 and warm["step"] == 1 and [s["step"] for s in k1["steps"]] == [2]
     checks = data["checks"]
     for name in ("identical:areno_overlap_free==areno_plain_free",
@@ -74,6 +78,8 @@ def test_bench_longcot_quick(tmp_path: Path) -> None:
         assert checks[name]["pass"], (name, checks[name])
     hidden = [n for n in checks if n.startswith("hidden (K=1)")]
     assert len(hidden) == 2 and checks[hidden[0]]["pass"], checks
+    (streamed,) = [n for n in checks if n.startswith("streamed (K=1)")]
+    assert checks[streamed]["pass"], checks[streamed]
     assert all(c["pass"] for c in checks.values() if c.get("required", True)), checks
     names = {t["target"] for t in data["targets"]}
     assert any("critical reward time" in n for n in names) and any("readbacks" in n for n in names)
@@ -169,17 +175,19 @@ def test_identity_checks_catch_a_changed_field() -> None:
 def test_hidden_checks_need_every_step_before_the_rollout_in_flight() -> None:
     from areno.bench.longcot.run import HIDDEN_SLACK_S, hidden_checks
 
-    def row(step, host, upd):
-        return {"step": step, "host_margin_s": host, "step_margin_s": upd}
+    def row(step, host, upd, streamed=True):
+        return {"step": step, "host_margin_s": host, "step_margin_s": upd, "streamed": streamed,
+                "stream_parts_scored": 4 if streamed else 1, "stream_margin_s": 0.01 if streamed else float("nan")}
 
     rows = [row(2, 1.0, 0.5), row(3, 0.2, -HIDDEN_SLACK_S / 2)]  # within the slack
-    host, full = hidden_checks(rows, 2, quick=False).values()
-    assert host["pass"] and full["pass"] and full["required"]
-    rows.append(row(4, -2 * HIDDEN_SLACK_S, -1.0))
-    host, full = hidden_checks(rows, 3, quick=True).values()
+    streamed, host, full = hidden_checks(rows, 2, quick=False).values()
+    assert streamed["pass"] and host["pass"] and full["pass"] and full["required"]
+    rows.append(row(4, -2 * HIDDEN_SLACK_S, -1.0, streamed=False))  # its parts all came at the end
+    streamed, host, full = hidden_checks(rows, 3, quick=True).values()
+    assert not streamed["pass"] and [d["round"] for d in streamed["differences"]] == [4]
     assert not host["pass"] and [d["round"] for d in host["differences"]] == [4]
     assert not full["pass"] and full["required"] is False  # --quick: info only
-    short, _ = hidden_checks(rows[:1], 2, quick=False).values()
+    _, short, _ = hidden_checks(rows[:1], 2, quick=False).values()
     assert not short["pass"]  # a measured step missing
 
 

@@ -43,9 +43,6 @@ BAD = [
     (["--off-policy-steps", "-1"], "--off-policy-steps must be >= 0"),
     (["--rollout-world-size", "-2"], "--rollout-world-size must be >= 0"),
     (["--off-policy-steps", "1.5"], "--off-policy-steps"),
-    (["--off-policy-steps", "2", "--rollout-world-size", "1"],
-     "--off-policy-steps 2: the asynchronous loop runs one rollout ahead of training, so its "
-     "policy lag is at most 1; use --off-policy-steps 1"),
     (["--rollout-world-size", "1", "--lora-rank", "8"], "--lora-rank with --rollout-world-size"),
 ]
 
@@ -89,6 +86,17 @@ def test_both_engines_report_processed_logprobs_so_truncated_sampling_is_allowed
         assert (cfg.top_p, cfg.top_k) == (0.9, 20)
     # the raw case does not depend on truncation: without top-p / top-k nothing is refused
     offpolicy.check_off_policy(dataclasses.replace(cfg, top_p=1.0, top_k=-1))
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_any_staleness_bound_is_taken_with_its_defaults(k, files, capsys):
+    """K >= 2 was refused while the loop kept one rollout ahead (issue 27)."""
+    cfg = TrainConfig.from_sources(None, {**files, "off_policy_steps": k, "rollout_world_size": 1})
+    offpolicy.check_off_policy(cfg)
+    assert cfg.off_policy_steps == k and cfg.recompute_logprobs and cfg.tis_cap == offpolicy.OFF_POLICY_TIS_CAP
+    assert f"--off-policy-steps {k} turns on --recompute-logprobs" in capsys.readouterr().out
+    with pytest.raises(UserError, match=f"--off-policy-steps {k} needs --rollout-world-size"):
+        offpolicy.check_off_policy(dataclasses.replace(cfg, rollout_world_size=0))
 
 
 def test_k_turns_on_recompute_and_the_default_cap_and_says_so(files, capsys):

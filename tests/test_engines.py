@@ -179,26 +179,47 @@ def test_an_interrupted_step_counts_only_if_its_update_was_applied():
     assert run.step == 5
 
 
-def test_an_interrupt_puts_the_prompts_of_the_rollout_in_flight_back():
-    """The asynchronous loop drew step 6's prompts during step 5: whether or not
-    step 5's update landed, the checkpoint's sampler must not have drawn them."""
+class _Running:
+    """A PendingRollout stand-in that never gets whole (the engine still generating)."""
+
+    def __init__(self) -> None:
+        self.dropped = False
+
+    def wait(self, until: float) -> bool:
+        return False
+
+    def drop(self) -> None:
+        self.dropped = True
+
+
+def test_an_interrupt_keeps_the_whole_rollouts_in_flight_and_puts_the_prompts_of_the_others_back():
+    """The asynchronous loop drew steps 6 and 7's prompts during step 5; 6 is whole,
+    7 still generating. Whether or not step 5's update landed, the checkpoint
+    keeps what is whole from step run.step + 1 on (5's own rollout back in
+    flight when its update did not land) and its sampler stands before 7's prompts."""
     from types import SimpleNamespace
 
-    from areno.asyncloop import Inflight
+    from areno.asyncloop import Inflight, RolloutsAhead
     from areno.data.sampler import PromptSampler
     from areno.trainer import settle_interrupted_step
 
     for landed in (False, True):
         sampler = PromptSampler(55, 16, seed=0)
-        before5 = sampler.state_dict()
-        batch5 = sampler.next_batch()
-        before6 = sampler.state_dict()
-        batch6 = sampler.next_batch()
-        ahead = SimpleNamespace(inflight=Inflight(6, batch6, before6, version=4))
-        run = SimpleNamespace(step=4, sampler=sampler, backend=SimpleNamespace(step=4 + landed), ahead=ahead)
-        settle_interrupted_step(run, (5, before5, 4))
-        assert run.step == 4 + landed and ahead.inflight is None
-        np.testing.assert_array_equal(sampler.next_batch(), batch6 if landed else batch5)
+        drawn = []
+        for step in (5, 6, 7):
+            before = sampler.state_dict()
+            drawn.append(Inflight(step, sampler.next_batch(), before, version=4))
+        batch7 = drawn[2].prompt_idx
+        drawn[2].pending = _Running()
+        run = SimpleNamespace(step=4, sampler=sampler, backend=SimpleNamespace(step=4 + landed),
+                              cfg=SimpleNamespace(off_policy_steps=2))
+        run.ahead = ahead = RolloutsAhead(run, 4, drawn[1:])
+        ahead.current = drawn[0]  # taken by step 5
+        settle_interrupted_step(run, (5, drawn[0].sampler_before, 4))
+        assert run.step == 4 + landed
+        assert [c.step for c in ahead.inflight] == ([6] if landed else [5, 6])
+        assert drawn[2].pending.dropped
+        np.testing.assert_array_equal(sampler.next_batch(), batch7)  # 7's prompts come back
 
 
 def test_a_rollout_left_suspended_is_settled_before_the_next_command(tiny_arith_path, tmp_path):

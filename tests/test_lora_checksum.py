@@ -90,7 +90,7 @@ def test_the_checksum_catches_what_a_sum_of_squares_cannot(case, sent) -> None:
     assert fingerprint_mismatch(adapter_fingerprint_of(copied, config()), want) is None
 
 
-@pytest.fixture(scope="module", params=["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["hf", "vllm"])
 def engine(request, tiny_chat_path):
     if request.param == "hf":
         from areno.rollout.hf import HFEngine

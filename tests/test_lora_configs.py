@@ -83,7 +83,7 @@ def test_honoured_fields_give_peft_logits_on_the_trainer(case, tiny_chat_path, t
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["hf", "vllm"])
 def test_an_rslora_adapter_syncs_exactly_into_the_engines(kind, tiny_chat_path, monkeypatch, tmp_path) -> None:
     """A real RankWorker resuming an rsLoRA adapter: its engine (hf, vLLM) serves
     it with alpha/sqrt(r): the start-up sync's checksum and probe pass."""

@@ -26,6 +26,7 @@ from areno.metrics import (
     TRAIN_METRICS,
     WAIT_PHASES,
     finalize_step,
+    lag_count_key,
     policy_lag_metrics,
     reduce_opt_steps,
     train_metrics,
@@ -128,16 +129,20 @@ def test_train_metrics_logs_every_train_metric_in_table_order() -> None:
 
 def test_loop_metrics_are_declared_once_with_their_reductions() -> None:
     keys = [m.key for m in LOOP_METRICS]
-    assert keys == ["rollout/policy_lag_mean", "rollout/policy_lag_max", "time/wait_batch",
-                    "time/wait_weights"]
+    assert keys == ["rollout/policy_lag_mean", "rollout/policy_lag_max", "rollout/policy_lag_<l>",
+                    "time/wait_batch", "time/wait_weights"]
     assert set(keys).isdisjoint(METRICS[k].key for k in TRAIN_METRICS)
     assert all(m.help for m in LOOP_METRICS)
-    assert [f"time/{p}" for p in WAIT_PHASES] == keys[2:]
-    assert policy_lag_metrics([0, 2, 1, 1]) == {"rollout/policy_lag_mean": 1.0,
-                                                "rollout/policy_lag_max": 2.0}
-    assert policy_lag_metrics([]) == {"rollout/policy_lag_mean": 0.0, "rollout/policy_lag_max": 0.0}
+    assert [f"time/{p}" for p in WAIT_PHASES] == keys[3:]
+    # The distribution, not only the maximum: samples per lag 0..K (issue 27).
+    assert policy_lag_metrics([0, 2, 1, 1], k=3) == {
+        "rollout/policy_lag_mean": 1.0, "rollout/policy_lag_max": 2.0, "rollout/policy_lag_0": 1.0,
+        "rollout/policy_lag_1": 2.0, "rollout/policy_lag_2": 1.0, "rollout/policy_lag_3": 0.0}
+    assert policy_lag_metrics([], k=1) == {"rollout/policy_lag_mean": 0.0, "rollout/policy_lag_max": 0.0,
+                                           "rollout/policy_lag_0": 0.0, "rollout/policy_lag_1": 0.0}
     assert wait_metrics([0.5, 0.25], []) == {"time/wait_batch": 0.75, "time/wait_weights": 0.0}
-    assert set(policy_lag_metrics([1])) | set(wait_metrics([], [])) == set(LOOP)
+    fixed = set(policy_lag_metrics([1])) | set(wait_metrics([], []))
+    assert fixed - {lag_count_key(0), lag_count_key(1)} | {"rollout/policy_lag_<l>"} == set(LOOP)
     from areno.rundir.reporting import PHASES
 
     assert set(WAIT_PHASES) <= set(PHASES)  # areno plot draws them with the phases

@@ -68,8 +68,9 @@ class TorchBackend:
         peers = config.world_size + self.num_engine_procs
         self._conns: list[Connection | None] = [None] * peers
         self._pack = PackWriter("pack")
-        # Two weight regions: the asynchronous loop publishes version v into one while
-        # the engine processes may still be loading v - 1 from the other.
+        # Weight regions by slot: the asynchronous loop publishes version v into slot
+        # v % (K + 1) while the engine processes may still have to load the K before
+        # it (asyncloop.py); two to begin with, more made as a slot is first used.
         self._weights = [ShmSegment("weights"), ShmSegment("weights1")]
         self._marker = ShmSegment("marker")
         self.rollout_segment = ShmSegment("rollout")  # engines' results (backend/rank_engines.py)
@@ -80,9 +81,10 @@ class TorchBackend:
         self.publishes = 0  # weight regions published (the probe runs when due)
         self.peers = Peers(self._conns, self._procs, self._abort, lambda: self._closed,
                            label=self._peer_name)
+        # Every segment, unlinked on any exit; weight and rollout segments join it as made.
+        self._segments = [self._pack.segment, *self._weights, self._marker, self.rollout_segment]
         self._finalizer = weakref.finalize(
-            self, stop_processes, self._procs, self._conns, [self._pack.segment, *self._weights, self._marker, self.rollout_segment],
-            config.shutdown_grace_s,
+            self, stop_processes, self._procs, self._conns, self._segments, config.shutdown_grace_s,
         )
         beats = None  # watched once every rank said hello (heartbeat.py)
         try:
@@ -228,11 +230,14 @@ class TorchBackend:
         (fingerprint; the probe when due for an engine that is `fingerprinted` or not).
 
         The region stays valid until the next publish_weights into the same `slot`
-        (0 or 1) or close(). Names are
+        (0, 1, ...) or close(). Names are
         the HF model's state_dict keys, lm_head.weight included; dtype the engines'.
         """
         self._check_open()
         remote0 = not self.hellos[0]["same_host"]  # rank 0 sends the bytes; readers still map the segment
+        while len(self._weights) <= slot:
+            self._weights.append(ShmSegment(f"weights{len(self._weights)}"))
+            self._segments.append(self._weights[-1])
         seg = self._weights[slot]
         seg.ensure(self._layout.nbytes, headroom=0.0)
         t0 = time.perf_counter()
@@ -335,7 +340,13 @@ class TorchBackend:
         return stream.gather(self.config.command_timeout_s)
 
     def open_stream(self, what: str, drain_s: float = 0.0, lane: str = "main",
-                    detach: bool = False) -> ReplyStream:
+                    detach: bool = False, background: bool = False) -> ReplyStream:
         """A reply stream for a command sent rank by rank (stream.send)."""
         self._check_open()
-        return self.peers.open(what, drain_s, lane=lane, detach=detach)
+        return self.peers.open(what, drain_s, lane=lane, detach=detach, background=background)
+
+    def new_rollout_segment(self) -> ShmSegment:
+        """One more result segment, for a rollout in flight beside others (unlinked at close)."""
+        seg = ShmSegment(f"rollout{len(self._segments)}")
+        self._segments.append(seg)
+        return seg

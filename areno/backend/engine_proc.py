@@ -75,20 +75,21 @@ class EngineWorker:
                     sampling, out: OutRegion) -> dict:
         """The rollout of split placement's loop (asyncloop.py): load the newest
         published weights first when given (between rollouts, never inside one),
-        then sample; every part's metadata comes in the one reply (parts), so the
-        engine never blocks on a pipe the controller reads only once the ranks
-        have trained. idle_s: how long this engine waited since its last rollout
-        ended (for the next weights: the loop sends the rollout once they are
-        admitted)."""
+        then sample, streaming each finished part as `generate` does: the
+        controller reads the rollout's lane during every wait (replies.Peers), so
+        it decodes and scores the parts while this engine generates. Rollouts
+        queue here (rank.serve reads commands as they come): up to
+        --off-policy-steps of them run back to back. idle_s: how long this engine
+        waited since its last rollout ended (for the next weights: the loop sends
+        a rollout once it is admitted)."""
         idle_s = 0.0 if self._idle_since is None else max(0.0, time.monotonic() - self._idle_since)
         loaded = self.cmd_load_region(region) if region is not None else {}
-        parts: list[dict] = []
         t1 = time.perf_counter()
         self.hooks.rollout_begin(self.peer)
-        tokens = generate_into(self.engine, ids, offsets, n, sampling, out, parts.append) if offsets.size > 1 else 0
+        tokens = generate_into(self.engine, ids, offsets, n, sampling, out, self.emit) if offsets.size > 1 else 0
         self.hooks.rollout_end(self.peer, tokens)
         self._idle_since = time.monotonic()
-        return loaded | {"tokens": tokens, "parts": parts, "idle_s": idle_s, "generate_s": time.perf_counter() - t1}
+        return loaded | {"tokens": tokens, "idle_s": idle_s, "generate_s": time.perf_counter() - t1}
 
     def cmd_load_region(self, region: WeightRegion) -> dict:
         """Load the weights rank 0 published and check them (weight_sync.load_region)."""

@@ -18,13 +18,15 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import queue
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
-from multiprocessing.connection import Client, Connection
 from collections.abc import Callable
+from multiprocessing.connection import Client, Connection
 from typing import Any
 
 from areno.backend.config import BackendConfig
@@ -135,9 +137,10 @@ def serve(cfg: BackendConfig, conn: Connection, *, same_host: bool) -> None:
     except BaseException as e:  # noqa: BLE001 - reported, then exit
         _reply_error(conn, rank, e)
         return
+    recv = queued_commands(conn) if engine_proc else conn.recv
     while True:
         try:
-            cmd, kwargs = conn.recv()
+            cmd, kwargs = recv()
         except (EOFError, OSError):  # controller gone
             os._exit(4)
         if cmd == "shutdown":
@@ -166,6 +169,33 @@ def command_of(worker: Any, cmd: str) -> Callable[..., Any]:
     if extra is None:
         raise AttributeError(f"{type(worker).__name__} has no command {cmd!r}")
     return functools.partial(extra, worker)
+
+
+def queued_commands(conn: Connection) -> Callable[[], tuple]:
+    """An engine process's commands, read by a thread of their own as they come ->
+    the call that takes the next: the controller queues rollouts here while one
+    runs (asyncloop.py), and a command bigger than the pipe's buffer must not
+    hold the controller's send until this rollout ends (while its parts fill
+    the other direction). Reading and sending on one pipe from two threads is
+    safe: the two directions share no state."""
+    inbox: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        while True:
+            try:
+                inbox.put(conn.recv())
+            except (EOFError, OSError) as e:
+                inbox.put(e)
+                return
+
+    threading.Thread(target=read, name="areno-engine-commands", daemon=True).start()
+
+    def take() -> tuple:
+        item = inbox.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+    return take
 
 
 def _reply_error(conn: Connection, rank: int, e: BaseException) -> None:

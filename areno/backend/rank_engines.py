@@ -16,6 +16,7 @@ rank sleeps its own engine while it trains (RankWorker.cmd_train), and
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
@@ -24,12 +25,14 @@ import numpy as np
 
 from areno.backend.engine_host import OutRegion
 from areno.backend.replies import ReplyStream
+from areno.runtime.signals import signals_held
 from areno.backend.weight_sync import WeightRegion
 from areno.rollout.batch import RolloutBatch, csr_take, offsets_from_lengths
 from areno.rollout.engine import SamplingConfig, prompt_seeds, validate_prompts
 
 if TYPE_CHECKING:
     from areno.backend.controller import TorchBackend
+    from areno.backend.handoff import ShmSegment
 
 _PAGE = 4096
 DRAIN_S = 5.0
@@ -88,6 +91,8 @@ class RankEngines:
         self.max_model_len: int = min(int(h["engine_max_model_len"]) for h in hellos)
         self._remote = {r: not h["same_host"] for r, h in zip(sorted(self._group_of), hellos)}
         self.last_tokens: list[int] = []  # response tokens each engine wrote in the last call
+        self._free_segments: list["ShmSegment"] = []  # result segments of collected rollouts
+        self._lanes = itertools.count()  # a reply lane per rollout in flight
 
     def generate(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int,
                  sampling: SamplingConfig) -> RolloutBatch:
@@ -115,19 +120,26 @@ class RankEngines:
                 yield self._part(plan, g, meta)
 
     def start_rollout(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int,
-                      sampling: SamplingConfig, region: WeightRegion | None) -> "PendingRollout":
+                      sampling: SamplingConfig, region: WeightRegion | None,
+                      sink: "PartSink | None" = None) -> "PendingRollout":
         """Split placement: send a rollout to the engine processes and return at once
         (the asynchronous loop trains meanwhile); each engine first loads `region`
-        when given. Its replies come on a lane of their own (replies.Peers), so
-        the ranks' commands can run while it is out; abandoned (Ctrl-C while
-        waiting for it), it is left to run: the ranks save at once."""
-        stream = self.backend.open_stream("rollout", lane="rollout", detach=True)
-        plan = self._send(stream, "rollout", prompt_ids, prompt_offsets, n, sampling, region=region)
-        return PendingRollout(self, stream, plan)
+        when given. Several may be out at once: they queue on the engines, each
+        on a lane of its own (replies.Peers) and a result segment of its own, so
+        the ranks' commands run meanwhile. Its parts go to `sink.add(pos, part)`
+        as they are read, which is during every wait of the controller (a
+        background stream); dropped (Ctrl-C), it is left to run: the ranks save
+        at once."""
+        seg = self._free_segments.pop() if self._free_segments else self.backend.new_rollout_segment()
+        lane = f"rollout{next(self._lanes)}"
+        stream = self.backend.open_stream("rollout", lane=lane, detach=True, background=True)
+        plan = self._send(stream, "rollout", prompt_ids, prompt_offsets, n, sampling, seg=seg, region=region)
+        return PendingRollout(self, stream, plan, sink if sink is not None else Parts())
 
     def _send(self, stream: ReplyStream, cmd: str, prompt_ids: np.ndarray, prompt_offsets: np.ndarray,
-              n: int, sampling: SamplingConfig, **extra) -> "RolloutPlan":
-        """Split the prompts over the engines by whole groups and send each its share."""
+              n: int, sampling: SamplingConfig, seg: "ShmSegment | None" = None, **extra) -> "RolloutPlan":
+        """Split the prompts over the engines by whole groups and send each its share,
+        to write into `seg` (default: the backend's rollout segment)."""
         be = self.backend
         ids, offsets = validate_prompts(prompt_ids, prompt_offsets, n, max_model_len=self.max_model_len,
                                         vocab_size=be.vocab_size)
@@ -135,7 +147,7 @@ class RankEngines:
         members = [np.flatnonzero(engine_of == g) for g in range(self.num_engines)]
         caps = [m.size * n * sampling.max_tokens for m in members]
         starts = np.cumsum([0] + [-(-8 * c // _PAGE) * _PAGE for c in caps]).tolist()
-        seg = be.rollout_segment
+        seg = seg or be.rollout_segment
         seg.ensure(max(starts[-1], 1))
         seeds = prompt_seeds(sampling.seed, self.num_engines) if sampling.seed is not None else None
         for r, g in self._group_of.items():
@@ -144,7 +156,7 @@ class RankEngines:
             s = sampling if seeds is None else replace(sampling, seed=int(seeds[g]))
             lead = {"leader": r == self.groups[g][0]} if cmd == "generate" else {}
             stream.send(r, cmd, ids=sub_ids, offsets=sub_off, n=n, sampling=s, out=out, **lead, **extra)
-        return RolloutPlan(ids, offsets, n, members, starts, caps)
+        return RolloutPlan(ids, offsets, n, members, starts, caps, seg)
 
     def _part(self, plan: "RolloutPlan", g: int, meta: dict) -> tuple[np.ndarray, RolloutBatch]:
         """One finished part of engine group g -> (prompt positions, its RolloutBatch)."""
@@ -155,7 +167,7 @@ class RankEngines:
         if "ids" in meta:  # a rank on another host sent its arrays inline
             rid, rlp = meta["ids"], meta["logprobs"]
         else:
-            buf = self.backend.rollout_segment.buf
+            buf = plan.segment.buf
             at = start + 4 * meta["start"]
             # Copied out (one memcpy per part): no view may pin the segment, which
             # is unlinked on any failure and reused by the next call.
@@ -187,27 +199,93 @@ class RolloutPlan:
     members: list[np.ndarray]
     starts: list[int]
     caps: list[int]
+    segment: "ShmSegment"  # where the engines write the token ids and log-probs
+
+
+class Parts:
+    """A rollout's finished parts as they come -> the batch in prompt order (merge).
+    add = keep (the batch) + score (nothing here; scoring.PartScorer's decode and
+    rewards), two steps so that an interrupt between them loses no part."""
+
+    def __init__(self) -> None:
+        self.parts: list[RolloutBatch] = []
+        self.positions: list[np.ndarray] = []
+
+    def add(self, pos: np.ndarray, part: RolloutBatch) -> None:
+        self.keep(pos, part)
+        self.score(pos, part)
+
+    def keep(self, pos: np.ndarray, part: RolloutBatch) -> None:
+        self.parts.append(part)
+        self.positions.append(pos)
+
+    def score(self, pos: np.ndarray, part: RolloutBatch) -> None:
+        """Work on a kept part (none here)."""
+
+    def merge(self) -> tuple[RolloutBatch, np.ndarray]:
+        """(the batch in prompt order, the permutation from arrival order to it)."""
+        return RolloutBatch.merge_parts(self.parts, self.positions)
+
+
+class PartSink(Protocol):
+    def keep(self, pos: np.ndarray, part: RolloutBatch) -> None: ...
+
+    def score(self, pos: np.ndarray, part: RolloutBatch) -> None: ...
 
 
 class PendingRollout:
-    """A rollout the engine processes are generating (RankEngines.start_rollout)."""
+    """A rollout the engine processes are generating (RankEngines.start_rollout);
+    its parts go to `sink` as they are read (consume)."""
 
-    def __init__(self, engines: RankEngines, stream: ReplyStream, plan: RolloutPlan) -> None:
-        self.engines, self.stream, self.plan = engines, stream, plan
+    def __init__(self, engines: RankEngines, stream: ReplyStream, plan: RolloutPlan, sink: PartSink) -> None:
+        self.engines, self.stream, self.plan, self.sink = engines, stream, plan, sink
+        self.replies: dict[int, dict] = {}  # engine group -> its final reply
+        stream.on_message = self.consume
 
-    def collect(self) -> tuple[RolloutBatch, dict[str, float]]:
-        """Wait for every engine -> (the batch in prompt order, {idle_s: the longest an
-        engine waited before it; sync_load_s: the slowest load, when it began with one})."""
-        replies = self.stream.gather(self.engines.backend.config.command_timeout_s)
-        parts, positions = [], []
-        for g, reply in enumerate(replies):
-            for meta in reply["parts"]:
+    @property
+    def whole(self) -> bool:
+        """Every engine has sent its last part and its final reply."""
+        return not self.stream.pending
+
+    def consume(self) -> None:
+        """Take what was read for this rollout so far: each part into the sink,
+        kept whole under an interrupt (the rollout it completes may be saved),
+        then scored (an interrupted run needs no rewards)."""
+        inbox = self.stream.inbox
+        while inbox:
+            with signals_held():
+                r, kind, meta = inbox.popleft()
+                g = self.engines._group_of[r]
+                if kind == "ok":
+                    self.replies[g] = meta
+                    continue
                 pos, part = self.engines._part(self.plan, g, meta)
-                parts.append(part)
-                positions.append(pos)
+                self.sink.keep(pos, part)
+            self.sink.score(pos, part)
+
+    def wait(self, until: float) -> bool:
+        """Wait until the rollout is whole (True) or time.monotonic() reaches `until`."""
+        done = self.stream.wait(until)
+        self.consume()
+        return done
+
+    def collect(self) -> dict[str, float]:
+        """Wait for every engine (its parts are in the sink then) -> {idle_s: the
+        longest an engine waited before it; sync_load_s: the slowest load, when it
+        began with one}. Its segment goes back to the engines' pool."""
+        self.consume()
+        for _ in self.stream.events(self.engines.backend.config.command_timeout_s):
+            pass  # nothing comes out: its hook (consume) takes each message as it is read
+        replies = [self.replies[g] for g in range(self.engines.num_engines)]
         self.engines.last_tokens = [r["tokens"] for r in replies]
+        self.engines._free_segments.append(self.plan.segment)
         info = {"idle_s": max(r["idle_s"] for r in replies)}
         loaded = [r["load_s"] for r in replies if "load_s" in r]
         if loaded:
             info["sync_load_s"] = max(loaded)
-        return RolloutBatch.merge_parts(parts, positions)[0], info
+        return info
+
+    def drop(self) -> None:
+        """Leave it to run (Ctrl-C): its engines take no more commands, and its
+        segment is never reused (they may still write into it)."""
+        self.stream.settle()

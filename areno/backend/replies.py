@@ -10,7 +10,14 @@ segment unlinked). Nothing blocks forever on a recv.
 
 A `ReplyStream` is one command's replies: opened before its sends (each adds
 its peer to `pending`), so an interrupt between a send and the first read still
-finds the peers that owe replies. The owner (TorchBackend) and the loop-side
+finds the peers that owe replies. A message read goes to the inbox of the
+oldest open stream its peer owes (a peer answers its commands in order), so
+several streams may be out to the same peers: the asynchronous loop's rollouts
+in flight. Those are `background` streams: whatever stream the controller waits
+on, their peers are read too, and each background stream's `on_message` hook
+runs after the read (outside the held block), also while the stream itself is
+waited on, so the engines never block on a full pipe and their parts are
+scored as they come, while the controller waits for the ranks or for them. The owner (TorchBackend) and the loop-side
 engine view (backend/rank_engines.py) both use these objects, never each
 other's internals.
 """
@@ -18,6 +25,7 @@ other's internals.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -32,11 +40,14 @@ class ReplyStream:
     """One command's replies: `pending` peers still owe their final "ok"."""
 
     def __init__(self, peers: "Peers", what: str, drain_s: float, pending: Iterable[int],
-                 lane: str = "main", detach: bool = False) -> None:
+                 lane: str = "main", detach: bool = False, background: bool = False) -> None:
         self.peers, self.what, self.drain_s, self.lane = peers, what, drain_s, lane
         self.detach = detach  # abandoned: leave its peers running (see settle)
+        self.background = background  # read during every wait (see the module docstring)
         self.pending: set[int] = set(pending)
         self.owed: set[int] = set(self.pending)  # every peer this stream was sent to
+        self.inbox: deque[tuple[int, str, Any]] = deque()  # read, not yet consumed
+        self.on_message: Callable[[], None] | None = None  # a background stream's consumer
 
     def send(self, rank: int, cmd: str, **kwargs) -> None:
         """Send `cmd` to `rank`, which now owes this stream its reply."""
@@ -55,11 +66,24 @@ class ReplyStream:
         all come, the owner stays usable (e.g. to save the last finished step)."""
         try:
             deadline = time.monotonic() + timeout_s
-            while self.pending:
-                for r, msg in self.peers.wait_some(self.what, self.pending, deadline, timeout_s):
-                    yield r, msg[0], msg[1]
+            while self.pending or self.inbox:
+                if not self.inbox:
+                    self.peers.wait_some(self, deadline, timeout_s)
+                while self.inbox:
+                    yield self.inbox.popleft()
         finally:
-            self.settle()
+            if not (self.background and self.pending):  # a background stream may be waited on again
+                self.settle()
+
+    def wait(self, until: float) -> bool:
+        """Read (the background streams too) until every peer has answered (True) or
+        time.monotonic() reaches `until` (False: the stream stays open). The
+        messages stay in the inbox for events()."""
+        while self.pending:
+            if time.monotonic() >= until:
+                return False
+            self.peers.wait_some(self, until, 0.0, late_ok=True)
+        return True
 
     def gather(self, timeout_s: float) -> list:
         """One reply per peer the command went to, in peer order."""
@@ -80,8 +104,8 @@ class ReplyStream:
             return
         del self.peers.streams[self.lane]
         if self.pending and self.detach:
-            # A rollout of engine processes, abandoned (Ctrl-C while waiting for it): the
-            # ranks stay usable, so the run saves at once; its peers take no more commands.
+            # A rollout of engine processes, dropped (Ctrl-C while it runs): the ranks
+            # stay usable, so the run saves at once; its peers take no more commands.
             self.peers.stale.update(self.pending)
             return
         if self.pending and not (self.drain_s > 0 and self.peers.drain(self.what, self.pending, self.drain_s)):
@@ -106,12 +130,13 @@ class Peers:
         self.stale: set[int] = set()  # peers that owe a detached stream its replies
 
     def open(self, what: str, drain_s: float = 0.0, pending: Iterable[int] = (),
-             lane: str = "main", detach: bool = False) -> ReplyStream:
+             lane: str = "main", detach: bool = False, background: bool = False) -> ReplyStream:
         """A command's reply stream; an abandoned one of the same lane is settled first.
-        detach: abandoning it leaves its peers running instead of draining them."""
+        detach: abandoning it leaves its peers running instead of draining them;
+        background: its peers are read during every wait (the module docstring)."""
         if (old := self.streams.get(lane)) is not None:
             old.settle()
-        self.streams[lane] = ReplyStream(self, what, drain_s, pending, lane, detach)
+        self.streams[lane] = ReplyStream(self, what, drain_s, pending, lane, detach, background)
         return self.streams[lane]
 
     def broadcast(self, cmd: str, ranks: Iterable[int], *, drain_s: float = 0.0, **kwargs) -> ReplyStream:
@@ -146,37 +171,52 @@ class Peers:
         if self.is_closed():  # the watchdog already tore the owner down
             return False
         deadline = time.monotonic() + drain_s
+        stream = ReplyStream(self, what, drain_s, pending)  # unregistered: it owns what it reads
         try:
-            while pending:
-                self.wait_some(what, pending, deadline, drain_s)
+            while stream.pending:
+                self.wait_some(stream, deadline, drain_s)
         except (BackendError, KeyboardInterrupt, OSError, ValueError):
             return False
         return True
 
-    def wait_some(self, what: str, pending: set[int], deadline: float, timeout_s: float) -> list:
-        """Wait (<= 1 s) for messages of pending peers -> [(rank, message)]; a peer
-        whose final "ok" came leaves `pending` here, in the same held block as the
-        read. Raises BackendError for a peer's error, death or the deadline."""
+    def wait_some(self, stream: ReplyStream, deadline: float, timeout_s: float, late_ok: bool = False) -> None:
+        """Wait (<= 1 s) for messages of `stream`'s pending peers and of every
+        background stream's, and route each read to its owner's inbox (route);
+        a peer whose final "ok" came leaves its owner's `pending` here, in the
+        same held block as the read. Then the streams that got messages and have
+        an on_message hook (a rollout in flight: it takes its own) run it.
+        Raises BackendError for a peer's error, death or the deadline (late_ok:
+        return instead)."""
         left = deadline - time.monotonic()
         if left <= 0:
-            raise BackendError(f"{what}: rank(s) {sorted(pending)} did not answer within {timeout_s:g}s")
+            if late_ok:
+                return
+            raise BackendError(f"{stream.what}: rank(s) {sorted(stream.pending)} did not answer "
+                               f"within {timeout_s:g}s")
+        what = stream.what
+        readers = set(stream.pending).union(*(s.pending for s in self.streams.values() if s.background))
+        readers -= self.stale  # still in a dropped command: what they send is nobody's
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
         # Only while in here: a caller may hold a streamed command open for long
         # (scoring a part in-process), and then the watchdog must act. A death seen
         # here closes the owner before the flag drops, so the watchdog, which sees
         # the same sentinel, never interrupts a run that is already stopping.
         self.busy = True
+        fed: list[ReplyStream] = []
         try:
-            ready = set(wait([self.conns[r] for r in pending] + list(sentinels), timeout=min(left, 1.0)))
-            got, errors = [], []
+            ready = set(wait([self.conns[r] for r in readers] + list(sentinels), timeout=min(left, 1.0)))
+            errors = []
             with signals_held():  # a reply read is a reply counted
-                for r in sorted(pending):
+                for r in sorted(readers):
                     if self.conns[r] in ready:
                         try:
-                            got.append((r, self.recv(r, what)))
+                            msg = self.recv(r, what)
                         except BackendError as e:
                             errors.append(e)
-                pending.difference_update(r for r, msg in got if msg[0] == "ok")
+                            continue
+                        owner = self.route(r, msg, stream)
+                        if owner.on_message is not None and owner not in fed:
+                            fed.append(owner)
             dead = [r for s, r in sentinels.items() if s in ready]
             if errors and not dead and sentinels:
                 # A peer's error is often the echo of another's death (gloo: "connection
@@ -187,9 +227,19 @@ class Peers:
             if err is not None:
                 self.abort()
                 raise err
-            return got
         finally:
             self.busy = False
+        for s in fed:  # outside the held block: a consumer may take its time (decode, submit)
+            s.on_message()
+
+    def route(self, r: int, msg: tuple, waiting: ReplyStream) -> ReplyStream:
+        """Put peer r's message into the inbox of the oldest open stream r owes a
+        reply (`waiting` when none does: a settled stream draining) -> that stream."""
+        owner = next((s for s in self.streams.values() if r in s.pending), waiting)
+        owner.inbox.append((r, msg[0], msg[1]))
+        if msg[0] == "ok":
+            owner.pending.discard(r)
+        return owner
 
     def death(self, r: int, what: str, echoes: list[BackendError]) -> BackendError:
         """The error for peer r's death: its own last words when it sent some."""

@@ -20,11 +20,6 @@ from areno.rollout.factory import LOGPROBS_PROCESSED, engines_for
 # the rest: no token counts more than twice what it would on-policy.
 OFF_POLICY_TIS_CAP = 2.0
 
-# The loop (asyncloop.py) keeps one rollout in flight: more would need the engine
-# processes to queue rollouts, which they do not.
-MAX_OFF_POLICY_STEPS = 1
-
-
 def off_policy_defaults(values: dict[str, Any]) -> list[str]:
     """--off-policy-steps K >= 1 turns on --recompute-logprobs and --tis-cap (the
     values config.yaml records), where neither a flag nor --config set them; the
@@ -53,11 +48,7 @@ def check_off_policy(cfg: Any) -> None:
                         "(colocated engines, without --rollout-world-size, take --tensor-parallel-size)")
     if not k:
         return
-    flag = f"--off-policy-steps {k}"
-    if k > MAX_OFF_POLICY_STEPS:
-        raise UserError(f"{flag}: the asynchronous loop runs one rollout ahead of training, so "
-                        f"its policy lag is at most {MAX_OFF_POLICY_STEPS}; use "
-                        f"--off-policy-steps {MAX_OFF_POLICY_STEPS}")
+    flag = f"--off-policy-steps {k}"  # any K >= 1: K rollouts queue on the engines (asyncloop.py)
     if not m:
         raise UserError(f"{flag} needs --rollout-world-size >= 1: colocated engines share the "
                         "training GPUs and sleep while the ranks train, so rollouts cannot "

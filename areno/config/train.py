@@ -89,8 +89,9 @@ class TrainConfig:
         gt=0.0, le=1.0)
     kv_cache_gb: float = opt(0.5, "KV-cache size for vLLM on CPU, in GiB.", "Rollout", gt=0.0)
     off_policy_steps: int = opt(
-        0, "Asynchronous rollouts (0 or 1): with 1 the engines sample the next batch while the "
-        "ranks train, with weights one version behind the policy it updates; the loss is decoupled "
+        0, "Asynchronous rollouts, the staleness bound K: with K >= 1 the engines sample up to "
+        "K batches ahead while the ranks train, each with weights at most K versions behind the "
+        "policy it updates (K + 1 copies of the weights in shared memory); the loss is decoupled "
         f"PPO (turns on --recompute-logprobs, and --tis-cap {OFF_POLICY_TIS_CAP:g} unless "
         "given). Needs --rollout-world-size. 0: synchronous, every batch sampled by the "
         "current policy.",

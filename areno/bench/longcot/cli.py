@@ -73,8 +73,12 @@ warm-up round; each round replays the same prompts in every mode):
                        make_engine, prepared from a spec file the controller
                        writes: the same responses and timeline; the weights go
                        into the real hf engine inside it, probe included).
-                       Step k's figures: the controller's critical work (first
-                       decode -> hand-off written, by phase as above), train,
+                       The engine process streams each finished part and the
+                       controller decodes and scores it as it comes, also while
+                       the ranks train (issue 27, 2). Step k's figures: the
+                       controller's critical work (the batch whole, at the end of
+                       time/wait_batch -> hand-off written, by phase as above),
+                       train,
                        publish, time/wait_batch and time/wait_weights, and the
                        generation of the rollout in flight (k+1's, from the
                        engine process's log) with margins: its end minus the end
@@ -84,7 +88,10 @@ Checks (recorded in the JSON; exit status 1 if any fails), on the packs the
 ranks received: every field of every rank's share and its micro-batch plan
 identical (SHA-256) with and without overlap, for both reward costs; the same
 between the reference and areno but for the advantages, whose per-sequence
-values agree to 1e-5. K = 1 "hidden": in every measured step the host work
+values agree to 1e-5. K = 1 "streamed": in every measured step the decode of
+every part of rollout k but the last ends before its last completion
+arrives (50 ms slack), so only the last part's decode and reward are left
+after generation. K = 1 "hidden": in every measured step the host work
 on step k ends before rollout k+1's generation does (50 ms slack); and with
 train + publish too (required at full sizes; at --quick ones the tiny steps
 train longer than the 0.3 s generation, reported as info).

@@ -89,6 +89,8 @@ ASYNC_COLS = [  # (title, key, scale, format) of a K = 1 step
     ("host-margin", "host_margin_s", 1e3, "11.1f"), ("step-margin", "step_margin_s", 1e3, "11.1f"),
     ("step s", "step_s", 1, "6.2f"), ("period s", "period_s", 1, "8.2f"), ("hidden", "hidden", 1, "6.0f"),
     ("+update", "step_hidden", 1, "7.0f"),
+    ("parts", "stream_parts_scored", 1, "5.0f"), ("str-margin", "stream_margin_s", 1e3, "10.1f"),
+    ("after-last", "stream_after_last_s", 1e3, "10.1f"), ("streamed", "streamed", 1, "8.0f"),
 ]
 
 
@@ -101,17 +103,20 @@ def async_lines(out: dict) -> list[str]:
     lines = ["K = 1 (--rollout-world-size 1 --off-policy-steps 1: the engine process generates step k+1 while the "
              "controller scores, packs and hands off step k and the ranks train it), ms unless marked: generation "
              "of the rollout in flight (k+1), take (collect k + send k+1), the controller's critical work on k "
-             "(first decode -> hand-off written: decode, reward, adv, pack, hand-off), train, publish (weights "
+             "(the batch whole -> hand-off written: what is left of decode and reward, adv, pack, hand-off), train, publish (weights "
              "k for rollout k+2), time/wait_batch, time/wait_weights (the engine idle before its rollout), "
              "margins = end of k+1's generation - end of the host work / of the publish, step wall "
              "(train_step_ahead), period (step start to the next step's: the bench's gc and probe reading "
              "between steps included, the engine generating meanwhile); hidden = "
-             f"host-margin >= -50 ms (1 = yes), +update: step-margin too. The synchronous step (overlap, free) "
+             f"host-margin >= -50 ms (1 = yes), +update: step-margin too; parts: step k's parts decoded as "
+             "they streamed in, str-margin: k's last completion minus the end of the decode of every part "
+             "before the last, after-last: decode left after it (the last part's), streamed: str-margin >= "
+             "-50 ms. The synchronous step (overlap, free) "
              f"takes {sync:.2f} s."]
     rows = [("warm-up", out["warmup"]["areno_async_free"])] + [(f"step {r['step']}", r) for r in k1["steps"]]
     rows = [(n, {"period_s": float("nan"), **r}) for n, r in rows]
     rows.append(("median", {**k1["median"], **{k: float(all(r[k] for r in k1["steps"]))
-                                               for k in ("hidden", "step_hidden")}}))
+                                               for k in ("hidden", "step_hidden", "streamed")}}))
     lines += table("K = 1", 9, [(t, spec) for t, _, _, spec in ASYNC_COLS],
                    [(n, [float(r[k]) * sc for _, k, sc, _ in ASYNC_COLS]) for n, r in rows])
     med = k1["median"]

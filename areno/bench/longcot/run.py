@@ -282,8 +282,8 @@ class SnapTimer(PhaseTimer):
 
 def measure_async_step(run: Any, step: int, ranks: RankLog) -> dict:
     """One step of the K = 1 loop (trainer.train_step_ahead). The controller's
-    critical work is its window from the first decode (the batch in hand) to the
-    hand-off written: the same phases as the synchronous modes' critical path.
+    critical work is its window from the batch whole (the end of the collect's
+    wait) to the hand-off written: the same phases as the synchronous modes' critical path.
     The figures of the rollout generated meanwhile (step + 1's) are added by
     run_async once it is done (add_inflight)."""
     gc.collect()
@@ -295,14 +295,19 @@ def measure_async_step(run: Any, step: int, ranks: RankLog) -> dict:
     t_end = time.monotonic()
     hwm = proc_kb("VmHWM") if peak_ok else 0
     spans = timer.spans
-    t_host = min(a for p, a, _, _ in spans if p == "decode")
+    # The rollout's parts were decoded and scored as they streamed in, during the
+    # step before or the wait for it (add_streamed): the critical window opens when
+    # the batch is whole, at the end of that wait.
+    decodes = sorted((a, z) for p, a, z, _ in spans if p == "decode")
+    t_host = t_step + m["time/wait_batch"]
     (t_pub,) = [z for p, _, z, _ in spans if p == "weight_sync"]
     eng = {"t_gen_end": t_host, "t_start": t_step, "train": timer.snaps["train"], "export": timer.snaps["export"],
            "t_update_weights": t_pub}
     row = {"step": step, **controller_figures(spans, eng, t_step, t_end)}
     row.update(take_s=t_host - t_step, wait_batch_s=m["time/wait_batch"], wait_weights_s=m["time/wait_weights"],
                step_metric_s=m["time/step"], train_time_metric_s=m.get("time/train", float("nan")),
-               _t_hand=t_host + row["critical_s"], _t_pub=t_pub, _t_step=t_step)
+               _t_hand=t_host + row["critical_s"], _t_pub=t_pub, _t_step=t_step, _decodes=decodes,
+               _scored_end=decodes[-1][1])
     row.update(rss_peak_mb=hwm / 1024 if peak_ok else float("nan"), rss_start_mb=rss0 / 1024,
                rss_growth_mb=(hwm - rss0) / 1024 if peak_ok else float("nan"), loadavg_1m=load)
     recs = ranks.new()
@@ -323,6 +328,20 @@ def add_inflight(row: dict, nxt: dict) -> None:
                busy_s=t_pub - nxt["t_start"])
     row["hidden"] = row["host_margin_s"] >= -HIDDEN_SLACK_S
     row["step_hidden"] = row["step_margin_s"] >= -HIDDEN_SLACK_S
+
+
+def add_streamed(row: dict, own: dict) -> None:
+    """Step k's row + how its own rollout streamed in (issue 27, 2): the parts
+    decoded and scored before its last completion came (the engine's t_gen_end),
+    by how much the last of them ended before it (stream_margin_s > 0: decode
+    and reward kept up with generation), and the scoring left after it (the
+    last part's)."""
+    decodes, t_last = row.pop("_decodes"), own["t_gen_end"]
+    row.update(stream_parts_scored=len(decodes), parts_generated=own.get("parts", 1),
+               stream_margin_s=t_last - max(z for _, z in decodes[:-1]) if len(decodes) > 1 else float("nan"),
+               stream_after_last_s=max(0.0, row.pop("_scored_end") - t_last),
+               stream_decode_total_s=sum(z - a for a, z in decodes))
+    row["streamed"] = len(decodes) > 1 and row["stream_margin_s"] >= -HIDDEN_SLACK_S
 
 
 def run_async(args: argparse.Namespace, tmp: Path, cost_file: Path) -> tuple[list[dict], dict]:
@@ -352,15 +371,16 @@ def run_async(args: argparse.Namespace, tmp: Path, cost_file: Path) -> tuple[lis
                       f"  train {r['train_s']:5.2f} s  publish {r['export_s'] * 1e3:6.1f} ms  wait_batch "
                       f"{r['wait_batch_s'] * 1e3:7.1f} ms  step {r['step_s']:5.2f} s  load {r['loadavg_1m']:.1f}",
                       flush=True)
-            run.ahead.ready_for_eval()  # the last rollout in flight, collected: the last step's margins
+            run.ahead.ready_for_eval()  # the rollouts in flight, collected: the last step's margins
     finally:
         os.environ.pop(ENGINE_SPEC_ENV, None)
     rollouts = [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()]
-    if len(rollouts) != len(rows) + 1:
+    if len(rollouts) != len(rows) + 2:  # and the two in flight after the last step: k+1's and k+2's
         raise RuntimeError(f"K = 1: {len(rollouts)} rollouts logged by the engine process for {len(rows)} steps")
     starts = [row.pop("_t_step") for row in rows]
     for i, row in enumerate(rows):  # rollouts[k - 1] is step k's, rollouts[k] the one generated during k
         add_inflight(row, rollouts[row["step"]])
+        add_streamed(row, rollouts[row["step"] - 1])
         if i + 1 < len(rows):  # the last (extra) step only ends the period of the one before
             row["period_s"] = starts[i + 1] - starts[i]
             row["bench_gap_s"] = row["period_s"] - row["step_s"]
@@ -381,7 +401,11 @@ def hidden_checks(rows: list[dict], steps: int, quick: bool) -> dict:
 
     slack = f"(+{HIDDEN_SLACK_S * 1e3:.0f} ms)"
     host, step = late("host_margin_s"), late("step_margin_s")
+    unstreamed = [{"round": r["step"], "parts_scored": r["stream_parts_scored"],
+                   "stream_margin_ms": round(r["stream_margin_s"] * 1e3, 1)} for r in rows if not r["streamed"]]
     return {
+        f"streamed (K=1): decode and reward of step k's parts end before its last completion arrives {slack}":
+            {"pass": not unstreamed and len(rows) == steps, "differences": unstreamed},
         f"hidden (K=1): host work on step k ends before rollout k+1's generation {slack}":
             {"pass": not host and len(rows) == steps, "differences": host},
         f"hidden (K=1): host work + train + publish of step k end before rollout k+1's generation {slack}":
