@@ -99,7 +99,7 @@ def test_published_weights_load_into_an_engine_of_another_process_and_pass_its_c
     """The shared-memory transport: rank 0 writes the region, this process (not a
     rank) reads it into its own engine; the fingerprint and the probe hold, and
     a region that is not what was published fails the check."""
-    from areno.backend.engine_host import reports_fingerprint
+    from areno.backend.weight_sync import reports_fingerprint
     from areno.backend.weight_sync import SyncCheck, load_region
     from areno.rollout.hf import HFEngine
     from areno.rollout.probe import WeightSyncError

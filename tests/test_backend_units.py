@@ -378,7 +378,7 @@ def test_probe_runs_every_sync_unless_a_fingerprint_checks_the_weights() -> None
 
 
 def test_weight_stream_copies_in_the_engine_dtype_and_sums_squares_only_when_asked() -> None:
-    from areno.backend.engine_host import WeightStream
+    from areno.backend.weight_sync import WeightStream
 
     named = [("m.a.weight", torch.tensor([1.0, 2.0])), ("m.b.weight", torch.tensor([[3.0]])),
              ("lm_head.weight", torch.tensor([0.5]))]

@@ -20,7 +20,7 @@ import torch
 
 from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP
 from areno.rollout.engine import RolloutEngine, SamplingConfig
-from areno.backend.engine_host import WeightStream, check_engine_names, reports_fingerprint
+from areno.backend.weight_sync import WeightStream, check_engine_names, reports_fingerprint
 from areno.backend.weight_sync import ProbeRef, SyncCheck
 from areno.rollout.probe import PROBE_ROUNDING_UNITS, WeightSyncError, probe_logprobs
 

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from areno.backend.config import BackendConfig, rank_cpu_threads
-from areno.backend.engine_host import OutRegion, generate_into, reports_fingerprint
+from areno.backend.engine_host import OutRegion, generate_into
 from areno.backend.hooks import load_rank_hooks
-from areno.backend.weight_sync import SyncCheck, WeightRegion, load_region
+from areno.backend.weight_sync import SyncCheck, WeightRegion, load_region, reports_fingerprint
 from areno.rollout.factory import make_engine
 
 
