@@ -377,7 +377,7 @@ def test_probe_runs_every_sync_unless_a_fingerprint_checks_the_weights() -> None
     assert [i for i in range(2 * K + 1) if probe_due(i, fingerprinted=True)] == [0, K, 2 * K]
 
 
-def test_weight_stream_copies_in_the_engine_dtype_and_sums_squares_only_when_asked() -> None:
+def test_weight_stream_converts_to_the_engine_dtype_and_sums_squares_only_when_asked() -> None:
     from areno.backend.weight_sync import WeightStream
 
     named = [("m.a.weight", torch.tensor([1.0, 2.0])), ("m.b.weight", torch.tensor([[3.0]])),
@@ -390,3 +390,12 @@ def test_weight_stream_copies_in_the_engine_dtype_and_sums_squares_only_when_ask
     assert fp.sums == {"m": 14.0, "": 0.25} and fp.counts == {"m": 3, "": 1}
     off = WeightStream(iter(named), torch.float32, fingerprint=False)
     assert len(list(off)) == 3 and off.fingerprint().sums == {}
+
+
+def test_weight_stream_does_not_copy_a_tensor_already_in_the_engine_dtype() -> None:
+    # Copy once (issue 26, 4): the engine's load is the copy; a stream copy would be a second.
+    from areno.backend.weight_sync import WeightStream
+
+    named = [("m.a.weight", torch.tensor([1.0, 2.0])), ("lm_head.weight", torch.tensor([0.5]))]
+    got = list(WeightStream(iter(named), torch.float32))
+    assert [t.data_ptr() for _, t in got] == [t.data_ptr() for _, t in named]

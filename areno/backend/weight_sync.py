@@ -1,7 +1,7 @@
 """One weight-sync mechanism: a source, two transports, one check.
 
-Source: the trainer's gathered full tensors (`weights.iter_full_state`), as fresh
-copies in the engine's dtype with their fingerprint (`WeightStream`).
+Source: the trainer's gathered full tensors (`weights.iter_full_state`) in the
+engine's dtype with their fingerprint (`WeightStream`; copied only to convert).
 
 Transports:
 - in-process (colocated engines, `RankWorker.cmd_sync_weights`): every rank
@@ -140,11 +140,11 @@ class SyncCheck:
 
 
 def region_tensors(buf: Any, layout: WeightLayout) -> Iterator[tuple[str, torch.Tensor]]:
-    """Copies of the region's tensors, one at a time: an engine may keep what it
-    is given (vLLM's in-place reload on CPU does), and the region is rewritten
-    by the next sync."""
-    for name, t in layout.views(buf):
-        yield name, t.clone()
+    """The region's tensors as zero-copy views, one at a time. No host clone: the
+    engine's load is the one copy (into vLLM's or transformers' own storage, on
+    its device; neither keeps a view, tests/test_engine_contract.py), so the
+    next sync may rewrite the region."""
+    yield from layout.views(buf)
 
 
 def load_region(engine: Any, region: WeightRegion, check: SyncCheck) -> dict:
@@ -171,11 +171,17 @@ def check_engine_names(engine: Any, names: Iterable[str]) -> None:
 
 
 class WeightStream:
-    """The trainer's gathered full tensors as fresh copies in the engine's dtype on
-    their device, one at a time (an engine may keep what it is given: vLLM's
-    in-place reload on CPU does), with each one's fp64 sum of squares kept on
-    the device when `fingerprint` is on (read once after the load; an engine
-    that cannot report its own has no use for it)."""
+    """The trainer's gathered full tensors in the engine's dtype on their device,
+    one at a time, with each one's fp64 sum of squares kept on the device when
+    `fingerprint` is on (read once after the load; an engine that cannot report
+    its own has no use for it).
+
+    Copy once: a tensor already in the engine's dtype is yielded as gathered
+    (under `single`/DDP the live parameter itself), one in another dtype is
+    converted once on its device (the engine's rounding, which the fingerprint
+    must see). No engine keeps what it is given past `load_weights`: both copy
+    it into their own storage (tests/test_engine_contract.py mutates the
+    sources after a load), so a defensive copy here would be a second one."""
 
     def __init__(self, named: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype,
                  fingerprint: bool = True) -> None:
@@ -186,7 +192,9 @@ class WeightStream:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in self._named:
-            c = t.detach().to(self._dtype, copy=True)
+            c = t.detach()
+            if c.dtype != self._dtype:
+                c = c.to(self._dtype)
             if self._fingerprint:
                 self._sums.append((name, sum_squares(c), c.numel()))
             self.names.append(name)
