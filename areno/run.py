@@ -20,6 +20,7 @@ import yaml
 from areno import evaluate as evaluation
 from areno.asyncloop import RolloutsAhead, load_inflight
 from areno.config import settings
+from areno.backend.config import ENGINE_GPUS_ENV, engine_gpus_from_env
 from areno.backend.rank_engines import EngineView, RankEngines
 from areno.rundir import lock as runlock
 from areno.rundir.checkpoint import Resume, check_free_space, checkpoint_bytes, checkpoint_root, save_checkpoint
@@ -186,8 +187,18 @@ def check_placement(cfg: TrainConfig, nproc: int, world_size: int, device: str) 
     flag = f"--rollout-world-size {m}"
     if cfg.nnodes > 1:
         raise UserError(f"{flag}: engine processes run beside the controller; use it with --nnodes 1")
-    gpus = visible_gpus() if device == "cuda" else 0
-    if device == "cuda" and world_size + m > gpus:
+    if device != "cuda":
+        return
+    gpus = visible_gpus()
+    try:
+        placed = engine_gpus_from_env(os.environ)  # a check's lever (backend/config.py)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if placed:
+        if len(placed) != m or max(placed) >= gpus:
+            raise UserError(f"{ENGINE_GPUS_ENV}={','.join(map(str, placed))}: {flag} needs {m} "
+                            f"GPU index(es) below the {gpus} visible")
+    elif world_size + m > gpus:
         raise UserError(f"{flag}: {world_size} rank(s) + {m} engine process(es) need "
                         f"{world_size + m} GPUs, {gpus} visible; lower it")
 

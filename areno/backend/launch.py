@@ -34,16 +34,10 @@ def spawn_ranks(cfg: BackendConfig, conns: list[Connection | None], beats: Any =
     # PR_SET_PDEATHSIG fires when the spawning *thread* exits: only safe from the main thread
     pdeathsig = threading.current_thread() is threading.main_thread()
     procs = []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     for r in range(cfg.world_size + cfg.rollout_world_size):
         parent, child = ctx.Pipe(duplex=True)
-        if r < cfg.world_size:
-            env = {
-                "MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "RANK": str(r),
-                "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r),
-                "LOCAL_WORLD_SIZE": str(cfg.world_size),
-            }
-        else:  # an engine process of split placement (engine_proc.py): no process group
-            env = {"ARENO_PEER_INDEX": str(r)}
+        env = peer_env(cfg, r, port, visible)
         p = ctx.Process(
             target=spawn_main, args=(cfg, child, env, os.getpid(), pdeathsig, beats),
             name=f"areno-rank{r}" if r < cfg.world_size else f"areno-engine{r - cfg.world_size}", daemon=True,
@@ -53,6 +47,34 @@ def spawn_ranks(cfg: BackendConfig, conns: list[Connection | None], beats: Any =
         procs.append(p)
         conns[r] = parent
     return procs
+
+
+def peer_env(cfg: BackendConfig, r: int, port: int, visible: str | None) -> dict[str, str]:
+    """The environment peer r starts with (rank.spawn_main applies it first, before
+    anything can touch CUDA). A rank: torch.distributed's. Engine process i = r - N
+    (engine_proc.py, no process group): its peer index and, on GPU, only its own
+    device visible, since vLLM takes device 0 whatever torch.cuda.set_device says.
+    visible: the controller's CUDA_VISIBLE_DEVICES (None: every GPU)."""
+    if r < cfg.world_size:
+        return {"MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "RANK": str(r),
+                "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(cfg.world_size)}
+    env = {"ARENO_PEER_INDEX": str(r)}
+    if cfg.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = engine_gpu(cfg, r - cfg.world_size, visible)
+    return env
+
+
+def engine_gpu(cfg: BackendConfig, i: int, visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES of engine process i: the (N + i)-th GPU the controller sees
+    (cfg.engine_gpus[i] when given), as the controller's own list names it."""
+    index = cfg.engine_gpus[i] if cfg.engine_gpus else cfg.world_size + i
+    if visible is None:
+        return str(index)
+    names = [v.strip() for v in visible.split(",") if v.strip()]
+    if index >= len(names):
+        raise BackendError(f"engine process {i} needs GPU {index}; CUDA_VISIBLE_DEVICES={visible!r} "
+                           f"lists {len(names)}")
+    return names[index]
 
 
 def accept_ranks(cfg: BackendConfig, conns: list[Connection | None], marker: ShmSegment) -> None:

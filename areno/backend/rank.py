@@ -25,7 +25,7 @@ import traceback
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
-from areno.backend.config import BackendConfig
+from areno.backend.config import BackendConfig, rank_cpu_threads
 from areno.backend.heartbeat import start_beating
 from areno.runtime.procs import die_with_parent
 from areno.rundir.log import redirect_child_output
@@ -44,12 +44,12 @@ def _quiet() -> None:
 def spawn_main(cfg: BackendConfig, conn: Connection, env: dict[str, str], parent_pid: int,
                use_pdeathsig: bool, beats: Any = None) -> None:
     """Target of the controller's spawn processes; beats: heartbeat slots (heartbeat.py)."""
+    os.environ.update(env)  # first: an engine process's CUDA_VISIBLE_DEVICES (launch.peer_env)
     die_with_parent(parent_pid, use_pdeathsig)
     if beats is not None:
         start_beating(beats, int(env.get("ARENO_PEER_INDEX", env.get("RANK"))))
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/rundir/log.py)
     _quiet()
-    os.environ.update(env)
     serve(cfg, conn, same_host=True)
 
 
@@ -96,6 +96,21 @@ def _sees_segment(marker: tuple[str, bytes]) -> bool:
             return f.read(len(token)) == token
     except OSError:
         return False
+
+
+def claim_device(cfg: BackendConfig, index: int, local_procs: int):
+    """This process's torch device, made current: cuda:index (the one device call of
+    a rank's or an engine process's start-up; everything before it is the same
+    code on CPU and GPU), or the CPU with this process's share of the cores
+    (`cpu_threads`, else rank_cpu_threads over `local_procs` processes)."""
+    import torch
+
+    if cfg.device == "cuda":
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+        return device
+    torch.set_num_threads(cfg.cpu_threads or rank_cpu_threads(len(os.sched_getaffinity(0)), local_procs))
+    return torch.device("cpu")
 
 
 def serve(cfg: BackendConfig, conn: Connection, *, same_host: bool) -> None:

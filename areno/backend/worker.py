@@ -12,7 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from areno.backend.config import BackendConfig, rank_cpu_threads
+from areno.backend.config import BackendConfig
+from areno.backend.rank import claim_device
 from areno.runtime.rng import rng_state, set_rng_state
 from areno.rollout.budget import check_engine_budget, footprint
 from areno.rollout.factory import make_engine
@@ -40,13 +41,7 @@ class RankWorker:
         self.world = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.same_host = same_host
-        if cfg.device == "cuda":
-            self.device = torch.device("cuda", self.local_rank)
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-            torch.set_num_threads(cfg.cpu_threads or rank_cpu_threads(len(os.sched_getaffinity(0)), local_world))
+        self.device = claim_device(cfg, self.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
         if not dist.is_initialized():
             dist.init_process_group(
                 cfg.dist_backend, rank=self.rank, world_size=self.world,

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 EngineKind = Literal["vllm", "hf"]
+# vLLM's default share of its GPU: beside a training rank (it sleeps while the
+# rank trains), and in an engine process of split placement, alone on its GPU.
+GPU_MEMORY_COLOCATED = 0.5
+GPU_MEMORY_DEDICATED = 0.9
 ENGINE_KINDS: tuple[str, ...] = typing.get_args(EngineKind)
 
 
@@ -31,7 +35,7 @@ class EngineSpec:
     max_model_len: int = 2048
     seed: int = 0
     tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = GPU_MEMORY_COLOCATED
     kv_cache_bytes: int = 256 << 20
     max_lora_rank: int = 0
 
@@ -63,10 +67,12 @@ def _vllm(spec: EngineSpec, model_path: str, on_gpu: bool, in_rank: bool) -> Any
     kw: dict[str, Any] = dict(tensor_parallel_size=spec.tensor_parallel_size, dtype=spec.dtype,
                               seed=spec.seed, max_model_len=spec.max_model_len,
                               max_lora_rank=spec.max_lora_rank)
+    # In-process engine core on every device and placement: load_weights hands the
+    # worker tensors, which only an engine in this process can take (a GPU's
+    # default is a separate engine-core process).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if in_rank:
-        # The engine runs in this process, inside the torch world the ranks formed
-        # (TP groups of consecutive ranks); that needs V1's in-process engine core.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # The engine runs inside the torch world the ranks formed (TP groups of consecutive ranks).
         kw["distributed_executor_backend"] = "external_launcher"
     if on_gpu:
         kw.update(gpu_memory_utilization=spec.gpu_memory_utilization, enable_sleep_mode=True)
