@@ -63,6 +63,15 @@ KL and entropy terms are not weighted (as verl's kl_loss and entropy terms).
 Without rollout_logprobs (old log-probs are the sampler's) pi_prox = pi_behav
 and iw_t = 1: plain PPO/GRPO/GSPO.
 
+Every log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20]
+before exp (as verl: `negative_approx_kl` in compute_policy_loss, and the k3
+`kl_penalty`): log(pi_theta / pi_prox) per token (GRPO) or per sequence after
+the mean (GSPO), log(ref / pi_theta) of k3, and log(pi_prox / pi_behav) of the
+weight. In fp32 exp overflows above ~88.7: one token that far off gave an inf
+ratio, a NaN gradient and the whole step skipped. Clamped, the ratio is at
+most e^20 ~ 4.9e8, the clip takes it as any ratio above 1 + eps, and
+the clamped token gets no gradient through its ratio (the clamp's).
+
 Behaviour/proximal mismatch metrics (metrics.py, "offpolicy/*"), computed on
 the loss tokens whenever rollout_logprobs are given (0 otherwise):
   offpolicy_kl     k3 estimate of KL(pi_behav || pi_prox) per token,
@@ -83,6 +92,8 @@ from areno.config.choices import Algo, KLType
 
 ALGOS: tuple[str, ...] = typing.get_args(Algo)
 KL_TYPES: tuple[str, ...] = typing.get_args(KLType)
+# |log-ratio| bound before every exp (the module docstring): verl's 20.
+LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +147,11 @@ def _segment_sum(x: torch.Tensor, seq_index: torch.Tensor, num_seqs: int) -> tor
     return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add_(0, seq_index, x)
 
 
+def _bounded(log_ratio: torch.Tensor) -> torch.Tensor:
+    """log_ratio clamped to +-LOG_RATIO_CLAMP: exp of it stays finite in fp32."""
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
 def compute_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     """Policy loss of one micro-batch and its metric sums (no host sync)."""
     mask = inp.loss_mask
@@ -154,7 +170,7 @@ def compute_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
         n_tok = _segment_sum(maskf, seq_index, num_seqs).clamp_min(1.0)
         seq_log_ratio = _segment_sum(log_ratio, seq_index, num_seqs) / n_tok
         log_rho = seq_log_ratio[seq_index]
-    rho = torch.exp(log_rho)
+    rho = torch.exp(_bounded(log_rho))
     unclipped = -adv * rho
     clipped = -adv * torch.clamp(rho, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
     pg = torch.maximum(unclipped, clipped)
@@ -167,6 +183,7 @@ def compute_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     if inp.rollout_logprobs is not None:
         behav_log_w = torch.where(mask, inp.old_logprobs - inp.rollout_logprobs,
                                   torch.zeros_like(log_ratio)).detach()
+        behav_log_w = _bounded(behav_log_w)
         behav_w = torch.exp(behav_log_w)  # pi_prox / pi_behav, uncapped
         if cfg.tis_cap is not None:
             tis = behav_w.clamp(max=cfg.tis_cap)
@@ -176,7 +193,11 @@ def compute_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     kl = None
     if cfg.kl_coef and inp.ref_logprobs is not None:
         d = torch.where(mask, inp.ref_logprobs - inp.logprobs, torch.zeros_like(log_ratio))
-        kl = -d if cfg.kl_type == "k1" else torch.exp(d) - d - 1.0
+        if cfg.kl_type == "k1":
+            kl = -d
+        else:
+            d = _bounded(d)
+            kl = torch.exp(d) - d - 1.0
         per_tok = per_tok + cfg.kl_coef * kl
     if cfg.entropy_coef and inp.entropy is not None:
         per_tok = per_tok - cfg.entropy_coef * inp.entropy
