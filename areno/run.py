@@ -381,7 +381,19 @@ def start_line(run: Run, resume: Resume, device: str) -> str:
                                                cfg.batch_size)) else ""))
     model_path = str(resume.ckpt) if resume.ckpt else run.model_path
     return (f"areno: {model_path} on {device} x{run.world_size}, {what}"
-            + (f", resumed at step {run.step}" if resume.ckpt else "") + f"; run dir {run.output_dir}")
+            + (f", resumed at step {run.step}" if resume.ckpt else "")
+            + fallback_note(cfg.rollout_engine, getattr(run.engine, "kinds", ()))
+            + f"; run dir {run.output_dir}")
+
+
+def fallback_note(asked: str | None, built: Any) -> str:
+    """'; sampling with hf: ...' when the default engine fell back (asked None: the
+    default, vllm; built: the kinds the engines report), else ''. Only the
+    default falls back (rollout.factory.make_engine)."""
+    if asked is not None or "hf" not in built:
+        return ""
+    return ("; sampling with the hf engine: vLLM does not import here (fell back; "
+            "--rollout-engine hf says so, --rollout-engine vllm makes it an error)")
 
 
 def lora_line(lora: Any, params: dict) -> str:

@@ -38,7 +38,9 @@ def engine_spec(cfg: TrainConfig, device: str, max_prompt_len: int, lora_rank: i
     # vLLM logs several lines per weight push at INFO/WARNING; the step line is ours.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     # At least 64: the weight-sync probe is scored as one prompt.
-    return EngineSpec(kind=cfg.rollout_engine, dtype=resolved_dtype(cfg, device), seed=cfg.seed,
+    # Only the default engine (unset) may fall back to transformers (factory.make_engine).
+    return EngineSpec(kind=cfg.rollout_engine or "vllm", fallback=cfg.rollout_engine is None,
+                      dtype=resolved_dtype(cfg, device), seed=cfg.seed,
                       max_model_len=max(max_prompt_len + cfg.max_new_tokens, 64),
                       tensor_parallel_size=cfg.tensor_parallel_size,
                       gpu_memory_utilization=engine_gpu_memory(cfg),

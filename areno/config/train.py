@@ -74,9 +74,10 @@ class TrainConfig:
                               "lines instead of failing.",
                               "Data")
     # -- Rollout ---------------------------------------------------------------
-    rollout_engine: EngineKind = opt(
-        "vllm", "vllm (default; falls back to hf with a warning if vLLM is not installed) or hf "
-        "(transformers generate).", "Rollout")
+    rollout_engine: EngineKind | None = opt(
+        None, "vllm or hf (transformers generate). Given, it must run: --rollout-engine vllm "
+        "where vLLM does not import is an error. Unset: vllm, or hf where vLLM does not import "
+        "(the start-up line says so).", "Rollout", shown="vllm (hf where vLLM does not import)")
     temperature: float = opt(1.0, "Sampling temperature; log-probs are taken after it.",
                              "Rollout", gt=0.0)
     top_p: float = opt(1.0, "Nucleus sampling mass (1 = off).", "Rollout", gt=0.0, le=1.0)

