@@ -99,7 +99,8 @@ class BackendConfig:
     max_grad_norm: float | None = 1.0
     """Clip the global gradient L2 norm to this; None = no clipping (norm still reported)."""
     grad_checkpointing: bool = False
-    """Recompute decoder-layer activations in backward (less memory, ~30% more compute)."""
+    """Recompute decoder-layer activations in backward (less memory, ~30% more compute;
+    model.checkpoint_layers: the policy stays in eval mode)."""
 
     # the RL update
     ppo_epochs: int = 1
