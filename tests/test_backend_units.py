@@ -273,14 +273,18 @@ def test_nan_steps_are_skipped_then_k_in_a_row_stop(tiny_chat_path, monkeypatch)
             writer.close()
 
 
-def test_gradient_checkpointing_gives_the_same_update(tiny_chat_path, monkeypatch) -> None:
+@pytest.mark.parametrize("lora", [False, True])
+def test_gradient_checkpointing_gives_the_same_update(tiny_chat_path, monkeypatch, lora) -> None:
     """A rank's train command with --grad-checkpointing recomputes every decoder
     layer of every micro-batch in backward (it cannot pass without checkpointing:
-    the attention calls double) and lands bit-equal weights."""
+    the attention calls double) and lands bit-equal weights, LoRA's too."""
+    from areno.backend.config import LoraSpec
+
     split = make_split(1)
     states, calls = [], []
+    spec = LoraSpec(rank=4, alpha=8.0) if lora else None
     for ckpt in (False, True):
-        with local_worker(tiny_chat_path, monkeypatch, lr=1e-3, grad_checkpointing=ckpt) as worker:
+        with local_worker(tiny_chat_path, monkeypatch, lr=1e-3, grad_checkpointing=ckpt, lora=spec) as worker:
             n = [0]
             for layer in worker.hf.model.layers:  # fires in forward and again in each recompute
                 layer.self_attn.register_forward_pre_hook(lambda *_: n.__setitem__(0, n[0] + 1))
