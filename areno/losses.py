@@ -77,8 +77,17 @@ d_t = log pi_prox(t) - log pi_behav(t) on the loss tokens of sequence i:
                       the loss (AReaL's behav_imp_weight_cap with is_mask_low = 0;
                       verl's rollout_rs band times its rollout_is weight)
 
-A sequence-level log-weight is clamped to +-SEQ_LOG_BOUND before exp (verl's
-SAFETY_BOUND): a sum over thousands of tokens would overflow float32.
+A sequence-level log-weight is clamped too (verl's SAFETY_BOUND, the same 20):
+a sum over thousands of tokens would overflow float32.
+
+Every log-ratio is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20]
+before exp (as verl: `negative_approx_kl` in compute_policy_loss, and the k3
+`kl_penalty`): log(pi_theta / pi_prox) per token (GRPO) or per sequence after
+the mean (GSPO), log(ref / pi_theta) of k3, and log(pi_prox / pi_behav) of the
+weight. In fp32 exp overflows above ~88.7: one token that far off gave an inf
+ratio, a NaN gradient and the whole step skipped. Clamped, the ratio is at
+most e^20 ~ 4.9e8, the clip takes it as any ratio above 1 + eps, and
+the clamped token gets no gradient through its ratio (the clamp's).
 
 Behaviour/proximal mismatch metrics (metrics.py, "offpolicy/*"), computed on
 the loss tokens whenever rollout_logprobs are given (0 otherwise):
@@ -104,7 +113,8 @@ ALGOS: tuple[str, ...] = typing.get_args(Algo)
 KL_TYPES: tuple[str, ...] = typing.get_args(KLType)
 IS_LEVELS: tuple[str, ...] = typing.get_args(ISLevel)
 IS_MODES: tuple[str, ...] = typing.get_args(ISMode)
-SEQ_LOG_BOUND = 20.0  # |log w_i| of a sequence-level weight is clamped to this (exp(20) ~ 5e8)
+# |log-ratio| bound before every exp (the module docstring): verl's 20.
+LOG_RATIO_CLAMP = 20.0
 
 
 @dataclass(frozen=True)
@@ -166,6 +176,11 @@ def _segment_sum(x: torch.Tensor, seq_index: torch.Tensor, num_seqs: int) -> tor
     return torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add_(0, seq_index, x)
 
 
+def _bounded(log_ratio: torch.Tensor) -> torch.Tensor:
+    """log_ratio clamped to +-LOG_RATIO_CLAMP: exp of it stays finite in fp32."""
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
 def compute_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     """Policy loss of one micro-batch and its metric sums (no host sync)."""
     mask = inp.loss_mask
@@ -184,7 +199,7 @@ def compute_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
         n_tok = _segment_sum(maskf, seq_index, num_seqs).clamp_min(1.0)
         seq_log_ratio = _segment_sum(log_ratio, seq_index, num_seqs) / n_tok
         log_rho = seq_log_ratio[seq_index]
-    rho = torch.exp(log_rho)
+    rho = torch.exp(_bounded(log_rho))
     unclipped = -adv * rho
     clipped = -adv * torch.clamp(rho, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
     pg = torch.maximum(unclipped, clipped)
@@ -197,6 +212,7 @@ def compute_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     if inp.rollout_logprobs is not None:
         behav_log_w = torch.where(mask, inp.old_logprobs - inp.rollout_logprobs,
                                   torch.zeros_like(log_ratio)).detach()
+        behav_log_w = _bounded(behav_log_w)
         behav_w = torch.exp(behav_log_w)  # pi_prox / pi_behav per token, uncapped
         if cfg.tis_cap is not None:
             tis, over = behaviour_weights(behav_log_w, mask, seq_index, num_seqs, cfg)
@@ -206,7 +222,11 @@ def compute_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
     kl = None
     if cfg.kl_coef and inp.ref_logprobs is not None:
         d = torch.where(mask, inp.ref_logprobs - inp.logprobs, torch.zeros_like(log_ratio))
-        kl = -d if cfg.kl_type == "k1" else torch.exp(d) - d - 1.0
+        if cfg.kl_type == "k1":
+            kl = -d
+        else:
+            d = _bounded(d)
+            kl = torch.exp(d) - d - 1.0
         per_tok = per_tok + cfg.kl_coef * kl
     if cfg.entropy_coef and inp.entropy is not None:
         per_tok = per_tok - cfg.entropy_coef * inp.entropy
@@ -251,7 +271,7 @@ def behaviour_weights(log_w: torch.Tensor, mask: torch.Tensor, seq_index: torch.
         seq_lw = _segment_sum(log_w, seq_index, num_seqs)
         if cfg.is_level == "geometric":
             seq_lw = seq_lw / _segment_sum(mask.to(log_w.dtype), seq_index, num_seqs).clamp_min(1.0)
-        lw = seq_lw.clamp(-SEQ_LOG_BOUND, SEQ_LOG_BOUND)[seq_index]
+        lw = _bounded(seq_lw)[seq_index]
     w = torch.exp(lw)
     if cfg.is_mode == "truncate":
         return w.clamp(max=cfg.tis_cap), (w > cfg.tis_cap) & mask

@@ -19,7 +19,8 @@ import torch
 from areno import evaluate as evaluation
 from areno.asyncloop import RolloutsAhead, load_inflight
 from areno.config import settings
-from areno.backend.launch import EarlyPeers, spawn_peers
+from areno.backend.launch import EarlyPeers, PeerShape, spawn_peers
+from areno.backend.config import ENGINE_GPUS_ENV, engine_gpus_from_env
 from areno.backend.rank_engines import EngineView, RankEngines
 from areno.rundir import lock as runlock
 from areno.rundir.checkpoint import Resume, check_free_space, checkpoint_bytes, checkpoint_root, save_checkpoint
@@ -186,8 +187,18 @@ def check_placement(cfg: TrainConfig, nproc: int, world_size: int, device: str) 
     flag = f"--rollout-world-size {m}"
     if cfg.nnodes > 1:
         raise UserError(f"{flag}: engine processes run beside the controller; use it with --nnodes 1")
-    gpus = visible_gpus() if device == "cuda" else 0
-    if device == "cuda" and world_size + m > gpus:
+    if device != "cuda":
+        return
+    gpus = visible_gpus()
+    try:
+        placed = engine_gpus_from_env(os.environ)  # a check's lever (backend/config.py)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if placed:
+        if len(placed) != m or max(placed) >= gpus:
+            raise UserError(f"{ENGINE_GPUS_ENV}={','.join(map(str, placed))}: {flag} needs {m} "
+                            f"GPU index(es) below the {gpus} visible")
+    elif world_size + m > gpus:
         raise UserError(f"{flag}: {world_size} rank(s) + {m} engine process(es) need "
                         f"{world_size + m} GPUs, {gpus} visible; lower it")
 
@@ -251,13 +262,15 @@ def load_tokenizer(model_path: str) -> Any:
                         f"({' '.join(str(e).split())[:200]})") from None
 
 
-def spawn_early(cfg: TrainConfig, world_size: int, logs: contextlib.ExitStack) -> EarlyPeers | None:
+def spawn_early(cfg: TrainConfig, world_size: int, device: str,
+                logs: contextlib.ExitStack) -> EarlyPeers | None:
     """One node: start the ranks (and engine processes) now, so that their imports
     overlap the controller's tokenizer and data loading; stopped when `logs`
     closes unless the backend adopted them (a user mistake in the data meanwhile)."""
     if cfg.nnodes > 1:
         return None
-    early = spawn_peers(world_size, cfg.rollout_world_size, heartbeat_timeout_s=cfg.rank_heartbeat_timeout)
+    shape = PeerShape(world_size, cfg.rollout_world_size, device, settings.engine_gpus(cfg, device))
+    early = spawn_peers(shape, heartbeat_timeout_s=cfg.rank_heartbeat_timeout)
     logs.callback(early.close)
     return early
 
@@ -289,7 +302,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
     made_run_dir(out)  # an interrupt before the first step names what was written
     logs.enter_context(third_party_to_log(out, cfg.verbose))
     check_save_room(cfg, out, weights, device, lora_params=params and params["trainable"])
-    early = spawn_early(cfg, world_size, logs)  # their imports overlap the tokenizer's and the data's
+    early = spawn_early(cfg, world_size, device, logs)  # their imports overlap the tokenizer's and the data's
     tokenizer = load_tokenizer(model_path)
     rows, prompts = (None, None) if cfg.eval_only else load_data(cfg, tokenizer)
     evalset = load_eval_data(cfg, tokenizer) if cfg.eval_dataset_path else None
@@ -387,7 +400,19 @@ def start_line(run: Run, resume: Resume, device: str) -> str:
                                                cfg.batch_size)) else ""))
     model_path = str(resume.ckpt) if resume.ckpt else run.model_path
     return (f"areno: {model_path} on {device} x{run.world_size}, {what}"
-            + (f", resumed at step {run.step}" if resume.ckpt else "") + f"; run dir {run.output_dir}")
+            + (f", resumed at step {run.step}" if resume.ckpt else "")
+            + fallback_note(cfg.rollout_engine, getattr(run.engine, "kinds", ()))
+            + f"; run dir {run.output_dir}")
+
+
+def fallback_note(asked: str | None, built: Any) -> str:
+    """'; sampling with hf: ...' when the default engine fell back (asked None: the
+    default, vllm; built: the kinds the engines report), else ''. Only the
+    default falls back (rollout.factory.make_engine)."""
+    if asked is not None or "hf" not in built:
+        return ""
+    return ("; sampling with the hf engine: vLLM does not import here (fell back; "
+            "--rollout-engine hf says so, --rollout-engine vllm makes it an error)")
 
 
 def lora_line(lora: Any, params: dict) -> str:

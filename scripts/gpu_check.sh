@@ -7,11 +7,14 @@
 #   gpu_check.txt/.json  attention kernels (packed == padded) and the transformers
 #                      engine's peak memory at 1024 new tokens (scripts/gpu_check.py)
 #   cli.txt, cli_*.json  the real CLI on the default path (`areno train`, default
-#                      strategy, one GPU, bf16, transformers engine): the demo, then
-#                      the Qwen3-0.6B-shaped model, full fine-tuning and LoRA r=8
-#                      (issue 19: peak memory and step time with and without); phases,
-#                      peak memory per train phase, and the run's own weight-sync check verdict
+#                      strategy, one GPU, bf16, transformers engine): the demo; the demo
+#                      in split placement on the one GPU (a rank and an engine process
+#                      sharing device 0: ARENO_ENGINE_GPUS=0), K = 0 and K = 1; then the
+#                      Qwen3-0.6B-shaped model, full fine-tuning, with --grad-checkpointing
+#                      (its peak memory against the run without) and LoRA r=8 (issue 19);
+#                      phases, peak memory per train phase, the run's own weight-sync verdict
 #   lm_head.txt/.json  lm_head backward in bf16 vs fp32 (scripts/bench_lm_head.py)
+#   gpu_check_table.md   one table of every step (scripts/gpu_check_cli.py table)
 # Exit 0 when every part passes.
 #
 #   bash scripts/gpu_check.sh                 # on the GPU machine, from the repo root
@@ -47,63 +50,88 @@ KILL_AFTER=5
 SCALE=1; [[ $SMOKE == 1 ]] && SCALE=4  # CI's shared CPUs, not the GPU budget, set the smoke's pace
 
 # step NAME LIMIT_S CMD...: CMD under timeout (SIGTERM at LIMIT_S, SIGKILL KILL_AFTER s later),
-# its exit code and seconds appended to steps.jsonl. GPU limits: 35+100+35+110+90+45 (+5 each) = 445 s.
+# its exit code and seconds appended to steps.jsonl and one line on the script's stderr
+# (fd 3: a step's own output may be redirected into its log).
+exec 3>&2
+# GPU limits: 30+90+30+30+30+55+55+45+30 (+5 each) = 440 s.
 step() {
   local name=$1 limit=$(($2 * SCALE)); shift 2
   local t0=$SECONDS rc=0
   timeout --signal=TERM --kill-after=$KILL_AFTER "$limit" "$@" || rc=$?
   printf '{"step": "%s", "rc": %d, "seconds": %d, "limit_s": %d}\n' \
     "$name" "$rc" $((SECONDS - t0)) "$limit" >>"$OUTDIR/steps.jsonl"
+  printf 'step %-18s %s  %3d s of %d s\n' "$name" "$([[ $rc == 0 ]] && echo ok || echo "FAIL rc $rc")" \
+    $((SECONDS - t0)) "$limit" >&3
   [[ $rc == 0 ]] || status=1
   return $rc
 }
 
 if [[ $SMOKE == 1 ]]; then
-  DEV=(--device cpu --dtype bfloat16); DEMO_STEPS=3; BIG_STEPS=2
+  DEV=(--device cpu --dtype bfloat16); DEMO_STEPS=3; SPLIT_STEPS=3; BIG_STEPS=2
   BIG=(--max-new-tokens 16 --batch-size 2 --n-samples 2); LMHEAD=(--smoke)
   # The GPU machine has no vLLM, datasets or math-verify: the smoke run proves the CLI path needs none.
   export PYTHONPATH="$PWD/scripts/gpu_check_blocked${PYTHONPATH:+:$PYTHONPATH}"
 else
-  DEV=(--device cuda --dtype bfloat16); DEMO_STEPS=20; BIG_STEPS=2
-  BIG=(--max-new-tokens 1024 --batch-size 4 --n-samples 4); LMHEAD=(--device cuda --repeats 3)
+  DEV=(--device cuda --dtype bfloat16); DEMO_STEPS=20; SPLIT_STEPS=8; BIG_STEPS=2
+  # 512 new tokens (the engine step measures 1024): three runs of this shape fit the 450 s
+  BIG=(--max-new-tokens 512 --batch-size 4 --n-samples 4); LMHEAD=(--device cuda --repeats 3)
 fi
 : >"$OUTDIR/steps.jsonl"
 
 # 0. the Qwen3-0.6B-shaped random model (tiny on CPU), its prompts and reward plugin
-step build 35 "$PY" scripts/gpu_check_cli.py build "$WORK/big" $([[ $SMOKE == 1 ]] && echo --cpu-smoke) \
+step build 30 "$PY" scripts/gpu_check_cli.py build "$WORK/big" $([[ $SMOKE == 1 ]] && echo --cpu-smoke) \
   >"$OUTDIR/build.log" 2>&1 || { echo "FAIL build (see build.log)"; tail -5 "$OUTDIR/build.log"; }
 
 # 1. attention kernels and the transformers engine's peak memory at 1024 new tokens
-step engine 100 "$PY" scripts/gpu_check.py --model-dir "$WORK/big/model" --out "$OUTDIR/gpu_check.txt" \
+step engine 90 "$PY" scripts/gpu_check.py --model-dir "$WORK/big/model" --out "$OUTDIR/gpu_check.txt" \
   $([[ $SMOKE == 1 ]] && echo --cpu-smoke)
 
 # 2. the real CLI, default strategy, transformers engine, bf16
 {
   status=0  # this block's own verdict (it runs in a subshell, under tee)
   echo "areno gpu_check: the CLI ($([[ $SMOKE == 1 ]] && echo 'CPU smoke' || echo GPU))"
-  step cli_demo 35 "${AR[@]}" train "${DEV[@]}" --rollout-engine hf --max-steps $DEMO_STEPS --no-save \
-      --output-dir "$OUTDIR/runs/demo" >"$OUTDIR/runs/demo.log" 2>&1
-  "$PY" scripts/gpu_check_cli.py summary "$OUTDIR/runs/demo" --title "demo, bf16, hf engine" \
-      --log "$OUTDIR/runs/demo.log" --steps $DEMO_STEPS --json "$OUTDIR/cli_demo.json" \
-    || { echo "FAIL demo run (see runs/demo.log)"; tail -5 "$OUTDIR/runs/demo.log"; status=1; }
-  # qwen_run NAME LIMIT_S LORA_RANK: the Qwen3-0.6B shape, full fine-tuning (0) or LoRA
-  qwen_run() {
-    step "cli_$1" "$2" "${AR[@]}" train "${DEV[@]}" --rollout-engine hf --ckpt "$WORK/big/model" \
-        --lora-rank "$3" --dataset-path "$WORK/big/prompts.jsonl" --reward-fn-path "$WORK/big/reward.py" \
-        --no-chat-template --max-steps $BIG_STEPS "${BIG[@]}" --no-save \
-        --output-dir "$OUTDIR/runs/$1" >"$OUTDIR/runs/$1.log" 2>&1
-    "$PY" scripts/gpu_check_cli.py summary "$OUTDIR/runs/$1" --title "$1: Qwen3-0.6B shape, bf16, hf engine" \
-        --log "$OUTDIR/runs/$1.log" --steps $BIG_STEPS --json "$OUTDIR/cli_$1.json" \
-      || { echo "FAIL $1 run (see runs/$1.log)"; tail -5 "$OUTDIR/runs/$1.log"; status=1; }
+  # demo_run NAME LIMIT_S STEPS TITLE [FLAGS...]: the demo model and task
+  demo_run() {
+    local name=$1 limit=$2 n=$3 title=$4; shift 4
+    step "cli_$name" "$limit" "${AR[@]}" train "${DEV[@]}" --rollout-engine hf --max-steps "$n" --no-save \
+        "$@" --output-dir "$OUTDIR/runs/$name" >"$OUTDIR/runs/$name.log" 2>&1
+    "$PY" scripts/gpu_check_cli.py summary "$OUTDIR/runs/$name" --title "$title" \
+        --log "$OUTDIR/runs/$name.log" --steps "$n" --json "$OUTDIR/cli_$name.json" \
+      || { echo "FAIL $name run (see runs/$name.log)"; tail -5 "$OUTDIR/runs/$name.log"; status=1; }
   }
-  qwen_run qwen3 110 0
-  qwen_run qwen3_lora8 90 8  # issue 19: only the adapter trains and syncs
+  demo_run demo 30 $DEMO_STEPS "demo, bf16, hf engine"
+  # Split placement on one GPU: rank 0 and engine process 1 share device 0 (ARENO_ENGINE_GPUS=0;
+  # the engine process sees only it), weights through the shared-memory region each step.
+  # The transformers engine has no memory fraction: both processes allocate as they go.
+  export ARENO_ENGINE_GPUS=0
+  demo_run split 30 $SPLIT_STEPS "demo, split placement on one GPU (1 rank + 1 engine process), K = 0" \
+      --world-size 1 --rollout-world-size 1
+  demo_run split_k1 30 $SPLIT_STEPS "demo, split placement on one GPU, K = 1 (decoupled PPO)" \
+      --world-size 1 --rollout-world-size 1 --off-policy-steps 1
+  unset ARENO_ENGINE_GPUS
+  # qwen_run NAME LIMIT_S LORA_RANK [FLAGS...]: the Qwen3-0.6B shape, full fine-tuning (0) or LoRA
+  qwen_run() {
+    local name=$1 limit=$2 rank=$3; shift 3
+    step "cli_$name" "$limit" "${AR[@]}" train "${DEV[@]}" --rollout-engine hf --ckpt "$WORK/big/model" \
+        --lora-rank "$rank" --dataset-path "$WORK/big/prompts.jsonl" --reward-fn-path "$WORK/big/reward.py" \
+        --no-chat-template --max-steps $BIG_STEPS "${BIG[@]}" --no-save "$@" \
+        --output-dir "$OUTDIR/runs/$name" >"$OUTDIR/runs/$name.log" 2>&1
+    "$PY" scripts/gpu_check_cli.py summary "$OUTDIR/runs/$name" --title "$name: Qwen3-0.6B shape, bf16, hf engine" \
+        --log "$OUTDIR/runs/$name.log" --steps $BIG_STEPS --json "$OUTDIR/cli_$name.json" \
+      || { echo "FAIL $name run (see runs/$name.log)"; tail -5 "$OUTDIR/runs/$name.log"; status=1; }
+  }
+  qwen_run qwen3 55 0
+  qwen_run qwen3_ckpt 55 0 --grad-checkpointing  # peak memory against qwen3's (the table)
+  qwen_run qwen3_lora8 45 8  # issue 19: only the adapter trains and syncs
   [[ $status == 0 ]] && echo "CLI: ALL PASS"
 } 2>&1 | tee "$OUTDIR/cli.txt"
 grep -q "CLI: ALL PASS" "$OUTDIR/cli.txt" || status=1
 
 # 3. lm_head backward, bf16 (now) vs fp32 (before issue 17 2c): scripts/bench_lm_head.py
-step lm_head 45 "$PY" scripts/bench_lm_head.py "${LMHEAD[@]}" --out "$OUTDIR/lm_head.json" \
+step lm_head 30 "$PY" scripts/bench_lm_head.py "${LMHEAD[@]}" --out "$OUTDIR/lm_head.json" \
   >"$OUTDIR/lm_head.txt" 2>&1 || { echo "FAIL lm_head bench (see lm_head.txt)"; tail -5 "$OUTDIR/lm_head.txt"; }
+
+# 4. one table of every step, its run's figures and the grad-checkpointing memory ratio
+"$PY" scripts/gpu_check_cli.py table "$OUTDIR" --out "$OUTDIR/gpu_check_table.md" || status=1
 
 exit $status

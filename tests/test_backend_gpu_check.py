@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_check_cpu_smoke_passes(tmp_path: Path) -> None:
-    env = dict(os.environ, OUT=str(tmp_path), ARENO_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, OUT=str(tmp_path), ARENO_CACHE=str(tmp_path / "cache"), PYTHON=sys.executable)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu-smoke"],
                           env=env, capture_output=True, text=True, timeout=1500)
     report = (tmp_path / "gpu_check.txt").read_text()
@@ -26,13 +27,27 @@ def test_gpu_check_cpu_smoke_passes(tmp_path: Path) -> None:
         assert line in report
     assert json.loads((tmp_path / "gpu_check.json").read_text())["engine"]["new_tokens"] == 16
     assert "CLI: ALL PASS" in cli, cli
-    assert cli.count("median seconds per steady step") == 3 and "weight_sync" in cli
-    for name, steps in (("cli_demo", 3), ("cli_qwen3", 2), ("cli_qwen3_lora8", 2)):
+    assert cli.count("median seconds per steady step") == 6 and "weight_sync" in cli
+    runs = (("cli_demo", 3), ("cli_split", 3), ("cli_split_k1", 3), ("cli_qwen3", 2), ("cli_qwen3_ckpt", 2),
+            ("cli_qwen3_lora8", 2))
+    for name, steps in runs:
         run = json.loads((tmp_path / f"{name}.json").read_text())
         assert run["ok"] and run["weight_sync_check"] == dict(run["weight_sync_check"], passed=True, syncs=steps)
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps][:5] == ["build", "engine", "cli_demo", "cli_qwen3", "cli_qwen3_lora8"]
+    assert [s["step"] for s in steps][:8] == ["build", "engine", *(name for name, _ in runs)]
     assert all(s["rc"] == 0 for s in steps), steps
+    # each step printed one line; the whole wrote one table
+    for s in steps:
+        assert f"step {s['step']:<18} ok" in proc.stderr + cli, s
+    table = (tmp_path / "gpu_check_table.md").read_text()
+    assert all(f"| {s['step']} | 0 |" in table for s in steps) and table.rstrip().endswith("ALL PASS")
+    assert "grad checkpointing: no GPU peak memory (CPU)" in table
+    # what the runs were: split placement (an engine process beside the rank), K = 1, checkpointing
+    split_log = (tmp_path / "runs" / "split_k1.log").read_text()
+    assert "--off-policy-steps 1 turns on" in split_log
+    for name, flag in (("split", "rollout_world_size: 1"), ("split_k1", "off_policy_steps: 1"),
+                       ("qwen3_ckpt", "grad_checkpointing: true")):
+        assert flag in (tmp_path / "runs" / name / "config.yaml").read_text(), name
 
 
 def test_a_failed_sync_check_in_the_runs_output_fails_the_summary(tmp_path: Path) -> None:
@@ -58,6 +73,6 @@ def test_every_gpu_step_has_a_limit_and_they_fit_one_450s_call() -> None:
 
     text = (ROOT / "scripts" / "gpu_check.sh").read_text()
     kill_after = int(re.search(r"^KILL_AFTER=(\d+)$", text, re.M).group(1))
-    limits = [int(n) for n in re.findall(r"^\s*(?:step|qwen_run) [a-z0-9_]+ (\d+) ", text, re.M)]
-    assert len(limits) == 6 and sum(limits) + kill_after * len(limits) <= 450, limits
+    limits = [int(n) for n in re.findall(r"^\s*(?:step|qwen_run|demo_run) [a-z0-9_]+ (\d+) ", text, re.M)]
+    assert len(limits) == 9 and sum(limits) + kill_after * len(limits) <= 450, limits
     assert 'timeout --signal=TERM --kill-after=$KILL_AFTER "$limit"' in text

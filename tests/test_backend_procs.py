@@ -99,7 +99,7 @@ def test_published_weights_load_into_an_engine_of_another_process_and_pass_its_c
     """The shared-memory transport: rank 0 writes the region, this process (not a
     rank) reads it into its own engine; the fingerprint and the probe hold, and
     a region that is not what was published fails the check."""
-    from areno.backend.engine_host import reports_fingerprint
+    from areno.backend.weight_sync import reports_fingerprint
     from areno.backend.weight_sync import SyncCheck, load_region
     from areno.rollout.hf import HFEngine
     from areno.rollout.probe import WeightSyncError
@@ -152,6 +152,18 @@ def test_ddp_strategy_matches_fsdp2(first_step, tiny_chat_path) -> None:
         m = be.train(make_split(2))
         assert_states_close(full_state_dict(be), s2)
     assert [x["loss"] for x in m] == pytest.approx([x["loss"] for x in m2], rel=1e-4)
+
+
+def test_grad_checkpointing_under_fsdp2_makes_the_same_update(first_step, tiny_chat_path) -> None:
+    """The checkpointed layers sit inside FSDP2's per-layer units: their recompute
+    in backward runs on unsharded weights and the update is bit-equal."""
+    *_, s2, _, m2 = first_step
+    with TorchBackend(config(tiny_chat_path, 2, grad_checkpointing=True)) as be:
+        assert be.strategy == "fsdp2"
+        m = be.train(make_split(2))
+        state = be.full_state_dict()
+    assert state.keys() == s2.keys() and all(torch.equal(state[k], s2[k]) for k in s2)
+    assert [x["loss"] for x in m] == [x["loss"] for x in m2]
 
 
 def test_controller_rejects_token_ids_outside_the_vocabulary(first_step) -> None:

@@ -274,20 +274,32 @@ def test_nan_steps_are_skipped_then_k_in_a_row_stop(tiny_chat_path, monkeypatch)
             writer.close()
 
 
-def test_gradient_checkpointing_gives_the_same_update(tiny_chat_path, monkeypatch) -> None:
+@pytest.mark.parametrize("lora", [False, True])
+def test_gradient_checkpointing_gives_the_same_update(tiny_chat_path, monkeypatch, lora) -> None:
+    """A rank's train command with --grad-checkpointing recomputes every decoder
+    layer of every micro-batch in backward (it cannot pass without checkpointing:
+    the attention calls double) and lands bit-equal weights, LoRA's too."""
+    from areno.backend.config import LoraSpec
+
     split = make_split(1)
-    states = []
+    states, calls = [], []
+    spec = LoraSpec(rank=4, alpha=8.0) if lora else None
     for ckpt in (False, True):
-        with local_worker(tiny_chat_path, monkeypatch, lr=1e-3, grad_checkpointing=ckpt) as worker:
+        with local_worker(tiny_chat_path, monkeypatch, lr=1e-3, grad_checkpointing=ckpt, lora=spec) as worker:
+            n = [0]
+            for layer in worker.hf.model.layers:  # fires in forward and again in each recompute
+                layer.self_attn.register_forward_pre_hook(lambda *_: n.__setitem__(0, n[0] + 1))
             writer = PackWriter()
             try:
                 (h,) = writer.write(split)
                 worker.cmd_train(h)
             finally:
                 writer.close()
+            calls.append(n[0])
             states.append(full_state(worker))
+    assert calls[0] > 0 and calls[1] == 2 * calls[0], calls
     for k in states[0]:
-        torch.testing.assert_close(states[0][k], states[1][k], atol=1e-6, rtol=1e-5)
+        assert torch.equal(states[0][k], states[1][k]), k
 
 
 def test_bfloat16_publish_writes_the_engines_dtype_and_an_engine_loading_it_passes(tiny_chat_path,
@@ -378,8 +390,8 @@ def test_probe_runs_every_sync_unless_a_fingerprint_checks_the_weights() -> None
     assert [i for i in range(2 * K + 1) if probe_due(i, fingerprinted=True)] == [0, K, 2 * K]
 
 
-def test_weight_stream_copies_in_the_engine_dtype_and_sums_squares_only_when_asked() -> None:
-    from areno.backend.engine_host import WeightStream
+def test_weight_stream_converts_to_the_engine_dtype_and_sums_squares_only_when_asked() -> None:
+    from areno.backend.weight_sync import WeightStream
 
     named = [("m.a.weight", torch.tensor([1.0, 2.0])), ("m.b.weight", torch.tensor([[3.0]])),
              ("lm_head.weight", torch.tensor([0.5]))]
@@ -391,3 +403,12 @@ def test_weight_stream_copies_in_the_engine_dtype_and_sums_squares_only_when_ask
     assert fp.sums == {"m": 14.0, "": 0.25} and fp.counts == {"m": 3, "": 1}
     off = WeightStream(iter(named), torch.float32, fingerprint=False)
     assert len(list(off)) == 3 and off.fingerprint().sums == {}
+
+
+def test_weight_stream_does_not_copy_a_tensor_already_in_the_engine_dtype() -> None:
+    # Copy once (issue 26, 4): the engine's load is the copy; a stream copy would be a second.
+    from areno.backend.weight_sync import WeightStream
+
+    named = [("m.a.weight", torch.tensor([1.0, 2.0])), ("lm_head.weight", torch.tensor([0.5]))]
+    got = list(WeightStream(iter(named), torch.float32))
+    assert [t.data_ptr() for _, t in got] == [t.data_ptr() for _, t in named]

@@ -73,9 +73,14 @@ def test_truncated_sampling_is_refused_with_an_engine_reporting_raw_logprobs(
     assert f"drop {flags[0]}" in line
 
 
-def test_vllm_is_refused_when_its_fallback_reports_raw_logprobs(monkeypatch, capsys):
+def test_the_default_engine_is_refused_when_its_fallback_reports_raw_logprobs(files, monkeypatch, capsys):
     monkeypatch.setitem(offpolicy.LOGPROBS_PROCESSED, "hf", False)
-    assert "the hf engine" in refused([*ASYNC, "--rollout-engine", "vllm", "--top-p", "0.95"], capsys)
+    data = ["--dataset-path", files["dataset_path"], "--reward-fn-path", files["reward_fn_path"]]
+    assert "the hf engine" in refused([*ASYNC, *data, "--top-p", "0.95"], capsys)
+    # given explicitly, vllm never falls back (rollout.factory.make_engine): nothing to refuse
+    cfg = TrainConfig.from_sources(None, {**files, "off_policy_steps": 1, "rollout_world_size": 2,
+                                          "rollout_engine": "vllm", "top_p": 0.95})
+    assert cfg.rollout_engine == "vllm"
 
 
 def test_both_engines_report_processed_logprobs_so_truncated_sampling_is_allowed(files, capsys):

@@ -20,7 +20,7 @@ import torch
 
 from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP
 from areno.rollout.engine import RolloutEngine, SamplingConfig
-from areno.backend.engine_host import WeightStream, check_engine_names, reports_fingerprint
+from areno.backend.weight_sync import WeightStream, check_engine_names, reports_fingerprint
 from areno.backend.weight_sync import ProbeRef, SyncCheck
 from areno.rollout.probe import PROBE_ROUNDING_UNITS, WeightSyncError, probe_logprobs
 
@@ -211,6 +211,32 @@ def test_a_load_missing_a_tensor_fails_the_sync_check(engine, original_state, pe
     with pytest.raises(WeightSyncError, match=r"missing 1 .*model.norm.weight|\(model: sum of squares"):
         engine.load_weights((n, t) for n, t in new.items() if n != "model.norm.weight")
         check.check(engine, sent(new), None)
+
+
+def test_an_engine_keeps_no_reference_to_what_it_loads(engine, original_state, perturbed_state, restore_weights):
+    """The sync copies each tensor once (weight_sync.WeightStream yields the trainer's
+    own tensor when the dtype matches; load_region hands over views of a region the
+    next sync rewrites): an engine must copy what it is given into its own
+    storage. Overwriting the sources after a load must change nothing it holds,
+    through either transport's source."""
+    from areno.backend.weight_sync import WeightLayout, region_tensors
+
+    new = perturbed_state(original_state, seed=4)
+    live = {n: t.clone() for n, t in new.items()}  # the stream's source: the tensors themselves
+    engine.load_weights(WeightStream(iter(live.items()), torch.float32))
+    held, lp = engine.weights_fingerprint().sums, engine.prompt_logprobs(PROBE_IDS)
+    for t in live.values():
+        t.mul_(2.0)
+    assert engine.weights_fingerprint().sums == held
+    np.testing.assert_array_equal(engine.prompt_logprobs(PROBE_IDS), lp)
+    layout = WeightLayout.build((n, "float32", tuple(t.shape)) for n, t in new.items())
+    buf = bytearray(layout.nbytes)
+    layout.write(buf, new.items())
+    engine.load_weights(region_tensors(buf, layout))
+    assert engine.weights_fingerprint().sums == held
+    buf[:] = bytes(len(buf))  # the next sync rewrites the region
+    assert engine.weights_fingerprint().sums == held
+    np.testing.assert_array_equal(engine.prompt_logprobs(PROBE_IDS), lp)
 
 
 def test_unknown_tensor_names_are_refused_up_front(engine, original_state):

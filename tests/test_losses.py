@@ -331,3 +331,35 @@ def test_build_train_pack_unsplit_pack_has_zero_weights():
     b = random_batch(seed=9)
     pack = build_train_pack(b, np.zeros(b.num_responses, np.float32))
     assert torch.all(pack.seq_weights == 0)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "gspo"])
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+@pytest.mark.parametrize("where", ["ratio", "kl", "behav"])
+def test_a_log_ratio_of_100_gives_a_finite_loss_and_gradient_in_fp32(algo, adv, where):
+    """One token 100 nats off (exp overflows fp32 above ~88.7) in pi_theta / pi_prox,
+    ref / pi_theta (k3) or pi_prox / pi_behav: every log-ratio is clamped to +-20
+    before exp (losses.LOG_RATIO_CLAMP), so the step is not lost to a NaN."""
+    from areno.losses import LOG_RATIO_CLAMP
+
+    f32 = dict(dtype=torch.float32)
+    old = torch.tensor([-1.0, -2.0, -0.5, -3.0], **f32)
+    logp = old.clone()
+    ref, rollout = old.clone(), old.clone()
+    if where == "ratio":
+        logp[0] += 100.0
+    elif where == "kl":
+        ref[0] += 100.0
+    else:
+        rollout[0] -= 100.0
+    logp.requires_grad_(True)
+    n = old.numel()
+    inp = LossInputs(logprobs=logp, old_logprobs=old, advantages=torch.full((n,), adv, **f32),
+                     loss_mask=torch.ones(n, dtype=torch.bool), seq_weights=torch.tensor([1.0 / n], **f32),
+                     seq_index=torch.zeros(n, dtype=torch.long), rollout_logprobs=rollout, ref_logprobs=ref)
+    out = compute_loss(inp, LossConfig(algo=algo, kl_coef=0.1, kl_type="k3", tis_cap=2.0))
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and torch.isfinite(logp.grad).all(), (out.loss, logp.grad)
+    assert all(torch.isfinite(v) for v in out.metrics.values()), out.metrics
+    if where == "ratio" and algo == "grpo":  # the token's ratio is e^20, exactly
+        assert out.metrics["ratio_max"].item() == pytest.approx(math.exp(LOG_RATIO_CLAMP), rel=1e-6)

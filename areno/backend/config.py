@@ -102,7 +102,8 @@ class BackendConfig:
     max_grad_norm: float | None = 1.0
     """Clip the global gradient L2 norm to this; None = no clipping (norm still reported)."""
     grad_checkpointing: bool = False
-    """Recompute decoder-layer activations in backward (less memory, ~30% more compute)."""
+    """Recompute decoder-layer activations in backward (less memory, ~30% more compute;
+    model.checkpoint_layers: the policy stays in eval mode)."""
 
     # the RL update
     ppo_epochs: int = 1
@@ -132,6 +133,10 @@ class BackendConfig:
     rollout_world_size: int = 0
     """Split placement: this many engine processes (backend/engine_proc.py) build
     `engine` instead of the ranks; 0 = colocated (every rank builds its own)."""
+    engine_gpus: tuple[int, ...] = ()
+    """Split placement on GPU: the GPU of each engine process, as an index into the
+    controller's visible GPUs; () = N + i, the GPUs after the ranks'. Sharing a
+    rank's GPU is for checks on one GPU (ENGINE_GPUS_ENV, scripts/gpu_check.sh)."""
 
     # processes
     launcher: Launcher = "spawn"
@@ -200,6 +205,8 @@ class BackendConfig:
                 bad(name, getattr(self, name), "must be > 0")
         if self.rollout_world_size < 0 or (self.rollout_world_size and self.engine is None):
             bad("rollout_world_size", self.rollout_world_size, "must be >= 0, and > 0 only with an engine")
+        if self.engine_gpus and (len(self.engine_gpus) != self.rollout_world_size or min(self.engine_gpus) < 0):
+            bad("engine_gpus", self.engine_gpus, f"must name {self.rollout_world_size} GPU index(es) >= 0")
         if self.rollout_world_size and self.launcher != "spawn":
             bad("rollout_world_size", self.rollout_world_size, "engine processes need launcher='spawn'")
         colocated = self.engine is not None and not self.rollout_world_size
@@ -227,6 +234,20 @@ class BackendConfig:
     @property
     def needs_ref_model(self) -> bool:
         return self.loss.kl_coef > 0 and self.lora is None  # LoRA: the adapters-off model
+
+
+# Where split placement's engine processes go on GPU (BackendConfig.engine_gpus),
+# as a comma list of GPU indices: a lever for checks on one GPU, not a CLI option.
+ENGINE_GPUS_ENV = "ARENO_ENGINE_GPUS"
+
+
+def engine_gpus_from_env(environ: typing.Mapping[str, str]) -> tuple[int, ...]:
+    """ENGINE_GPUS_ENV's indices; () when unset (the GPUs after the ranks')."""
+    raw = environ.get(ENGINE_GPUS_ENV, "").strip()
+    try:
+        return tuple(int(x) for x in raw.split(",")) if raw else ()
+    except ValueError:
+        raise ValueError(f"{ENGINE_GPUS_ENV}={raw!r}: expected GPU indices such as 0 or 0,1") from None
 
 
 def rank_cpu_threads(cpus: int, local_ranks: int) -> int:

@@ -32,7 +32,7 @@ from areno.backend.config import BackendConfig
 from areno.backend.errors import BackendError
 from areno.backend.handoff import PackWriter, ShmSegment
 from areno.backend.heartbeat import HeartbeatWatch, stuck_rank_error
-from areno.backend.launch import EarlyPeers, accept_ranks, early_peers_for, free_port  # noqa: F401 (re-exported)
+from areno.backend.launch import EarlyPeers, PeerShape, accept_ranks, early_peers_for, free_port  # noqa: F401 (re-exported)
 from areno.backend.replies import Peers, ReplyStream
 from areno.backend.weight_sync import WeightLayout, WeightRegion
 from areno.backend.weights import probe_ids
@@ -112,9 +112,7 @@ class TorchBackend:
         """Take over spawned peers and send each its config -> their heartbeat watch."""
         if not early.fits(self.config):
             early.close()
-            raise ValueError(f"early peers are {early.world_size} ranks + {early.rollout_world_size} engine "
-                             f"processes; the config asks for {self.config.world_size} + "
-                             f"{self.config.rollout_world_size}")
+            raise ValueError(f"early peers are {early.shape}; the config asks for {PeerShape.of(self.config)}")
         early.adopted = True
         self._procs.extend(early.procs)
         self._conns[:] = early.conns

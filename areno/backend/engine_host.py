@@ -17,16 +17,13 @@ another host sends the part's arrays inline instead (still whole buffers).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
-from areno.rollout.engine import SamplingConfig, check_weight_names
-from areno.rollout.probe import Fingerprint, sum_squares
+from areno.rollout.engine import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -81,72 +78,3 @@ def generate_into(engine: Any, ids: np.ndarray, offsets: np.ndarray, n: int, sam
 def _write(region: Any, at: int, a: np.ndarray) -> None:
     if a.size:
         np.frombuffer(region, dtype=np.uint8, count=a.nbytes, offset=at)[:] = a.view(np.uint8)
-
-
-def check_engine_names(engine: Any, names: Iterable[str]) -> None:
-    """Fail at start-up, not at the first sync, if the trainer's tensor names and
-    the engine's disagree."""
-    expected = getattr(engine, "_weight_names", None)
-    if expected is not None:
-        check_weight_names(names, expected, getattr(engine, "_optional_names", set()))
-
-
-class WeightStream:
-    """The trainer's gathered full tensors as fresh copies in the engine's dtype on
-    their device, one at a time (an engine may keep what it is given: vLLM's
-    in-place reload on CPU does), with each one's fp64 sum of squares kept on
-    the device when `fingerprint` is on (read once after the load; an engine
-    that cannot report its own has no use for it)."""
-
-    def __init__(self, named: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype,
-                 fingerprint: bool = True) -> None:
-        self._named, self._dtype, self._fingerprint = named, dtype, fingerprint
-        self.names: list[str] = []
-        self._sums: list[tuple[str, torch.Tensor, int]] = []
-        self._bytes = 0
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in self._named:
-            c = t.detach().to(self._dtype, copy=True)
-            if self._fingerprint:
-                self._sums.append((name, sum_squares(c), c.numel()))
-            self.names.append(name)
-            self._bytes += c.numel() * c.element_size()
-            yield name, c
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes sent so far, in the engine's dtype."""
-        return self._bytes
-
-    def fingerprint(self) -> Fingerprint:
-        """What was sent, grouped as engines report it (one device read)."""
-        if not self._sums:
-            return Fingerprint({}, {})
-        values = torch.stack([s for _, s, _ in self._sums]).cpu().tolist()
-        return Fingerprint.of((n, v, k) for (n, _, k), v in zip(self._sums, values))
-
-
-def reports_fingerprint(engine: Any) -> bool:
-    """Whether `engine` can report an exact fingerprint of what it holds (decided
-    once: it turns on the stream's sums, the exact check and the probe schedule)."""
-    return hasattr(engine, "weights_fingerprint") and getattr(engine, "fingerprint_exact", True)
-
-
-@contextmanager
-def logit_scale_of(hf: torch.nn.Module) -> Iterator[list[float]]:
-    """Within: every forward of `hf.model` appends max |logit| of its last hidden
-    states through `hf.lm_head` (the probe's rounding scale). Read inside the
-    forward, where FSDP2 has gathered the lm_head and autocast is on."""
-    scales: list[float] = []
-
-    def grab(_module, _args, out) -> None:
-        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        with torch.no_grad():
-            scales.append(float(torch.nn.functional.linear(h, hf.lm_head.weight).abs().max()))
-
-    handle = hf.model.register_forward_hook(grab)
-    try:
-        yield scales
-    finally:
-        handle.remove()

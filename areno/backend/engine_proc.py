@@ -4,8 +4,14 @@ With `BackendConfig.rollout_world_size` M > 0 the controller spawns M engine
 processes after the N ranks (launch.spawn_peers). Each runs the rank process's
 command loop (rank.serve) around an `EngineWorker` instead of a RankWorker: it
 trains nothing and joins no process group. On CPU the processes share the
-cores; on GPU engine i would take device N + i (see docs/DESIGN.md, "Split
-placement", for what the GPU transport would need).
+cores; on GPU engine i takes GPU N + i of the controller's (BackendConfig.engine_gpus
+to place it elsewhere), the only one it sees (launch.peer_env sets its
+CUDA_VISIBLE_DEVICES: vLLM takes device 0 whatever torch.cuda.set_device says).
+Its start-up is one code path on CPU and GPU up to the device call
+(rank.claim_device); the vLLM engine is in-process on every device
+(rollout.factory), so load_weights can take the region's tensors, and takes
+0.9 of its GPU unless --gpu-memory-utilization says otherwise
+(config.settings.engine_gpu_memory).
 
 Prompts reach it as they reach a rank's engine (`generate`, the same
 OutRegion/part protocol: engine_host.generate_into). Weights reach it through
@@ -23,10 +29,11 @@ import time
 import numpy as np
 import torch
 
-from areno.backend.config import BackendConfig, rank_cpu_threads
-from areno.backend.engine_host import OutRegion, generate_into, reports_fingerprint
+from areno.backend.config import BackendConfig
+from areno.backend.rank import claim_device
+from areno.backend.engine_host import OutRegion, generate_into
 from areno.backend.hooks import load_rank_hooks
-from areno.backend.weight_sync import SyncCheck, WeightRegion, load_region
+from areno.backend.weight_sync import SyncCheck, WeightRegion, load_region, reports_fingerprint
 from areno.rollout.factory import make_engine
 
 
@@ -38,14 +45,9 @@ class EngineWorker:
         self.peer = int(os.environ["ARENO_PEER_INDEX"])
         self.index = self.peer - cfg.world_size  # i of the M engine processes
         self.same_host = same_host
-        if cfg.device == "cuda":
-            # engine i: GPU N + i (untested: docs/DESIGN.md; TP inside one is refused, offpolicy.py)
-            self.device = torch.device("cuda", cfg.world_size + self.index)
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
-            torch.set_num_threads(cfg.cpu_threads or rank_cpu_threads(len(os.sched_getaffinity(0)),
-                                                                      cfg.rollout_world_size))
+        # GPU: device 0, the one GPU it sees (launch.peer_env: GPU N + i of the
+        # controller's). TP inside one is refused (config/offpolicy.py).
+        self.device = claim_device(cfg, 0, cfg.rollout_world_size)
         self.hooks = load_rank_hooks()  # no-ops unless ARENO_RANK_HOOKS names some (benchmarks)
         made = self.hooks.make_engine(cfg, self.device)  # None but in benchmarks (hooks.py)
         self.engine, self.engine_kind = made if made is not None else \

@@ -24,6 +24,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class PeerShape:
+    """What a peer's start-up environment depends on (peer_env): known before the
+    BackendConfig, so the peers can start early (run.spawn_early)."""
+
+    world_size: int
+    rollout_world_size: int = 0
+    device: str = "cpu"
+    engine_gpus: tuple[int, ...] = ()
+    master_addr: str = "127.0.0.1"
+
+    @classmethod
+    def of(cls, cfg: BackendConfig) -> "PeerShape":
+        return cls(cfg.world_size, cfg.rollout_world_size, cfg.device, tuple(cfg.engine_gpus), cfg.master_addr)
+
+
 @dataclass
 class EarlyPeers:
     """Rank and engine processes spawned before their BackendConfig exists: they
@@ -36,8 +52,7 @@ class EarlyPeers:
     procs: list
     conns: list[Connection]
     beats: HeartbeatWatch
-    world_size: int
-    rollout_world_size: int
+    shape: PeerShape
     adopted: bool = False
 
     def close(self) -> None:
@@ -45,32 +60,27 @@ class EarlyPeers:
             stop_processes(self.procs, self.conns, [], grace_s=3.0)
 
     def fits(self, cfg: BackendConfig) -> bool:
-        return (self.world_size, self.rollout_world_size) == (cfg.world_size, cfg.rollout_world_size)
+        return self.shape == PeerShape.of(cfg)
 
 
-def spawn_peers(world_size: int, rollout_world_size: int = 0, master_addr: str = "127.0.0.1",
-                master_port: int | None = None, heartbeat_timeout_s: float = 0.0) -> EarlyPeers:
-    """Start world_size rank processes, then rollout_world_size engine processes
-    (spawn context), each waiting for its BackendConfig on its pipe."""
+def spawn_peers(shape: PeerShape, master_port: int | None = None, heartbeat_timeout_s: float = 0.0) -> EarlyPeers:
+    """Start shape.world_size rank processes, then shape.rollout_world_size engine
+    processes (spawn context), each waiting for its BackendConfig on its pipe."""
     import torch.multiprocessing as tmp
 
     from areno.backend.rank import spawn_main
 
     ctx = tmp.get_context("spawn")
-    port = master_port or free_port(master_addr)
+    world_size, rollout_world_size = shape.world_size, shape.rollout_world_size
+    port = master_port or free_port(shape.master_addr)
     beats = HeartbeatWatch(world_size + rollout_world_size, heartbeat_timeout_s)
     # PR_SET_PDEATHSIG fires when the spawning *thread* exits: only safe from the main thread
     pdeathsig = threading.current_thread() is threading.main_thread()
     procs, conns = [], []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     for r in range(world_size + rollout_world_size):
         parent, child = ctx.Pipe(duplex=True)
-        if r < world_size:
-            env = {
-                "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "RANK": str(r),
-                "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world_size),
-            }
-        else:  # an engine process of split placement (engine_proc.py): no process group
-            env = {"ARENO_PEER_INDEX": str(r)}
+        env = peer_env(shape, r, port, visible)
         p = ctx.Process(
             target=spawn_main, args=(child, env, os.getpid(), pdeathsig, beats.slots),
             name=f"areno-rank{r}" if r < world_size else f"areno-engine{r - world_size}", daemon=True,
@@ -79,13 +89,40 @@ def spawn_peers(world_size: int, rollout_world_size: int = 0, master_addr: str =
         child.close()
         procs.append(p)
         conns.append(parent)
-    return EarlyPeers(procs, conns, beats, world_size, rollout_world_size)
+    return EarlyPeers(procs, conns, beats, shape)
 
 
 def early_peers_for(cfg: BackendConfig) -> EarlyPeers:
     """spawn_peers with cfg's shape, rendezvous and heartbeat bound."""
-    return spawn_peers(cfg.world_size, cfg.rollout_world_size, cfg.master_addr, cfg.master_port,
-                       cfg.heartbeat_timeout_s)
+    return spawn_peers(PeerShape.of(cfg), cfg.master_port, cfg.heartbeat_timeout_s)
+
+
+def peer_env(cfg: PeerShape | BackendConfig, r: int, port: int, visible: str | None) -> dict[str, str]:
+    """The environment peer r starts with (rank.spawn_main applies it first, before
+    anything can touch CUDA). A rank: torch.distributed's. Engine process i = r - N
+    (engine_proc.py, no process group): its peer index and, on GPU, only its own
+    device visible, since vLLM takes device 0 whatever torch.cuda.set_device says.
+    visible: the controller's CUDA_VISIBLE_DEVICES (None: every GPU)."""
+    if r < cfg.world_size:
+        return {"MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "RANK": str(r),
+                "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(cfg.world_size)}
+    env = {"ARENO_PEER_INDEX": str(r)}
+    if cfg.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = engine_gpu(cfg, r - cfg.world_size, visible)
+    return env
+
+
+def engine_gpu(cfg: PeerShape | BackendConfig, i: int, visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES of engine process i: the (N + i)-th GPU the controller sees
+    (cfg.engine_gpus[i] when given), as the controller's own list names it."""
+    index = cfg.engine_gpus[i] if cfg.engine_gpus else cfg.world_size + i
+    if visible is None:
+        return str(index)
+    names = [v.strip() for v in visible.split(",") if v.strip()]
+    if index >= len(names):
+        raise BackendError(f"engine process {i} needs GPU {index}; CUDA_VISIBLE_DEVICES={visible!r} "
+                           f"lists {len(names)}")
+    return names[index]
 
 
 def accept_ranks(cfg: BackendConfig, conns: list[Connection | None], marker: ShmSegment) -> None:

@@ -219,6 +219,36 @@ def cu_seqlens_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor,
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
+def checkpoint_layers(hf: nn.Module) -> int:
+    """Activation checkpointing of every decoder layer: under grad, a layer's forward
+    runs inside torch.utils.checkpoint (non-reentrant), which keeps only its inputs
+    and recomputes the rest in backward. Returns the layers wrapped.
+
+    An explicit wrapper, not transformers' `gradient_checkpointing_enable`: that
+    checkpoints only while `self.training` is true, and the policy stays in eval
+    mode, so it never did anything. Train mode would flip every `self.training`
+    branch of the model (attention_dropout, hidden/resid/embd dropouts under
+    family-specific names, MoE router jitter, peft's LoRA dropout) and RL's
+    update must stay deterministic; zeroing each by name is whack-a-mole. The
+    wrapper leaves the module tree and its state_dict names alone (sync and
+    save walk them), sits inside each layer's call (so FSDP2's per-layer hooks
+    unshard before the recompute, and layer.compile() compiles it), and no-grad
+    passes (old/reference log-probs, the probe) skip it."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = list(hf.model.layers)
+    for layer in layers:
+        inner = layer.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
+    return len(layers)
+
+
 @dataclass
 class Wrapped:
     """root: what forward/backward are called on; policy: the unwrapped PolicyModule."""
@@ -240,7 +270,7 @@ def wrap_policy(
     world = torch.distributed.get_world_size()
     strategy = cfg.strategy_for(world)
     if trainable and cfg.grad_checkpointing:
-        policy.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_layers(policy.hf)
     if cfg.compile_layers:
         for layer in policy.hf.model.layers:
             layer.compile()

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
-from areno.backend.config import BackendConfig
+from areno.backend.config import BackendConfig, rank_cpu_threads
 from areno.backend.heartbeat import start_beating
 from areno.runtime.procs import die_with_parent
 from areno.rundir.log import redirect_child_output
@@ -50,12 +50,12 @@ def spawn_main(conn: Connection, env: dict[str, str], parent_pid: int, use_pdeat
     """Target of the controller's spawn processes (launch.spawn_peers): the heavy
     imports first, then the BackendConfig from the pipe (the controller may still
     be loading its tokenizer and data meanwhile); beats: heartbeat slots."""
+    os.environ.update(env)  # first: an engine process's CUDA_VISIBLE_DEVICES (launch.peer_env)
     die_with_parent(parent_pid, use_pdeathsig)
     if beats is not None:
         start_beating(beats, int(env.get("ARENO_PEER_INDEX", env.get("RANK"))))
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/rundir/log.py)
     _quiet()
-    os.environ.update(env)
     worker_class("ARENO_PEER_INDEX" in env)  # torch, transformers, the worker: while the controller works
     try:
         cfg = conn.recv()
@@ -122,6 +122,21 @@ def _sees_segment(marker: tuple[str, bytes]) -> bool:
             return f.read(len(token)) == token
     except OSError:
         return False
+
+
+def claim_device(cfg: BackendConfig, index: int, local_procs: int):
+    """This process's torch device, made current: cuda:index (the one device call of
+    a rank's or an engine process's start-up; everything before it is the same
+    code on CPU and GPU), or the CPU with this process's share of the cores
+    (`cpu_threads`, else rank_cpu_threads over `local_procs` processes)."""
+    import torch
+
+    if cfg.device == "cuda":
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+        return device
+    torch.set_num_threads(cfg.cpu_threads or rank_cpu_threads(len(os.sched_getaffinity(0)), local_procs))
+    return torch.device("cpu")
 
 
 def serve(cfg: BackendConfig, conn: Connection, *, same_host: bool) -> None:

@@ -62,6 +62,14 @@ class Micro:
     num_seqs: int
 
 
+def adamw_kwargs(device: torch.device) -> dict[str, bool]:
+    """AdamW's implementation by device. CPU: fused keeps the step counters on the
+    device, so the step makes no .item() call at all. CUDA: foreach (the
+    FSDP2-tested path); its step counters live on the host, so their .item() is
+    no device sync."""
+    return {"fused": True} if device.type == "cpu" else {"foreach": True}
+
+
 def to_device(tp: TrainPack, device: torch.device) -> Micro:
     """Views of shared memory -> device tensors. An empty micro-batch becomes a
     1-token dummy with zero weight, so every rank runs the same number of
@@ -122,10 +130,7 @@ class RankTrainer:
         params = [p for p in w.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-            # CPU: fused keeps the step counters on the device, so the step makes no
-            # .item() call at all. CUDA: foreach (the FSDP2-tested path); its step
-            # counters live on the host, so their .item() is no device sync.
-            **({"fused": True} if device.type == "cpu" else {"foreach": True}),
+            **adamw_kwargs(device),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.params = params

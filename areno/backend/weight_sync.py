@@ -1,7 +1,7 @@
 """One weight-sync mechanism: a source, two transports, one check.
 
-Source: the trainer's gathered full tensors (`weights.iter_full_state`), as fresh
-copies in the engine's dtype with their fingerprint (`engine_host.WeightStream`).
+Source: the trainer's gathered full tensors (`weights.iter_full_state`) in the
+engine's dtype with their fingerprint (`WeightStream`; copied only to convert).
 
 Transports:
 - in-process (colocated engines, `RankWorker.cmd_sync_weights`): every rank
@@ -21,14 +21,16 @@ tolerance of rollout/probe.py.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from areno.rollout.engine import check_weight_names
 from areno.rollout.probe import (
-    Fingerprint, check_fingerprint, check_logprobs, probe_due, probe_tolerance,
+    Fingerprint, check_fingerprint, check_logprobs, probe_due, probe_tolerance, sum_squares,
 )
 
 _ALIGN = 64
@@ -138,11 +140,11 @@ class SyncCheck:
 
 
 def region_tensors(buf: Any, layout: WeightLayout) -> Iterator[tuple[str, torch.Tensor]]:
-    """Copies of the region's tensors, one at a time: an engine may keep what it
-    is given (vLLM's in-place reload on CPU does), and the region is rewritten
-    by the next sync."""
-    for name, t in layout.views(buf):
-        yield name, t.clone()
+    """The region's tensors as zero-copy views, one at a time. No host clone: the
+    engine's load is the one copy (into vLLM's or transformers' own storage, on
+    its device; neither keeps a view, tests/test_engine_contract.py), so the
+    next sync may rewrite the region."""
+    yield from layout.views(buf)
 
 
 def load_region(engine: Any, region: WeightRegion, check: SyncCheck) -> dict:
@@ -158,3 +160,80 @@ def load_region(engine: Any, region: WeightRegion, check: SyncCheck) -> dict:
         tensors.close()  # drops its last view: the map closes
         mem.close()
     return check.check(engine, region.fingerprint, region.probe)
+
+
+def check_engine_names(engine: Any, names: Iterable[str]) -> None:
+    """Fail at start-up, not at the first sync, if the trainer's tensor names and
+    the engine's disagree."""
+    expected = getattr(engine, "_weight_names", None)
+    if expected is not None:
+        check_weight_names(names, expected, getattr(engine, "_optional_names", set()))
+
+
+class WeightStream:
+    """The trainer's gathered full tensors in the engine's dtype on their device,
+    one at a time, with each one's fp64 sum of squares kept on the device when
+    `fingerprint` is on (read once after the load; an engine that cannot report
+    its own has no use for it).
+
+    Copy once: a tensor already in the engine's dtype is yielded as gathered
+    (under `single`/DDP the live parameter itself), one in another dtype is
+    converted once on its device (the engine's rounding, which the fingerprint
+    must see). No engine keeps what it is given past `load_weights`: both copy
+    it into their own storage (tests/test_engine_contract.py mutates the
+    sources after a load), so a defensive copy here would be a second one."""
+
+    def __init__(self, named: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                 fingerprint: bool = True) -> None:
+        self._named, self._dtype, self._fingerprint = named, dtype, fingerprint
+        self.names: list[str] = []
+        self._sums: list[tuple[str, torch.Tensor, int]] = []
+        self._bytes = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self._named:
+            c = t.detach()
+            if c.dtype != self._dtype:
+                c = c.to(self._dtype)
+            if self._fingerprint:
+                self._sums.append((name, sum_squares(c), c.numel()))
+            self.names.append(name)
+            self._bytes += c.numel() * c.element_size()
+            yield name, c
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes sent so far, in the engine's dtype."""
+        return self._bytes
+
+    def fingerprint(self) -> Fingerprint:
+        """What was sent, grouped as engines report it (one device read)."""
+        if not self._sums:
+            return Fingerprint({}, {})
+        values = torch.stack([s for _, s, _ in self._sums]).cpu().tolist()
+        return Fingerprint.of((n, v, k) for (n, _, k), v in zip(self._sums, values))
+
+
+def reports_fingerprint(engine: Any) -> bool:
+    """Whether `engine` can report an exact fingerprint of what it holds (decided
+    once: it turns on the stream's sums, the exact check and the probe schedule)."""
+    return hasattr(engine, "weights_fingerprint") and getattr(engine, "fingerprint_exact", True)
+
+
+@contextmanager
+def logit_scale_of(hf: torch.nn.Module) -> Iterator[list[float]]:
+    """Within: every forward of `hf.model` appends max |logit| of its last hidden
+    states through `hf.lm_head` (the probe's rounding scale). Read inside the
+    forward, where FSDP2 has gathered the lm_head and autocast is on."""
+    scales: list[float] = []
+
+    def grab(_module, _args, out) -> None:
+        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        with torch.no_grad():
+            scales.append(float(torch.nn.functional.linear(h, hf.lm_head.weight).abs().max()))
+
+    handle = hf.model.register_forward_hook(grab)
+    try:
+        yield scales
+    finally:
+        handle.remove()

@@ -12,25 +12,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from areno.backend.config import BackendConfig, rank_cpu_threads
+from areno.backend.config import BackendConfig
+from areno.backend.rank import claim_device
 from areno.runtime.rng import rng_state, set_rng_state
 from areno.rollout.budget import check_engine_budget, footprint
 from areno.rollout.factory import make_engine
-from areno.backend.engine_host import (
-    OutRegion,
-    check_engine_names,
-    WeightStream,
-    generate_into,
-    logit_scale_of,
-    reports_fingerprint,
-)
+from areno.backend.engine_host import OutRegion, generate_into
 from areno.backend.handoff import LocalPack, RankHandoff, map_region
 from areno.backend.hooks import load_rank_hooks
 from areno.backend.adapter_sync import load_adapter
 from areno.backend.lora import ADAPTER, adapter_state, apply_lora, merged_state, param_counts, save_adapter
 from areno.backend.model import PolicyModule, load_hf_model, resolve_attn_implementation, wrap_policy
 from areno.backend.step import RankTrainer, autocast_ctx
-from areno.backend.weight_sync import ProbeRef, SyncCheck, WeightLayout
+from areno.backend.weight_sync import (
+    ProbeRef, SyncCheck, WeightLayout, WeightStream, check_engine_names, logit_scale_of, reports_fingerprint,
+)
 from areno.backend.weights import copy_aux_files, hf_state_names, iter_full_state, save_hf_dir, state_meta
 from areno.perf import flop_shape
 from areno.rollout.probe import probe_scale, reduction_length, rounding_unit
@@ -45,13 +41,7 @@ class RankWorker:
         self.world = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.same_host = same_host
-        if cfg.device == "cuda":
-            self.device = torch.device("cuda", self.local_rank)
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-            torch.set_num_threads(cfg.cpu_threads or rank_cpu_threads(len(os.sched_getaffinity(0)), local_world))
+        self.device = claim_device(cfg, self.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
         if not dist.is_initialized():
             dist.init_process_group(
                 cfg.dist_backend, rank=self.rank, world_size=self.world,

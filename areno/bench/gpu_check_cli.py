@@ -5,6 +5,10 @@ run directory (median seconds per phase, weight sync, peak GPU memory, reward).
     python scripts/gpu_check_cli.py build DIR [--cpu-smoke]   # DIR/model, DIR/prompts.jsonl, DIR/reward.py
     python scripts/gpu_check_cli.py summary RUN_DIR --title T --log LOG --steps N --json OUT.json
         # prints a few lines and writes them as JSON; exit 1 if the run is broken
+    python scripts/gpu_check_cli.py table OUT_DIR --out OUT_DIR/gpu_check_table.md
+        # one markdown table of every step in steps.jsonl with its run's figures
+        # (cli_<name>.json) and the --grad-checkpointing peak memory against the run
+        # without; exit 1 if a step failed
 
 The weight-sync check is read from the run itself: areno checks every sync
 (exact fingerprint; log-prob probe when due) and stops the run with a
@@ -94,6 +98,45 @@ def sync_check(steps: list[dict], log: Path | None, want_steps: int | None) -> d
     return {"passed": passed, "verdict": verdict, "syncs": done, "metrics": logged, "failure": failed[:1]}
 
 
+def table(out_dir: Path, out: Path) -> bool:
+    """Every step of steps.jsonl, joined with its run's summary, as one table."""
+    steps = [json.loads(line) for line in (out_dir / "steps.jsonl").read_text().splitlines() if line]
+    lines = ["| step | rc | seconds | limit | steps | median step s | train s | weight sync s | "
+             "peak GPU GiB | weight sync check |", "|" + " --- |" * 10]
+    runs: dict[str, dict] = {}
+    for s in steps:
+        run = {}
+        if s["step"].startswith("cli_") and (out_dir / f"{s['step']}.json").is_file():
+            run = runs[s["step"]] = json.loads((out_dir / f"{s['step']}.json").read_text())
+        med = run.get("median_s", {})
+        peak = max(run["peak_gpu_mem_gb"]) if run.get("peak_gpu_mem_gb") else None
+        cells = [s["step"], s["rc"], s["seconds"], s["limit_s"], run.get("steps", ""),
+                 _num(med.get("step")), _num(med.get("train")), _num(med.get("weight_sync")), _num(peak),
+                 run.get("weight_sync_check", {}).get("verdict", "")]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines += ["", grad_checkpointing_line(runs.get("cli_qwen3"), runs.get("cli_qwen3_ckpt"))]
+    total = sum(s["seconds"] for s in steps)
+    ok = all(s["rc"] == 0 for s in steps) and all(r.get("ok") for r in runs.values())
+    lines.append(f"{len(steps)} steps in {total} s; {'ALL PASS' if ok else 'FAILED'}")
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return ok
+
+
+def grad_checkpointing_line(plain: dict | None, ckpt: dict | None) -> str:
+    """The peak memory of a train phase with --grad-checkpointing against the same run without."""
+    if not plain or not ckpt:
+        return "grad checkpointing: a run is missing"
+    if not plain.get("peak_gpu_mem_gb") or not ckpt.get("peak_gpu_mem_gb"):
+        return "grad checkpointing: no GPU peak memory (CPU)"
+    a, b = max(plain["peak_gpu_mem_gb"]), max(ckpt["peak_gpu_mem_gb"])
+    return f"grad checkpointing: peak {b:.2f} GiB against {a:.2f} GiB without ({b / a:.2f}x)"
+
+
+def _num(v: float | None) -> str:
+    return "" if v is None else f"{v:.3f}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -106,7 +149,12 @@ def main() -> int:
     s.add_argument("--log", type=Path, default=None, help="the run's terminal output")
     s.add_argument("--steps", type=int, default=None, help="steps the run was asked for")
     s.add_argument("--json", type=Path, default=None, help="write the summary here")
+    t = sub.add_parser("table")
+    t.add_argument("out_dir", type=Path)
+    t.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    if args.cmd == "table":
+        return 0 if table(args.out_dir, args.out) else 1
     if args.cmd == "build":
         build(Path(args.dir), args.cpu_smoke)
         return 0

