@@ -22,7 +22,7 @@ def run_without_vllm(tmp_path: Path, tiny_arith_path: Path, *flags: str) -> subp
     (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), str(REPO)]), "COLUMNS": "500",
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), os.environ["PYTHONPATH"]]), "COLUMNS": "500",
            "PYTHONUNBUFFERED": "1"}
     args = ["train", "--ckpt", str(tiny_arith_path), "--dataset-path", str(data), "--reward-fn-path",
             "builtin:arith", "--no-chat-template", "--batch-size", "1", "--n-samples", "2",
@@ -37,7 +37,7 @@ def test_the_blocker_makes_vllm_unimportable(tmp_path: Path) -> None:
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")
     proc = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(blocker)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), os.environ["PYTHONPATH"]])})
     assert proc.returncode == 1 and "import of vllm halted; None in sys.modules" in proc.stderr
 
 

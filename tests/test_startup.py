@@ -40,9 +40,9 @@ def test_early_ranks_are_adopted_by_the_backend(tiny_chat_path):
     hello with the pids spawn_peers started, and train as if spawned there."""
     from areno.backend.config import BackendConfig
     from areno.backend.controller import TorchBackend
-    from areno.backend.launch import spawn_peers
+    from areno.backend.launch import PeerShape, spawn_peers
 
-    early = spawn_peers(2)
+    early = spawn_peers(PeerShape(2))
     pids = [p.pid for p in early.procs]
     with TorchBackend(BackendConfig(model_path=str(tiny_chat_path), world_size=2), early) as be:
         assert be.rank_pids == pids and early.adopted
@@ -54,9 +54,9 @@ def test_early_peers_of_another_shape_are_refused_and_stopped(tiny_chat_path):
 
     from areno.backend.config import BackendConfig
     from areno.backend.controller import TorchBackend
-    from areno.backend.launch import spawn_peers
+    from areno.backend.launch import PeerShape, spawn_peers
 
-    early = spawn_peers(1)
-    with pytest.raises(ValueError, match="early peers are 1 ranks"):
+    early = spawn_peers(PeerShape(1))
+    with pytest.raises(ValueError, match="early peers are PeerShape.world_size=1"):
         TorchBackend(BackendConfig(model_path=str(tiny_chat_path), world_size=2), early)
     assert not any(p.is_alive() for p in early.procs)
