@@ -198,3 +198,17 @@ def list_segments(pid: int | None = None) -> list[str]:
 def loaded_lora_ids(engine) -> set[int]:
     """The adapter ids a vLLM engine holds now (its list_loras)."""
     return set(engine.adapters.llm.llm_engine.list_loras())
+
+
+def refused(args: list[str], capsys) -> str:
+    """`areno train ARGS` in-process -> its one error line; asserts exit 2, exactly
+    one "areno: error:" line on stderr and no traceback."""
+    from areno.cli import main
+
+    rc = main(["train", *args])
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert rc == 2, out.err
+    assert len(lines) == 1 and lines[0].startswith("areno: error:"), out.err
+    assert "Traceback" not in out.err + out.out
+    return lines[0]

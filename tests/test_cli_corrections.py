@@ -8,22 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from areno.cli import main
+from helpers import refused
 from areno.config.settings import backend_config
 from areno.config.train import TrainConfig
 from areno.losses import LossConfig
 
 CAP = ["--recompute-logprobs", "--tis-cap", "2"]
-
-
-def refused(args, capsys) -> str:
-    rc = main(["train", *args])
-    out = capsys.readouterr()
-    lines = out.err.strip().splitlines()
-    assert rc == 2, out.err
-    assert len(lines) == 1 and lines[0].startswith("areno: error:"), out.err
-    assert "Traceback" not in out.err + out.out
-    return lines[0]
 
 
 BAD = [

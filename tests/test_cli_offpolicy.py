@@ -13,7 +13,7 @@ import yaml
 
 from areno.config import offpolicy
 from areno.backend.config import BackendConfig
-from areno.cli import main
+from helpers import refused
 from areno.config.train import TrainConfig
 from areno.errors import UserError
 from areno.losses import LossConfig
@@ -21,16 +21,6 @@ from areno.config.resume import MAY_CHANGE, resume_config
 from areno.config.settings import backend_config, engine_spec, sampling
 
 ASYNC = ["--off-policy-steps", "1", "--rollout-world-size", "2"]
-
-
-def refused(args, capsys) -> str:
-    rc = main(["train", *args])
-    out = capsys.readouterr()
-    lines = out.err.strip().splitlines()
-    assert rc == 2, out.err
-    assert len(lines) == 1 and lines[0].startswith("areno: error:"), out.err
-    assert "Traceback" not in out.err + out.out
-    return lines[0]
 
 
 BAD = [
