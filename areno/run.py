@@ -1,14 +1,14 @@
 """Build everything a training step needs (`Run`), in the order that surfaces
 user mistakes first: run directory, tokenizer, data, reward plugin, then the
 expensive parts (backend ranks, rollout engine). Closing a Run shuts down every
-process it started, on every exit path. The settings of those parts come from
-settings.py; what a resumed run takes from its checkpoint, from checkpoint.Resume."""
+process it started, on every exit path. Where those parts go comes from
+runtime/placement.py, their settings from config/settings.py; what a resumed run
+takes from its checkpoint, from checkpoint.Resume."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import os
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,7 +20,6 @@ from areno import evaluate as evaluation
 from areno.asyncloop import RolloutsAhead, load_inflight
 from areno.config import settings
 from areno.backend.launch import EarlyPeers, PeerShape, spawn_peers
-from areno.backend.config import ENGINE_GPUS_ENV, engine_gpus_from_env
 from areno.backend.rank_engines import EngineView, RankEngines
 from areno.rundir import lock as runlock
 from areno.rundir.checkpoint import Resume, check_free_space, checkpoint_bytes, checkpoint_root, save_checkpoint
@@ -38,6 +37,7 @@ from areno.models.directory import MODEL_DIR_FIX, Weights, adapter_base, check_m
 from areno.models.info import check_model
 from areno.runtime.multinode import controller_port, start_local_ranks
 from areno.runtime.multinode import stop as stop_ranks
+from areno.runtime.placement import check_placement, ranks_for, resolve_device
 from areno.pack import Workspace
 from areno.perf import default_micro_tokens
 from areno.rundir.reporting import RunLogger, limit_note
@@ -102,20 +102,6 @@ class Run:
         return path
 
 
-def visible_gpus() -> int:
-    """GPUs this process could use, counted through NVML: no CUDA context is made
-    (the controller never holds one; ranks and engines own the GPUs)."""
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # torch reads it per call
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def resolve_device(cfg: TrainConfig) -> str:
-    gpus = visible_gpus() if cfg.device != "cpu" else 0
-    if cfg.device == "cuda" and not gpus:
-        raise UserError("--device cuda: no CUDA GPU is visible")
-    return "cuda" if gpus else "cpu"
-
-
 def output_dir_for(cfg: TrainConfig, resume: Resume) -> Path:
     """The run directory: --output-dir, the resumed run's own, or runs/<timestamp>."""
     if cfg.output_dir:
@@ -175,47 +161,6 @@ def check_save_room(cfg: TrainConfig, out: Path, weights: Weights | None, device
     elif weights is not None:
         item = getattr(torch, settings.resolved_dtype(cfg, device)).itemsize  # the trained dtype
         check_free_space(root, checkpoint_bytes(weights.params, weights.nbytes, item), flag)
-
-
-def check_placement(cfg: TrainConfig, nproc: int, world_size: int, device: str) -> None:
-    """Where the engines go, checked before any rank starts: in the ranks
-    (check_tensor_parallel), or --rollout-world-size processes of their own."""
-    m = cfg.rollout_world_size
-    if not m:
-        check_tensor_parallel(cfg.tensor_parallel_size, nproc, world_size, device)
-        return
-    flag = f"--rollout-world-size {m}"
-    if cfg.nnodes > 1:
-        raise UserError(f"{flag}: engine processes run beside the controller; use it with --nnodes 1")
-    if device != "cuda":
-        return
-    gpus = visible_gpus()
-    try:
-        placed = engine_gpus_from_env(os.environ)  # a check's lever (backend/config.py)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    if placed:
-        if len(placed) != m or max(placed) >= gpus:
-            raise UserError(f"{ENGINE_GPUS_ENV}={','.join(map(str, placed))}: {flag} needs {m} "
-                            f"GPU index(es) below the {gpus} visible")
-    elif world_size + m > gpus:
-        raise UserError(f"{flag}: {world_size} rank(s) + {m} engine process(es) need "
-                        f"{world_size + m} GPUs, {gpus} visible; lower it")
-
-
-def check_tensor_parallel(tp: int, nproc: int, world_size: int, device: str) -> None:
-    """--tensor-parallel-size against the ranks (an engine spans tp consecutive ranks of
-    one node) and the GPUs that would hold them: one line, before any rank starts."""
-    flag = f"--tensor-parallel-size {tp}"
-    if tp > world_size:
-        raise UserError(f"{flag}: more than the run's {world_size} rank(s); lower it, or raise "
-                        "--world-size (one rank per GPU)")
-    if nproc % tp:
-        raise UserError(f"{flag} must divide the {nproc} rank(s) per node (an engine's ranks share "
-                        "a node); pick a divisor")
-    gpus = visible_gpus() if device == "cuda" else 0
-    if device == "cuda" and tp > gpus:
-        raise UserError(f"{flag}: only {gpus} GPU(s) visible; lower it to {gpus} or less")
 
 
 def load_data(cfg: TrainConfig, tokenizer: Any) -> tuple[RowSet, PromptSet]:
@@ -369,19 +314,6 @@ def model_for(cfg: TrainConfig, resume: Resume) -> tuple[str, str, Weights | Non
         trainable, total = lora_plan(model_path, lora)
         params = {"trainable": trainable, "total": total}
     return model_path, base_model, weights, lora, params
-
-
-def ranks_for(cfg: TrainConfig, device: str) -> tuple[int, int]:
-    """(ranks on this node, ranks in the run): --nproc-per-node and --world-size, or
-    what they default to (every visible GPU the --rollout-world-size engine
-    processes leave, 1 on CPU)."""
-    if cfg.nproc_per_node:
-        nproc = cfg.nproc_per_node
-    elif cfg.world_size:
-        nproc = cfg.world_size // cfg.nnodes
-    else:
-        nproc = max(1, visible_gpus() - cfg.rollout_world_size) if device == "cuda" else 1
-    return nproc, cfg.world_size or cfg.nnodes * nproc
 
 
 def steps_text(n: int) -> str:

@@ -293,7 +293,7 @@ def test_k1_ctrl_c_while_waiting_for_a_minute_long_rollout_saves_within_seconds(
 
 def test_the_ranks_default_to_the_gpus_the_engine_processes_leave(monkeypatch, files):
     """8 GPUs and --rollout-world-size 4: four ranks (the README's 4 + 4 command)."""
-    from areno import run
+    from areno.runtime import placement as run
     from areno.config.train import TrainConfig
 
     monkeypatch.setattr(run, "visible_gpus", lambda: 8)

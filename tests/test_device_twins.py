@@ -22,7 +22,7 @@ def four_gpus(monkeypatch):
 
 
 def test_the_run_resolves_cuda_and_places_ranks_on_the_visible_gpus(four_gpus, files) -> None:
-    from areno import run
+    from areno.runtime import placement as run
     from areno.config.train import TrainConfig
 
     cfg = TrainConfig.from_sources(None, files)

@@ -95,7 +95,7 @@ def test_engine_gpu_memory_defaults_by_placement_unless_given() -> None:
 def test_one_gpu_placement_for_checks(fake_gpu, monkeypatch) -> None:
     """ARENO_ENGINE_GPUS=0 puts the engine process beside rank 0 on the one GPU
     (scripts/gpu_check.sh); without it 1 + 1 processes need 2 GPUs."""
-    from areno.run import check_placement
+    from areno.runtime.placement import check_placement
 
     tcfg = TrainConfig(rollout_world_size=1)
     with pytest.raises(UserError, match="need 2 GPUs, 1 visible"):

@@ -108,7 +108,7 @@ def test_engine_processes_need_one_node_and_an_engine(monkeypatch):
     from areno.backend.config import BackendConfig
     from areno.config.train import TrainConfig
     from areno.errors import UserError
-    from areno.run import check_placement
+    from areno.runtime.placement import check_placement
 
     monkeypatch.setenv("ARENO_BACKEND_AUTHKEY", "0" * 32)
     with pytest.raises(UserError, match=r"--rollout-world-size 1: .*--nnodes 1"):
