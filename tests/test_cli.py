@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from areno.cli import main
-from areno.config.train import DEMO_PRESET, GROUPS, TrainConfig
+from areno.config.train import GROUPS, TrainConfig
+from areno.data.tasks.arith import DEMO_PRESET
 from areno.errors import UserError
 
 

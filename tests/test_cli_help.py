@@ -46,7 +46,8 @@ def _panels(text: str) -> dict[str, str]:
 
 
 def test_help_shows_every_flag_whole_with_its_default_at_100_columns():
-    from areno.config.train import DEMO_PRESET, TrainConfig
+    from areno.config.train import TrainConfig
+    from areno.data.tasks.arith import DEMO_PRESET
     from areno.config.fieldcheck import flag_name
 
     text = _help(100)

@@ -259,7 +259,8 @@ def test_bad_lora_options_are_one_line_user_errors(args, msg, areno_cache, tmp_p
 
 
 def test_lora_lr_default_is_ten_times_full_fine_tuning() -> None:
-    from areno.config.train import DEMO_PRESET, TrainConfig
+    from areno.config.train import TrainConfig
+    from areno.data.tasks.arith import DEMO_PRESET
     from areno.config.lora import FULL_FT_LR
 
     demo = TrainConfig.from_sources(None, {})

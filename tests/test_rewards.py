@@ -430,7 +430,8 @@ def test_a_users_plugin_on_the_demo_keeps_workers_and_an_unenforceable_timeout_i
     """Issue 18: the demo scores in-process; a user's plugin there keeps the
     workers that enforce --reward-timeout, and a timeout given with
     --reward-workers 0 (which nothing in-process can enforce) is one line."""
-    from areno.config.train import DEMO_PRESET, TrainConfig
+    from areno.config.train import TrainConfig
+    from areno.data.tasks.arith import DEMO_PRESET
 
     plugin = write(tmp_path, "mine.py", "def reward_fn(r):\n    return 0.0\n")
     assert TrainConfig.from_sources(None, {}).reward_workers == DEMO_PRESET["reward_workers"] == 0

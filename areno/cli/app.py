@@ -19,7 +19,8 @@ import typer
 from rich.markup import escape
 
 from areno import __version__
-from areno.config.train import DEMO_PRESET, TrainConfig, field_type
+from areno.config.train import TrainConfig, field_type
+from areno.data.tasks.arith import DEMO_PRESET
 from areno.errors import UserError
 from areno.config.fieldcheck import flag_name
 from areno.runtime.signals import release

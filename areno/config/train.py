@@ -6,7 +6,7 @@ flags from these fields and YAML (`--config run.yaml`) fills the same fields;
 flags override YAML. `TrainConfig.from_sources` validates everything before
 any heavy import or process start, raising `UserError` (one line, naming the
 flag) for a mistake: each value against its type and bounds (fieldcheck.py),
-then the rules between options (`validate`).
+then the rules between options (rules.py).
 """
 
 from __future__ import annotations
@@ -14,20 +14,16 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from areno.config.choices import (
     LOSS_AGG_BY_ALGO, AdvantageMode, Algo, Device, DType, DynamicSampling, ISLevel, ISMode, KLType, LossAgg, OnError,
     Strategy,
 )
-from areno.errors import UserError
-from areno.config.lora import FULL_FT_LR, LORA_LR_FACTOR, check_lora_options
-from areno.data.tasks.arith import DEMO_PRESET
-from areno.config.fieldcheck import base_type, check_file, check_value, looks_local
-from areno.models.directory import MODEL_DIR_FIX, check_model_dir
-from areno.runtime.multinode import check_authkey
-from areno.config.offpolicy import OFF_POLICY_TIS_CAP, check_off_policy, off_policy_defaults
+from areno.config.fieldcheck import base_type, check_value
+from areno.config.lora import FULL_FT_LR, LORA_LR_FACTOR
+from areno.config.offpolicy import OFF_POLICY_TIS_CAP, off_policy_defaults
+from areno.config.rules import check_reward_timeout, check_rules, fill_demo_preset
 from areno.rollout.factory import EngineKind
 
 GROUPS = (
@@ -327,21 +323,11 @@ class TrainConfig:
 
             values.update(read_config_file(yaml_path))
         values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        _check_reward_timeout(values)
+        check_reward_timeout(values)
         # Resuming, the checkpoint's config fills what was not given (resume.py): its
         # --off-policy-steps came with what it turned on, and the rules are checked there.
         turned_on = off_policy_defaults(values) if values.get("resume") is None else []
-        if values.get("ckpt") is None and values.get("dataset_path") is None:
-            values.setdefault("reward_fn_path", DEMO_PRESET["reward_fn_path"])
-            # The demo scores its built-in reward in-process; a user's plugin may
-            # hang, so it keeps the workers that enforce --reward-timeout.
-            own_plugin = not str(values["reward_fn_path"]).startswith("builtin:")
-            lora = isinstance(values.get("lora_rank"), int) and values["lora_rank"] > 0
-            for k, v in DEMO_PRESET.items():
-                if k == "lr" and lora:  # LoRA: 10x the demo's full fine-tuning LR, as outside it
-                    v = v * LORA_LR_FACTOR
-                if not (own_plugin and k == "reward_workers"):
-                    values.setdefault(k, v)
+        fill_demo_preset(values)
         cfg = cls(**values)
         cfg.validate()
         if turned_on:  # beside "resuming with": the settings a run did not say it wants
@@ -352,86 +338,12 @@ class TrainConfig:
         return cfg
 
     def validate(self) -> None:
+        """Each value against its type, choices and bounds (fieldcheck.py), then the
+        rules between options (rules.py); a mistake raises UserError."""
         hints = _type_hints()
         for f in dataclasses.fields(self):
             check_value(f, hints[f.name], getattr(self, f.name))
-        if self.ckpt is not None and looks_local(self.ckpt) and not Path(self.ckpt).is_dir():
-            raise UserError(f"--ckpt: no model directory at {self.ckpt}")
-        if self.ckpt is not None:  # a few small reads: a bad model is one line in a second
-            check_model_dir(self.ckpt, "--ckpt", MODEL_DIR_FIX)
-        if self.eval_only and self.eval_dataset_path is None:
-            raise UserError("--eval-only needs --eval-dataset-path")
-        if self.eval_dataset_path is not None and self.reward_fn_path is None:
-            raise UserError("--reward-fn-path is required with --eval-dataset-path")
-        if self.resume is not None and self.resume != "latest" and not Path(self.resume).is_dir():
-            raise UserError(f"--resume: no checkpoint directory at {self.resume} "
-                            "(give a checkpoint path or 'latest')")
-        if self.ckpt is not None and self.dataset_path is None and not self.eval_only:
-            raise UserError("--dataset-path is required with --ckpt (or leave both unset for the "
-                            "embedded demo)")
-        if self.dataset_path is not None and self.reward_fn_path is None:
-            raise UserError("--reward-fn-path is required with --dataset-path "
-                            "(a .py file defining reward_fn or reward_fn_batch)")
-        if self.reward_fn_path is not None and not self.reward_fn_path.startswith("builtin:"):
-            check_file("--reward-fn-path", self.reward_fn_path, suffix=".py")
-        if self.dataset_loader_fn is not None:
-            check_file("--dataset-loader-fn", self.dataset_loader_fn.split(":", 1)[0], suffix=".py")
-        if self.resume is None:  # resuming: on the config in effect, by resume.resume_config
-            check_off_policy(self)
-        _check_correction_options(self)
-        if self.tis_cap is not None and not self.recompute_logprobs:
-            raise UserError("--tis-cap needs --recompute-logprobs (it weights the trainer/sampler "
-                            "log-prob ratio)")
-        if self.mini_batches > self.batch_size * self.n_samples:
-            raise UserError(f"--mini-batches ({self.mini_batches}) exceeds the completions per "
-                            f"step ({self.batch_size * self.n_samples})")
-        if self.world_size and self.world_size > self.batch_size * self.n_samples:
-            raise UserError(f"--world-size ({self.world_size}) exceeds the completions per step")
-        if self.node_rank >= self.nnodes:
-            raise UserError(f"--node-rank ({self.node_rank}) must be below --nnodes ({self.nnodes})")
-        if self.nnodes > 1:
-            check_authkey()
-            if self.world_size and self.nproc_per_node and \
-                    self.world_size != self.nnodes * self.nproc_per_node:
-                raise UserError(f"--world-size ({self.world_size}) must be --nnodes x "
-                                f"--nproc-per-node ({self.nnodes} x {self.nproc_per_node})")
-        check_lora_options(self)
-        if self.n_samples < 2:  # every mode's baseline is the group's own reward
-            raise UserError(f"--n-samples must be >= 2 for --adv-mode {self.adv_mode} (a group "
-                            "of one has no baseline: every advantage would be 0)")
-
-def _check_correction_options(cfg: TrainConfig) -> None:
-    """--is-level, --is-mode, --is-mask-low, --dynamic-sampling and --overlong-buffer
-    against what they need."""
-    shaped = [f for f, on in ((f"--is-level {cfg.is_level}", cfg.is_level != "token"),
-                              (f"--is-mode {cfg.is_mode}", cfg.is_mode != "truncate"),
-                              (f"--is-mask-low {cfg.is_mask_low:g}", cfg.is_mask_low > 0)) if on]
-    if shaped and cfg.tis_cap is None:
-        raise UserError(f"{shaped[0]} needs --tis-cap (the importance weight it shapes; it also "
-                        "needs --recompute-logprobs)")
-    if cfg.is_mask_low > 0 and cfg.is_mode != "mask":
-        raise UserError(f"--is-mask-low {cfg.is_mask_low:g} is the lower edge of --is-mode mask's "
-                        f"band; with --is-mode {cfg.is_mode} nothing is masked: add --is-mode mask")
-    if cfg.tis_cap is not None and cfg.is_mask_low >= cfg.tis_cap:
-        raise UserError(f"--is-mask-low {cfg.is_mask_low:g} must be below --tis-cap "
-                        f"{cfg.tis_cap:g} (the band would keep no token)")
-    if cfg.dynamic_sampling != "off" and cfg.off_policy_steps:
-        raise UserError(f"--dynamic-sampling {cfg.dynamic_sampling} with --off-policy-steps "
-                        f"{cfg.off_policy_steps}: refill rounds run only with K = 0 so far (with "
-                        "K >= 1 they would have to join the loop's admission); use "
-                        "--off-policy-steps 0")
-    if cfg.overlong_buffer > cfg.max_new_tokens:
-        raise UserError(f"--overlong-buffer {cfg.overlong_buffer} exceeds --max-new-tokens "
-                        f"{cfg.max_new_tokens}: every completion would be punished; lower it")
-
-
-def _check_reward_timeout(given: dict[str, Any]) -> None:
-    """--reward-timeout with --reward-workers 0, both given: in-process scoring
-    has no process to kill, so the timeout could only be ignored (issue 18)."""
-    if given.get("reward_workers") == 0 and given.get("reward_timeout") is not None:
-        raise UserError(f"--reward-timeout {given['reward_timeout']} cannot be enforced with "
-                        "--reward-workers 0 (in-process scoring has no worker to kill): give "
-                        "--reward-workers 1 or more, or drop --reward-timeout")
+        check_rules(self)
 
 
 _HINTS: dict[str, Any] = {}

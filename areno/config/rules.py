@@ -1,0 +1,119 @@
+"""The rules between TrainConfig's options, run by TrainConfig.from_sources and
+validate before any heavy import: what the demo fills in where nothing was given,
+and the combinations refused (each a UserError, one line naming the flags). One
+option's own type and bounds are fieldcheck.py's; the LoRA and off-policy rules
+live in lora.py and offpolicy.py, called from here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from areno.config.fieldcheck import check_file, looks_local
+from areno.config.lora import LORA_LR_FACTOR, check_lora_options
+from areno.config.offpolicy import check_off_policy
+from areno.data.tasks.arith import DEMO_PRESET
+from areno.errors import UserError
+from areno.models.directory import MODEL_DIR_FIX, check_model_dir
+from areno.runtime.multinode import check_authkey
+
+if TYPE_CHECKING:
+    from areno.config.train import TrainConfig
+
+
+def fill_demo_preset(values: dict[str, Any]) -> None:
+    """No --ckpt and no --dataset-path: the demo's preset fills the keys not given
+    (in place; values: the YAML's and the flags' keys)."""
+    if values.get("ckpt") is None and values.get("dataset_path") is None:
+        values.setdefault("reward_fn_path", DEMO_PRESET["reward_fn_path"])
+        # The demo scores its built-in reward in-process; a user's plugin may
+        # hang, so it keeps the workers that enforce --reward-timeout.
+        own_plugin = not str(values["reward_fn_path"]).startswith("builtin:")
+        lora = isinstance(values.get("lora_rank"), int) and values["lora_rank"] > 0
+        for k, v in DEMO_PRESET.items():
+            if k == "lr" and lora:  # LoRA: 10x the demo's full fine-tuning LR, as outside it
+                v = v * LORA_LR_FACTOR
+            if not (own_plugin and k == "reward_workers"):
+                values.setdefault(k, v)
+
+
+def check_rules(cfg: TrainConfig) -> None:
+    """Every rule between options, on a config whose values passed their own checks."""
+    if cfg.ckpt is not None and looks_local(cfg.ckpt) and not Path(cfg.ckpt).is_dir():
+        raise UserError(f"--ckpt: no model directory at {cfg.ckpt}")
+    if cfg.ckpt is not None:  # a few small reads: a bad model is one line in a second
+        check_model_dir(cfg.ckpt, "--ckpt", MODEL_DIR_FIX)
+    if cfg.eval_only and cfg.eval_dataset_path is None:
+        raise UserError("--eval-only needs --eval-dataset-path")
+    if cfg.eval_dataset_path is not None and cfg.reward_fn_path is None:
+        raise UserError("--reward-fn-path is required with --eval-dataset-path")
+    if cfg.resume is not None and cfg.resume != "latest" and not Path(cfg.resume).is_dir():
+        raise UserError(f"--resume: no checkpoint directory at {cfg.resume} "
+                        "(give a checkpoint path or 'latest')")
+    if cfg.ckpt is not None and cfg.dataset_path is None and not cfg.eval_only:
+        raise UserError("--dataset-path is required with --ckpt (or leave both unset for the "
+                        "embedded demo)")
+    if cfg.dataset_path is not None and cfg.reward_fn_path is None:
+        raise UserError("--reward-fn-path is required with --dataset-path "
+                        "(a .py file defining reward_fn or reward_fn_batch)")
+    if cfg.reward_fn_path is not None and not cfg.reward_fn_path.startswith("builtin:"):
+        check_file("--reward-fn-path", cfg.reward_fn_path, suffix=".py")
+    if cfg.dataset_loader_fn is not None:
+        check_file("--dataset-loader-fn", cfg.dataset_loader_fn.split(":", 1)[0], suffix=".py")
+    if cfg.resume is None:  # resuming: on the config in effect, by resume.resume_config
+        check_off_policy(cfg)
+    check_correction_options(cfg)
+    if cfg.tis_cap is not None and not cfg.recompute_logprobs:
+        raise UserError("--tis-cap needs --recompute-logprobs (it weights the trainer/sampler "
+                        "log-prob ratio)")
+    if cfg.mini_batches > cfg.batch_size * cfg.n_samples:
+        raise UserError(f"--mini-batches ({cfg.mini_batches}) exceeds the completions per "
+                        f"step ({cfg.batch_size * cfg.n_samples})")
+    if cfg.world_size and cfg.world_size > cfg.batch_size * cfg.n_samples:
+        raise UserError(f"--world-size ({cfg.world_size}) exceeds the completions per step")
+    if cfg.node_rank >= cfg.nnodes:
+        raise UserError(f"--node-rank ({cfg.node_rank}) must be below --nnodes ({cfg.nnodes})")
+    if cfg.nnodes > 1:
+        check_authkey()
+        if cfg.world_size and cfg.nproc_per_node and \
+                cfg.world_size != cfg.nnodes * cfg.nproc_per_node:
+            raise UserError(f"--world-size ({cfg.world_size}) must be --nnodes x "
+                            f"--nproc-per-node ({cfg.nnodes} x {cfg.nproc_per_node})")
+    check_lora_options(cfg)
+    if cfg.n_samples < 2:  # every mode's baseline is the group's own reward
+        raise UserError(f"--n-samples must be >= 2 for --adv-mode {cfg.adv_mode} (a group "
+                        "of one has no baseline: every advantage would be 0)")
+
+
+def check_correction_options(cfg: TrainConfig) -> None:
+    """--is-level, --is-mode, --is-mask-low, --dynamic-sampling and --overlong-buffer
+    against what they need."""
+    shaped = [f for f, on in ((f"--is-level {cfg.is_level}", cfg.is_level != "token"),
+                              (f"--is-mode {cfg.is_mode}", cfg.is_mode != "truncate"),
+                              (f"--is-mask-low {cfg.is_mask_low:g}", cfg.is_mask_low > 0)) if on]
+    if shaped and cfg.tis_cap is None:
+        raise UserError(f"{shaped[0]} needs --tis-cap (the importance weight it shapes; it also "
+                        "needs --recompute-logprobs)")
+    if cfg.is_mask_low > 0 and cfg.is_mode != "mask":
+        raise UserError(f"--is-mask-low {cfg.is_mask_low:g} is the lower edge of --is-mode mask's "
+                        f"band; with --is-mode {cfg.is_mode} nothing is masked: add --is-mode mask")
+    if cfg.tis_cap is not None and cfg.is_mask_low >= cfg.tis_cap:
+        raise UserError(f"--is-mask-low {cfg.is_mask_low:g} must be below --tis-cap "
+                        f"{cfg.tis_cap:g} (the band would keep no token)")
+    if cfg.dynamic_sampling != "off" and cfg.off_policy_steps:
+        raise UserError(f"--dynamic-sampling {cfg.dynamic_sampling} with --off-policy-steps "
+                        f"{cfg.off_policy_steps}: refill rounds run only with K = 0 so far (with "
+                        "K >= 1 they would have to join the loop's admission); use "
+                        "--off-policy-steps 0")
+    if cfg.overlong_buffer > cfg.max_new_tokens:
+        raise UserError(f"--overlong-buffer {cfg.overlong_buffer} exceeds --max-new-tokens "
+                        f"{cfg.max_new_tokens}: every completion would be punished; lower it")
+
+
+def check_reward_timeout(given: dict[str, Any]) -> None:
+    """--reward-timeout with --reward-workers 0, both given: in-process scoring
+    has no process to kill, so the timeout could only be ignored (issue 18)."""
+    if given.get("reward_workers") == 0 and given.get("reward_timeout") is not None:
+        raise UserError(f"--reward-timeout {given['reward_timeout']} cannot be enforced with "
+                        "--reward-workers 0 (in-process scoring has no worker to kill): give "
+                        "--reward-workers 1 or more, or drop --reward-timeout")
