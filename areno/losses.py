@@ -232,31 +232,44 @@ def compute_loss(inp: LossInputs, cfg: LossConfig) -> LossOutputs:
         per_tok = per_tok - cfg.entropy_coef * inp.entropy
     loss = (per_tok * w).sum()
 
-    with torch.no_grad():
-        rho_m = rho * maskf
-        rollout = inp.rollout_logprobs if inp.rollout_logprobs is not None else inp.old_logprobs
-        metrics = {
-            "loss": loss.detach(),
-            "loss_tokens": maskf.sum(),
-            "clip_frac": ((clipped > unclipped) & mask).to(maskf.dtype).sum(),
-            "ratio_mean": rho_m.sum(),
-            "ratio_sq": (rho_m * rho).sum(),
-            "ratio_max": torch.where(mask, rho, torch.zeros_like(rho)).max()
-            if rho.numel()
-            else rho.new_zeros(()),
-            "logprob_diff": ((inp.logprobs - rollout).abs() * maskf).sum(),
-            "kl": (kl * maskf).sum() if kl is not None else maskf.new_zeros(()),
-            "entropy": (inp.entropy * maskf).sum() if inp.entropy is not None else maskf.new_zeros(()),
-            "tis_weight": (tis * maskf).sum() if tis is not None else maskf.sum(),
-            # k3 = r - 1 - log r, r = pi_prox / pi_behav: KL(pi_behav || pi_prox) per token
-            "offpolicy_kl": ((behav_w - 1.0 - behav_log_w) * maskf).sum()
-            if behav_w is not None and behav_log_w is not None else maskf.new_zeros(()),
-            "tis_capped_frac": over.to(maskf.dtype).sum()
-            if over is not None and cfg.is_mode == "truncate" else maskf.new_zeros(()),
-            "is_masked_frac": over.to(maskf.dtype).sum()
-            if over is not None and cfg.is_mode == "mask" else maskf.new_zeros(()),
-        }
+    metrics = _metric_sums(inp, cfg, loss, rho, (clipped > unclipped) & mask, kl, tis, over,
+                           behav_w, behav_log_w)
     return LossOutputs(loss=loss, metrics=metrics)
+
+
+@torch.no_grad()
+def _metric_sums(inp: LossInputs, cfg: LossConfig, loss: torch.Tensor, rho: torch.Tensor,
+                 clip_hit: torch.Tensor, kl: torch.Tensor | None, tis: torch.Tensor | None,
+                 over: torch.Tensor | None, behav_w: torch.Tensor | None,
+                 behav_log_w: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """compute_loss's metrics (LossOutputs.metrics): 0-dim sums over the loss tokens.
+    rho: [L] ratio; clip_hit: [L] bool, loss tokens where the clipped term won; kl,
+    tis, behav_w, behav_log_w: [L] float or None (off); over: [L] bool or None."""
+    mask = inp.loss_mask
+    maskf = mask.to(inp.logprobs.dtype)
+    rho_m = rho * maskf
+    rollout = inp.rollout_logprobs if inp.rollout_logprobs is not None else inp.old_logprobs
+    return {
+        "loss": loss.detach(),
+        "loss_tokens": maskf.sum(),
+        "clip_frac": clip_hit.to(maskf.dtype).sum(),
+        "ratio_mean": rho_m.sum(),
+        "ratio_sq": (rho_m * rho).sum(),
+        "ratio_max": torch.where(mask, rho, torch.zeros_like(rho)).max()
+        if rho.numel()
+        else rho.new_zeros(()),
+        "logprob_diff": ((inp.logprobs - rollout).abs() * maskf).sum(),
+        "kl": (kl * maskf).sum() if kl is not None else maskf.new_zeros(()),
+        "entropy": (inp.entropy * maskf).sum() if inp.entropy is not None else maskf.new_zeros(()),
+        "tis_weight": (tis * maskf).sum() if tis is not None else maskf.sum(),
+        # k3 = r - 1 - log r, r = pi_prox / pi_behav: KL(pi_behav || pi_prox) per token
+        "offpolicy_kl": ((behav_w - 1.0 - behav_log_w) * maskf).sum()
+        if behav_w is not None and behav_log_w is not None else maskf.new_zeros(()),
+        "tis_capped_frac": over.to(maskf.dtype).sum()
+        if over is not None and cfg.is_mode == "truncate" else maskf.new_zeros(()),
+        "is_masked_frac": over.to(maskf.dtype).sum()
+        if over is not None and cfg.is_mode == "mask" else maskf.new_zeros(()),
+    }
 
 
 def behaviour_weights(log_w: torch.Tensor, mask: torch.Tensor, seq_index: torch.Tensor,
