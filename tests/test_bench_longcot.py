@@ -153,7 +153,8 @@ def test_rank_pack_record_sees_every_field_and_the_advantages() -> None:
 
 
 def test_identity_checks_catch_a_changed_field() -> None:
-    from areno.bench.longcot.run import MODES, identity_checks
+    from areno.bench.longcot.report import identity_checks
+    from areno.bench.longcot.run import MODES
 
     def row(step, adv=0.5, ids="a"):
         return {"step": step, "_digests": {"rank0.input_ids": ids, "rank0.advantages": str(adv)},
@@ -173,7 +174,7 @@ def test_identity_checks_catch_a_changed_field() -> None:
 
 
 def test_hidden_checks_need_every_step_before_the_rollout_in_flight() -> None:
-    from areno.bench.longcot.run import HIDDEN_SLACK_S, hidden_checks
+    from areno.bench.longcot.report import HIDDEN_SLACK_S, hidden_checks
 
     def row(step, host, upd, streamed=True):
         return {"step": step, "host_margin_s": host, "step_margin_s": upd, "streamed": streamed,

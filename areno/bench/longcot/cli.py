@@ -50,9 +50,9 @@ PhaseTimer(keep_spans=True) the bench passes to train_step (areno/trainer.py);
 the generation window and the bracket of backend.train (with the backend's
 last_timings) come from the bench's own engine; the rank figures from RankHooks
 (areno/backend/hooks.py) that ranks.py installs through ARENO_RANK_HOOKS.
-Where the parts live: run.py (modes, one step, rounds, checks),
+Where the parts live: run.py (modes, one step, rounds),
 sim.py (engine, reward, data), ranks.py, ref.py,
-report.py (targets, tables), areno/bench/lib.py and listref.py (shared).
+report.py (medians, checks, targets, tables), areno/bench/lib.py and listref.py (shared).
 
 Modes (one step of each per round, rounds repeated --steps times, after a
 warm-up round; each round replays the same prompts in every mode):

@@ -1,4 +1,4 @@
-"""bench_longcot's run: the modes, one measured step, the rounds, the checks.
+"""bench_longcot's run: the modes, one measured step, the rounds (their checks: report.py).
 areno/bench/longcot/cli.py (the CLI, and what is measured) calls `run_bench`.
 
 Imported only by the bench's main process: the ranks and reward workers are
@@ -27,7 +27,7 @@ import torch
 from areno.bench.lib import cpu_in, loadavg, proc_kb, reset_peak_rss, union_in
 from areno.bench.longcot.ranks import HOOKS_SPEC, MICRO_LIMIT_ENV, PROBE_DIR_ENV, RankLog, rank_figures
 from areno.bench.longcot.ref import ref_train_step
-from areno.bench.longcot.report import evaluate_targets
+from areno.bench.longcot.report import HIDDEN_SLACK_S, evaluate_targets, hidden_checks, identity_checks, summarize
 from areno.bench.longcot.sim import (ENGINE_SPEC_ENV, REWARD_COST_ENV, REWARD_PLUGIN, SyntheticEngine, set_reward_cost,
                          write_dataset, write_engine_spec)
 
@@ -47,10 +47,7 @@ MODES = {
 }
 ASYNC = "areno_async_free"
 SYNC = "areno_overlap_free"  # the synchronous mode K = 1's step is compared with
-HIDDEN_SLACK_S = 0.05  # scheduling noise of a loaded 2-core host
 WARMUP = ("areno_overlap_free", "reference_free")
-# (a, b): advantages and pack must be identical between modes a and b, same round.
-IDENTICAL = (("areno_overlap_free", "areno_plain_free"), ("areno_overlap_5ms", "areno_plain_5ms"))
 # The controller's own phases on the critical path (the hand-off is the backend's).
 HOST_PHASES = ("decode", "reward", "advantages", "pack", "merge")
 
@@ -119,16 +116,6 @@ def controller_figures(spans: list, eng: dict, t_step: float, t_end: float) -> d
         step_s=t_end - t_step,
     )
     return row
-
-
-def summarize(rows: list[dict]) -> dict:
-    """Median of every numeric field over the rounds."""
-    out = {}
-    for k in rows[0]:
-        vals = [r[k] for r in rows]
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
-            out[k] = float(np.median(np.asarray(vals, dtype=np.float64)))
-    return out
 
 
 # -- the run -------------------------------------------------------------------------
@@ -385,53 +372,3 @@ def run_async(args: argparse.Namespace, tmp: Path, cost_file: Path) -> tuple[lis
             row["period_s"] = starts[i + 1] - starts[i]
             row["bench_gap_s"] = row["period_s"] - row["step_s"]
     return rows[1:-1], rows[0]
-
-
-def hidden_checks(rows: list[dict], steps: int, quick: bool) -> dict:
-    """K = 1, over the measured steps: the controller's work on step k (first
-    decode -> hand-off written) ends before the rollout in flight (k + 1's)
-    finishes generating, to HIDDEN_SLACK_S: the issue's claim. With the update
-    (train, publish) too: then the next weights are out before that rollout
-    ends, and the engine never waits for them; required at full sizes only (at --quick ones the tiny steps train longer than the 0.3 s
-    generation: the step is the ranks', whatever the controller does)."""
-    def late(key: str) -> list[dict]:
-        return [{"round": r["step"], "host_margin_ms": round(r["host_margin_s"] * 1e3, 1),
-                 "step_margin_ms": round(r["step_margin_s"] * 1e3, 1)}
-                for r in rows if r[key] < -HIDDEN_SLACK_S]
-
-    slack = f"(+{HIDDEN_SLACK_S * 1e3:.0f} ms)"
-    host, step = late("host_margin_s"), late("step_margin_s")
-    unstreamed = [{"round": r["step"], "parts_scored": r["stream_parts_scored"],
-                   "stream_margin_ms": round(r["stream_margin_s"] * 1e3, 1)} for r in rows if not r["streamed"]]
-    return {
-        f"streamed (K=1): decode and reward of step k's parts end before its last completion arrives {slack}":
-            {"pass": not unstreamed and len(rows) == steps, "differences": unstreamed},
-        f"hidden (K=1): host work on step k ends before rollout k+1's generation {slack}":
-            {"pass": not host and len(rows) == steps, "differences": host},
-        f"hidden (K=1): host work + train + publish of step k end before rollout k+1's generation {slack}":
-            {"pass": not step and len(rows) == steps, "differences": step, "required": not quick},
-    }
-
-
-# -- checks --------------------------------------------------------------
-def identity_checks(rows: dict[str, list[dict]], steps: int) -> dict:
-    """Same-round comparisons of the packs the ranks received (see the docstring)."""
-    out: dict = {}
-
-    def differ(ra: dict, rb: dict, skip: str | None = None) -> list[str]:
-        return [f for f, h in ra["_digests"].items()
-                if rb["_digests"].get(f) != h and not (skip and f.endswith(skip))]
-
-    for a, b in IDENTICAL:
-        diffs = [{"round": ra["step"], "fields": d} for ra, rb in zip(rows[a], rows[b]) if (d := differ(ra, rb))]
-        out[f"identical:{a}=={b}"] = {"pass": not diffs and len(rows[a]) == steps, "differences": diffs}
-    diffs = []
-    for ra, rr in zip(rows["areno_plain_free"], rows["reference_free"]):
-        d = differ(ra, rr, skip=".advantages")
-        if len(ra["_seq_adv"]) != len(rr["_seq_adv"]) or not np.allclose(ra["_seq_adv"], rr["_seq_adv"],
-                                                                         rtol=1e-5, atol=1e-5):
-            d.append("per-sequence advantages (beyond 1e-5)")
-        if d:
-            diffs.append({"round": ra["step"], "fields": d})
-    out["reference_equals_areno (advantages to 1e-5)"] = {"pass": not diffs, "differences": diffs}
-    return out
