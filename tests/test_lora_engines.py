@@ -36,6 +36,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CASES = [("hf", "float32"), ("hf", "bfloat16"), ("vllm", "float32"), ("vllm", "bfloat16")]
 
 
+def case_id(case: tuple[str, str]) -> str:
+    return f"{case[0]}-{case[1]}"
+
+
+def only(kind: str) -> pytest.MarkDecorator:
+    """An engine-specific test runs on that kind's cases only (the module's same
+    engines: the fixture is keyed by the case's value)."""
+    return pytest.mark.parametrize("engine", [c for c in CASES if c[0] == kind], indirect=True, ids=case_id)
+
 
 def adapter_tensors(peft_model, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The in-test peft model's adapter as peft saves it (names of adapter_model.safetensors)."""
@@ -69,7 +78,7 @@ def trainer(tiny_chat_model):
     return model.eval()
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+@pytest.fixture(scope="module", params=CASES, ids=case_id)
 def engine(request, tiny_chat_path):
     kind, dtype = request.param
     if kind == "hf":
@@ -257,9 +266,8 @@ def test_a_base_weight_push_keeps_the_adapter(engine, trainer, tiny_chat_model):
 
 # -- engine specifics --------------------------------------------------------------------
 
+@only("vllm")
 def test_vllm_adapter_names_are_versioned_and_old_ones_removed(engine, trainer):
-    if engine.kind != "vllm":
-        pytest.skip("vLLM only")
     seen = []
     for _ in range(3):
         v = bump(engine)
@@ -272,11 +280,10 @@ def test_vllm_adapter_names_are_versioned_and_old_ones_removed(engine, trainer):
     assert len(set(seen)) == 3
 
 
+@only("vllm")
 def test_vllm_fingerprint_reads_the_slot_not_the_bookkeeping(engine, trainer, monkeypatch):
     """vLLM told to add the new version but not doing it: the request points at
     an adapter in no slot, and the fingerprint (read on the worker) is empty."""
-    if engine.kind != "vllm":
-        pytest.skip("vLLM only")
     sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), bump(engine))
     monkeypatch.setattr(engine.llm.llm_engine, "add_lora", lambda request: True)
     with pytest.raises(WeightSyncError, match="not the trainer's"):
@@ -284,12 +291,11 @@ def test_vllm_fingerprint_reads_the_slot_not_the_bookkeeping(engine, trainer, mo
     assert engine.adapter_fingerprint().sums == {}
 
 
+@only("vllm")
 def test_vllm_lora_sleeps_at_level_1_and_re_adds_the_adapter(engine, trainer, monkeypatch):
     """The GPU branch (CPU vLLM has no sleep mode: its LLM's sleep/wake_up are
     recorded): level 1 keeps the base, wake_up brings back everything, the
     adapter is re-added to its slot, and the engine serves it without a load."""
-    if engine.kind != "vllm":
-        pytest.skip("vLLM only")
     sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), bump(engine))
     calls = []
     monkeypatch.setattr(engine, "supports_sleep", True)
@@ -306,9 +312,8 @@ def test_vllm_lora_sleeps_at_level_1_and_re_adds_the_adapter(engine, trainer, mo
     verify_probe(engine, probe_for(trainer, engine))
 
 
+@only("hf")
 def test_hf_lora_sleep_keeps_the_base_and_the_adapter(engine, trainer):
-    if engine.kind != "hf":
-        pytest.skip("transformers only")
     sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), bump(engine))
     engine.supports_sleep = True
     try:
@@ -322,9 +327,8 @@ def test_hf_lora_sleep_keeps_the_base_and_the_adapter(engine, trainer):
     assert all(p.numel() > 0 for p in engine.model.parameters())
 
 
+@only("hf")
 def test_hf_adapter_structure_is_fixed_by_the_first_load(engine, trainer):
-    if engine.kind != "hf":
-        pytest.skip("transformers only")
     from peft import LoraConfig
 
     sent = adapter_tensors(trainer)
