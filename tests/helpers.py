@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 import torch
 
 from areno.advantages import zero_variance_groups
@@ -13,6 +14,17 @@ from areno.backend.handoff import SHM_DIR, SHM_PREFIX
 from areno.pack import PACKED_TOKEN_FIELDS, TrainPack, runs_index
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths
 from areno.split import LossAgg, SplitPack, aggregation_weights, plan_split
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    """torch's default dtype float64 for each test of a module that imports this
+    (autouse there): the losses' references are float64. Per test, not set at
+    import, which leaked into every test collected after it."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 def random_batch(

@@ -11,7 +11,7 @@ import pytest
 
 from areno.data import hub
 from areno.data.source import DatasetSpec, parse_dataset_spec
-from areno.data.prompts import render_prompts, select, tokenize_prompts
+from areno.data.prompts import select, tokenize_prompts
 from areno.data.rows import load_rows, normalize_rows
 from areno.data.sampler import PromptSampler
 from areno.errors import UserError
@@ -352,7 +352,7 @@ def test_tokenize_prompts_renders_the_chat_template_and_stores_csr(tokenizer):
 
 def test_system_prompt_is_not_added_over_an_existing_one(tokenizer):
     rows = [{"prompt": [{"role": "system", "content": "own"}, {"role": "user", "content": "hi"}]}]
-    (text,) = render_prompts(rows, tokenizer, system_prompt="other")
+    (text,) = tokenize_prompts(rows, tokenizer, system_prompt="other", max_prompt_len=512).texts
     assert "own" in text and "other" not in text
 
 
@@ -368,10 +368,12 @@ def test_overlong_and_empty_prompts_are_dropped_and_counted(tokenizer):
 
 
 def test_plain_text_mode_and_template_errors(tokenizer):
-    (text,) = render_prompts([{"prompt": "Q"}], tokenizer, use_chat_template=False, system_prompt="S")
+    (text,) = tokenize_prompts([{"prompt": "Q"}], tokenizer, use_chat_template=False, system_prompt="S",
+                               max_prompt_len=10).texts
     assert text == "S\n\nQ"
     with pytest.raises(UserError, match="row 0: field 'prompt' is a list of chat messages"):
-        render_prompts([{"prompt": [{"role": "user", "content": "x"}]}], tokenizer, use_chat_template=False)
+        tokenize_prompts([{"prompt": [{"role": "user", "content": "x"}]}], tokenizer, use_chat_template=False,
+                         max_prompt_len=10)
     bare = tokenizer.__class__(tokenizer_object=tokenizer.backend_tokenizer)
     with pytest.raises(UserError, match="no chat template.*--no-chat-template"):
         tokenize_prompts([{"prompt": "Q"}], bare, max_prompt_len=10)

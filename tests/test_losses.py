@@ -7,18 +7,8 @@ import torch
 from areno.losses import LossConfig, LossInputs, compute_loss
 from areno.pack import build_train_pack
 from areno.split import build_split_pack
-from helpers import random_batch
+from helpers import float64_default, random_batch  # noqa: F401 (float64_default: autouse, float64 references)
 
-
-
-@pytest.fixture(autouse=True)
-def _float64_default():
-    """This module's references are float64; only its own tests see that default
-    (set at import, it leaked into every test collected after it)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 NORM_LEN = 9

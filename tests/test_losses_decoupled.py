@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import random_batch
+from helpers import float64_default, random_batch  # noqa: F401 (float64_default: autouse, float64 references)
 
 from areno.losses import LossConfig, LossInputs, compute_loss
 from areno.metrics import METRICS, TRAIN_METRICS, finalize_step, train_metrics
@@ -18,14 +18,6 @@ from areno.split import build_split_pack
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 NORM_LEN = 9
-
-
-@pytest.fixture(autouse=True)
-def _float64_default():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
 
 
 # -- the reference: floats and math only ----------------------------------------

@@ -12,19 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import float64_default  # noqa: F401 (autouse: this module's references are float64)
 
 from areno.advantages import overlong_penalty
 from areno.losses import LossConfig, LossInputs, behaviour_weights, compute_loss
 
 SAFETY_BOUND = 20.0  # verl's
-
-
-@pytest.fixture(autouse=True)
-def _float64_default():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
 
 
 def padded_case(seed: int, B: int = 6, T: int = 8, sd: float = 0.5):

@@ -66,36 +66,27 @@ def _conversation(prompt: Any, system_prompt: str | None) -> list[dict]:
     return msgs
 
 
-def render_prompts(
-    rows: Sequence[dict],
-    tokenizer: Any,
-    *,
-    use_chat_template: bool = True,
-    system_prompt: str | None = None,
-) -> list[str]:
-    """Each row's prompt as the text the model sees.
+def _chat_texts(rows: Sequence[dict], tokenizer: Any, system_prompt: str | None) -> list[str]:
+    """Each row's prompt through the tokenizer's chat template, the assistant turn opened."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            "the tokenizer has no chat template: pass --no-chat-template for "
+            "plain-text prompts, or use a tokenizer that has one"
+        )
+    convs = [_conversation(r["prompt"], system_prompt) for r in rows]
+    try:
+        return list(tokenizer.apply_chat_template(convs, tokenize=False, add_generation_prompt=True))
+    except Exception:  # noqa: BLE001 - find the row that broke the template
+        for i, conv in enumerate(convs):
+            try:
+                tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001
+                raise UserError(f"row {i}: field 'prompt': the chat template failed on it: {one_line(e)}") from None
+        raise
 
-    Chat template: a string prompt becomes one user message; `system_prompt`
-    is prepended unless the messages already start with a system message; the
-    assistant turn is opened (add_generation_prompt=True). Plain text: the
-    prompt string as is, after `system_prompt` and a blank line if given.
-    """
-    if use_chat_template:
-        if not getattr(tokenizer, "chat_template", None):
-            raise UserError(
-                "the tokenizer has no chat template: pass --no-chat-template for "
-                "plain-text prompts, or use a tokenizer that has one"
-            )
-        convs = [_conversation(r["prompt"], system_prompt) for r in rows]
-        try:
-            return list(tokenizer.apply_chat_template(convs, tokenize=False, add_generation_prompt=True))
-        except Exception:  # noqa: BLE001 - find the row that broke the template
-            for i, conv in enumerate(convs):
-                try:
-                    tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-                except Exception as e:  # noqa: BLE001
-                    raise UserError(f"row {i}: field 'prompt': the chat template failed on it: {one_line(e)}") from None
-            raise
+
+def _plain_texts(rows: Sequence[dict], system_prompt: str | None) -> list[str]:
+    """Each row's prompt string as is, after system_prompt and a blank line if given."""
     texts = []
     for i, r in enumerate(rows):
         if not isinstance(r["prompt"], str):
@@ -116,6 +107,12 @@ def tokenize_prompts(
 ) -> PromptSet:
     """Render every prompt, tokenize them in one batched call, store them flat.
 
+    Rendering (PromptSet.texts), with the chat template: a string prompt becomes
+    one user message; `system_prompt` is prepended unless the messages already
+    start with a system message; the assistant turn is opened
+    (add_generation_prompt=True). Plain text: the prompt string as is, after
+    `system_prompt` and a blank line if given.
+
     Prompts with more than `max_prompt_len` tokens, or none, are dropped and
     counted; a UserError if none is left. A chat-rendered prompt is tokenized
     without adding special tokens (the template holds them); plain text gets the
@@ -123,7 +120,7 @@ def tokenize_prompts(
     """
     if max_prompt_len < 1:
         raise UserError(f"--max-prompt-len must be >= 1, got {max_prompt_len}")
-    texts = render_prompts(rows, tokenizer, use_chat_template=use_chat_template, system_prompt=system_prompt)
+    texts = _chat_texts(rows, tokenizer, system_prompt) if use_chat_template else _plain_texts(rows, system_prompt)
     enc = tokenizer(texts, add_special_tokens=not use_chat_template)["input_ids"]
     lengths = np.fromiter(map(len, enc), dtype=np.int64, count=len(enc))
     flat = np.fromiter(itertools.chain.from_iterable(enc), dtype=np.int32, count=int(lengths.sum()))
