@@ -59,12 +59,17 @@ def test_engine_processes_sample_and_load_each_trained_version_checked(tiny_chat
 
 
 def test_a_corrupted_region_fails_the_engine_process_check(tiny_chat_path):
+    """A sync after the first carries no probe (probe_due): the exact fingerprint
+    alone must catch one flipped bit, on every load."""
     from areno.backend.controller import TorchBackend
     from areno.backend.errors import BackendError
 
     with TorchBackend(backend_config(tiny_chat_path, 1)) as be:
         be.train(make_split(1))
+        be.sync_engine_procs()  # the first sync: fingerprint and probe
+        be.train(make_split(1))
         region = be.publish_weights()
+        assert region.probe is None and region.fingerprint is not None
         entry = next(e for e in region.layout.entries if ".layers." in e.name)
         be._weights[0].buf[entry.offset + 2] ^= 0x40  # one mantissa bit of one weight of a layer
         stream = be.peers.broadcast("load_region", [1], region=region)
