@@ -111,11 +111,15 @@ def test_two_ranks_both_generate_and_overlap_equals_plain(tiny_arith_path, tmp_p
 CPU_ONLY_RUN = """
 import sys, torch
 from areno.config.train import TrainConfig
-from areno.trainer import run_training
+from areno.run import open_run
+from areno.runtime.signals import interrupts_raise
+from areno.trainer import train_loop
 cfg = TrainConfig.from_sources(overrides=dict(max_steps=2, world_size=2, output_dir=sys.argv[1],
                                               no_save=True, rollout_engine="vllm"))
-run_training(cfg)
-print("vllm" in sys.modules, torch.cuda.is_initialized())
+with interrupts_raise(), open_run(cfg) as run:  # run_training's Run and loop, the ranks' engines in view
+    kinds = run.engine.kinds  # what the ranks built (their hellos)
+    train_loop(run)
+print("vllm" in sys.modules, torch.cuda.is_initialized(), *kinds)
 """
 
 
@@ -126,7 +130,8 @@ def test_controller_imports_no_vllm_and_holds_no_cuda_context(tmp_path):
     res = subprocess.run([sys.executable, "-c", CPU_ONLY_RUN, str(tmp_path / "run")],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.strip().splitlines()[-1] == "False False"
+    # the controller: no vllm, no CUDA; the ranks: vLLM engines, as asked
+    assert res.stdout.strip().splitlines()[-1] == "False False vllm", res.stdout[-2000:]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2
 
