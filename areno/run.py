@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import json
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from areno import evaluate as evaluation
 from areno.asyncloop import RolloutsAhead, load_inflight
 from areno.config import settings
-from areno.backend.launch import EarlyPeers, PeerShape, spawn_peers
+from areno.backend.launch import EarlyPeers
 from areno.backend.rank_engines import EngineView, RankEngines
 from areno.rundir import lock as runlock
 from areno.rundir.checkpoint import Resume, check_free_space, checkpoint_bytes, checkpoint_root, save_checkpoint
@@ -37,6 +38,7 @@ from areno.models.directory import MODEL_DIR_FIX, Weights, adapter_base, check_m
 from areno.models.info import check_model
 from areno.runtime.multinode import controller_port, start_local_ranks
 from areno.runtime.multinode import stop as stop_ranks
+from areno.runtime.early import spawn_early
 from areno.runtime.placement import check_placement, ranks_for, resolve_device
 from areno.pack import Workspace
 from areno.perf import default_micro_tokens
@@ -44,6 +46,7 @@ from areno.rundir.reporting import RunLogger, limit_note
 from areno.rewards import RewardScorer
 from areno.rollout.engine import SamplingConfig
 from areno.rundir.log import third_party_to_log
+from areno.timing import startup_mark
 from areno.data.tasks import arith, resolve_plugin_path
 from areno.models.tiny import tiny_model_path
 
@@ -195,43 +198,47 @@ def total_steps_for(cfg: TrainConfig, sampler: PromptSampler) -> int:
     return min(cfg.max_steps, by_epochs) if cfg.max_steps else by_epochs
 
 
-def load_tokenizer(model_path: str) -> Any:
-    with signals_held():  # seconds to import: a Ctrl-C lands after it, never inside (runtime/signals.py)
-        from transformers import AutoTokenizer
+# Classes AutoTokenizer resolves to themselves: loaded by name, they skip its
+# import of transformers' auto machinery (torch and every model config: ~3 s).
+PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
-    check_model_id(model_path)  # a hub id with no network: one line now, not a minute of retries
+
+def tokenizer_class(model_path: str) -> str | None:
+    """tokenizer_config.json's tokenizer_class in a local model directory, else None."""
     try:
-        return AutoTokenizer.from_pretrained(model_path)
+        return json.loads((Path(model_path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def load_tokenizer(model_path: str) -> Any:
+    check_model_id(model_path)  # a hub id with no network: one line now, not a minute of retries
+    with signals_held():  # seconds to import: a Ctrl-C lands after it, never inside (runtime/signals.py)
+        if tokenizer_class(model_path) in PLAIN_TOKENIZER_CLASSES:
+            from transformers import PreTrainedTokenizerFast as Tokenizer
+        else:
+            from transformers import AutoTokenizer as Tokenizer
+    try:
+        return Tokenizer.from_pretrained(model_path)
     except OSError as e:
         raise UserError(f"--ckpt {model_path}: cannot load a tokenizer from it "
                         f"({' '.join(str(e).split())[:200]})") from None
 
 
-def spawn_early(cfg: TrainConfig, world_size: int, device: str,
-                logs: contextlib.ExitStack) -> EarlyPeers | None:
-    """One node: start the ranks (and engine processes) now, so that their imports
-    overlap the controller's tokenizer and data loading; stopped when `logs`
-    closes unless the backend adopted them (a user mistake in the data meanwhile)."""
-    if cfg.nnodes > 1:
-        return None
-    shape = PeerShape(world_size, cfg.rollout_world_size, device, settings.engine_gpus(cfg, device))
-    early = spawn_peers(shape, heartbeat_timeout_s=cfg.rank_heartbeat_timeout)
-    logs.callback(early.close)
-    return early
-
-
 @contextlib.contextmanager
-def open_run(cfg: TrainConfig, engine: Any = None) -> Iterator[Run]:
+def open_run(cfg: TrainConfig, engine: Any = None, early: EarlyPeers | None = None) -> Iterator[Run]:
     """Build a Run; everything started is stopped when the block exits.
-    engine: a RolloutEngine to use instead of building one (benchmarks, tests).
+    engine: a RolloutEngine to use instead of building one (benchmarks, tests);
+    early: peers the CLI spawned already (runtime/early.py).
     Third-party output goes to RUN_DIR/run.log from the moment the run dir exists
     until the last process is stopped (areno/rundir/log.py)."""
-    with contextlib.ExitStack() as logs, _open_run(cfg, engine, logs) as run:
+    with contextlib.ExitStack() as logs, _open_run(cfg, engine, logs, early) as run:
         yield run
 
 
 @contextlib.contextmanager
-def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iterator[Run]:
+def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
+              early: EarlyPeers | None) -> Iterator[Run]:
     # Looked up when called: tests replace it to show user mistakes come before any rank.
     from areno.backend.controller import TorchBackend
 
@@ -247,8 +254,10 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
     made_run_dir(out)  # an interrupt before the first step names what was written
     logs.enter_context(third_party_to_log(out, cfg.verbose))
     check_save_room(cfg, out, weights, device, lora_params=params and params["trainable"])
-    early = spawn_early(cfg, world_size, device, logs)  # their imports overlap the tokenizer's and the data's
+    early = spawn_early(cfg, world_size, device, settings.engine_gpus(cfg, device), logs, early)
+    startup_mark("run dir ready")
     tokenizer = load_tokenizer(model_path)
+    startup_mark("tokenizer loaded")
     rows, prompts = (None, None) if cfg.eval_only else load_data(cfg, tokenizer)
     evalset = load_eval_data(cfg, tokenizer) if cfg.eval_dataset_path else None
     sampler = PromptSampler(len(prompts), cfg.batch_size, cfg.seed) if prompts else None
@@ -268,6 +277,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack) -> Iter
             bcfg = replace(bcfg, launcher="external", listen_port=controller_port(cfg.master_port))
             stack.callback(stop_ranks, start_local_ranks(cfg.nnodes, 0, nproc, cfg.master_addr, cfg.master_port))
         backend = TorchBackend(bcfg, early)
+        startup_mark("backend ready")
         stack.callback(backend.close)
         resume.restore_backend(backend)
         if engine is None:

@@ -3,6 +3,7 @@ spans benchmarks read."""
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -52,3 +53,16 @@ class PhaseTimer:
             self.times[phase] = self.times.get(phase, 0.0) + t
         if self.spans is not None and other.spans is not None:
             self.spans.extend(other.spans)
+
+
+STARTUP_TRACE_ENV = "ARENO_STARTUP_TRACE"
+
+
+def startup_mark(label: str) -> None:
+    """Append `<unix time> <pid> <label>` to $ARENO_STARTUP_TRACE, if set: the
+    start-up milestones of the controller and its ranks, which
+    scripts/bench_startup.py lays out as a table (one clock for all processes)."""
+    path = os.environ.get(STARTUP_TRACE_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{time.time():.4f} {os.getpid()} {label}\n")

@@ -16,6 +16,7 @@ import numpy as np
 from areno.advantages import advantages_and_keep, overlong_penalty
 from areno.backend.controller import TrainSteps
 from areno.backend.errors import BackendError
+from areno.backend.launch import EarlyPeers
 from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
 from areno.rundir.completions import completion_records
 from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
@@ -233,9 +234,9 @@ def prompt_hash(prompt_idx: np.ndarray) -> float:
     return float(int.from_bytes(digest, "little"))
 
 
-def run_training(cfg: TrainConfig, engine: Any = None) -> None:
+def run_training(cfg: TrainConfig, engine: Any = None, early: EarlyPeers | None = None) -> None:
     """`areno train`: the whole run, from an opened Run to the final checkpoint.
-    engine: optional RolloutEngine instance (see run.open_run)."""
+    engine, early: see run.open_run."""
     if cfg.node_rank > 0:  # a worker node: its ranks serve node 0's controller
         raise SystemExit(run_worker_node(cfg.nnodes, cfg.node_rank, cfg.nproc_per_node or
                                          visible_gpus() or 1, cfg.master_addr, cfg.master_port))
@@ -244,7 +245,7 @@ def run_training(cfg: TrainConfig, engine: Any = None) -> None:
     with interrupts_raise():
         try:
             raise_held()  # a Ctrl-C during the imports: the start-up message now
-            with open_run(cfg, engine) as run:
+            with open_run(cfg, engine, early) as run:
                 if cfg.eval_only:
                     run.evaluate(0)
                     return

@@ -38,11 +38,28 @@ from pathlib import Path
 from bench_demo_vs_trl import REPO, run_child
 
 
-def areno_step1(repo: Path, out: Path) -> float:
-    """Seconds from process start to step 1 of the demo run from checkout `repo`."""
+TRACE = "ARENO_STARTUP_TRACE"  # areno.timing.startup_mark's file (a checkout without it writes none)
+
+
+def milestones(trace: Path, t0: float) -> dict[str, float]:
+    """The trace's first mark of each label, in seconds after t0 (unix time)."""
+    seen: dict[str, float] = {}
+    if trace.exists():
+        for line in trace.read_text().splitlines():
+            at, _pid, label = line.split(maxsplit=2)
+            seen.setdefault(label, float(at) - t0)
+    return seen
+
+
+def areno_step1(repo: Path, out: Path, phases: dict[str, list[float]] | None = None) -> float:
+    """Seconds from process start to step 1 of the demo run from checkout `repo`;
+    phases: each start-up milestone's seconds are appended there."""
     cmd = [sys.executable, "-m", "areno.cli", "train", "--max-steps", "3", "--seed", "0", "--no-save",
            "--output-dir", str(out)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    trace = out.parent / f"{out.name}.trace"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])),
+           TRACE: str(trace)}
+    wall0 = time.time()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
@@ -52,6 +69,10 @@ def areno_step1(repo: Path, out: Path) -> float:
     _, err = proc.communicate()
     if proc.returncode != 0:
         raise SystemExit(f"areno ({repo}) exited {proc.returncode}: {err[-2000:]}")
+    if phases is not None:
+        for label, at in milestones(trace, wall0).items():
+            phases.setdefault(label, []).append(at)
+        phases.setdefault("step 1 in metrics.jsonl", []).append(seen)
     return seen
 
 
@@ -81,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--repeat must be >= 1")
     have_trl = importlib.util.find_spec("trl") is not None
     times: dict[str, list[float]] = {"areno": [], "refusal": []}
+    phases: dict[str, list[float]] = {}
     if a.ref:
         times["ref"] = []
     if have_trl:
@@ -89,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(a.repeat):
             d = Path(tmp) / str(i)
             d.mkdir()
-            times["areno"].append(areno_step1(REPO, d / "areno"))
+            times["areno"].append(areno_step1(REPO, d / "areno", phases))
             if a.ref:
                 times["ref"].append(areno_step1(a.ref.resolve(), d / "ref"))
             times["refusal"].append(refusal_s())
@@ -106,8 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"areno / TRL: {med['areno'] / med['trl']:.2f}")
     else:
         print("trl is not importable: its row is skipped (see bench_demo_vs_trl.py's INSTALL_HINT)")
+    print("\nareno's start-up, median second of each milestone (controller; peer: the rank):")
+    for label, at in sorted(phases.items(), key=lambda kv: statistics.median(kv[1])):
+        print(f"  {statistics.median(at):6.2f} s  {label}")
     if a.json:
-        a.json.write_text(json.dumps({"times": times, "median": med, "repeat": a.repeat}, indent=2) + "\n")
+        a.json.write_text(json.dumps({"times": times, "median": med, "repeat": a.repeat, "phases": phases},
+                                     indent=2) + "\n")
     return 0
 
 

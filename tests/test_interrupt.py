@@ -103,7 +103,7 @@ def test_ctrl_c_before_training_starts_exits_130(monkeypatch, capsys):
     import areno.trainer
     from areno.cli import main
 
-    def boom(cfg):
+    def boom(cfg, **_):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(areno.trainer, "run_training", boom)

@@ -7,10 +7,22 @@ train one policy on SplitPacks handed over through shared memory.
         region = backend.publish_weights()          # or: shared memory, for an engine elsewhere
         weight_sync.load_region(engine, region, SyncCheck(...))   # in that engine's process
 
-Importing this package does not import transformers or touch a GPU.
+Importing this package does not import transformers or touch a GPU, and its
+names are looked up lazily, so `areno.backend.launch` starts ranks before the
+controller has imported torch (runtime/early.py).
 """
 
-from areno.backend.config import BackendConfig
-from areno.backend.controller import BackendError, TorchBackend
+from __future__ import annotations
 
-__all__ = ["BackendConfig", "BackendError", "TorchBackend"]
+import importlib
+from typing import Any
+
+_NAMES = {"BackendConfig": "areno.backend.config", "BackendError": "areno.backend.errors",
+          "TorchBackend": "areno.backend.controller"}
+__all__ = list(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NAMES:
+        raise AttributeError(f"module 'areno.backend' has no attribute {name!r}")
+    return getattr(importlib.import_module(_NAMES[name]), name)

@@ -163,6 +163,9 @@ class BackendConfig:
     stops; 0 = max(30 s, 3 x the longest gap between its beats so far)."""
     shutdown_grace_s: float = 5.0
     """Seconds a rank gets to exit after shutdown/SIGTERM before SIGKILL."""
+    run_log: str = ""
+    """The run's run.log ("": the terminal, --verbose): a rank started before the
+    run directory existed moves its output there (runtime/early.py)."""
 
     def __post_init__(self) -> None:
         def bad(name: str, value: object, want: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -9,13 +10,15 @@ import sys
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from areno.backend.config import BackendConfig
 from areno.backend.errors import BackendError
-from areno.backend.handoff import ShmSegment
 from areno.backend.heartbeat import HeartbeatWatch
 from areno.runtime.procs import stop_processes
+
+if TYPE_CHECKING:  # light at run time: runtime/early.py spawns ranks before torch is imported
+    from areno.backend.config import BackendConfig
+    from areno.backend.handoff import ShmSegment
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -54,23 +57,27 @@ class EarlyPeers:
     beats: HeartbeatWatch
     shape: PeerShape
     adopted: bool = False
+    temp_log: str | None = None  # their output until the run dir exists (runtime/early.py)
 
     def close(self) -> None:
         if not self.adopted:
             stop_processes(self.procs, self.conns, [], grace_s=3.0)
+            if self.temp_log:  # an adopted peer moves it into run.log itself
+                with contextlib.suppress(OSError):
+                    os.unlink(self.temp_log)
 
     def fits(self, cfg: BackendConfig) -> bool:
         return self.shape == PeerShape.of(cfg)
 
 
-def spawn_peers(shape: PeerShape, master_port: int | None = None, heartbeat_timeout_s: float = 0.0) -> EarlyPeers:
+def spawn_peers(shape: PeerShape, master_port: int | None = None, heartbeat_timeout_s: float = 0.0,
+                extra_env: dict[str, str] | None = None) -> EarlyPeers:
     """Start shape.world_size rank processes, then shape.rollout_world_size engine
-    processes (spawn context), each waiting for its BackendConfig on its pipe."""
-    import torch.multiprocessing as tmp
+    processes (spawn context), each waiting for its BackendConfig on its pipe.
+    extra_env: added to each one's peer_env (runtime/early.py: its temporary log)."""
+    import multiprocessing  # not torch's: this may run before torch is imported (runtime/early.py)
 
-    from areno.backend.rank import spawn_main
-
-    ctx = tmp.get_context("spawn")
+    ctx = multiprocessing.get_context("spawn")
     world_size, rollout_world_size = shape.world_size, shape.rollout_world_size
     port = master_port or free_port(shape.master_addr)
     beats = HeartbeatWatch(world_size + rollout_world_size, heartbeat_timeout_s)
@@ -80,9 +87,9 @@ def spawn_peers(shape: PeerShape, master_port: int | None = None, heartbeat_time
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     for r in range(world_size + rollout_world_size):
         parent, child = ctx.Pipe(duplex=True)
-        env = peer_env(shape, r, port, visible)
+        env = {**peer_env(shape, r, port, visible), **(extra_env or {})}
         p = ctx.Process(
-            target=spawn_main, args=(child, env, os.getpid(), pdeathsig, beats.slots),
+            target=_spawn_main, args=(child, env, os.getpid(), pdeathsig, beats.slots),
             name=f"areno-rank{r}" if r < world_size else f"areno-engine{r - world_size}", daemon=True,
         )
         p.start()
@@ -90,6 +97,13 @@ def spawn_peers(shape: PeerShape, master_port: int | None = None, heartbeat_time
         procs.append(p)
         conns.append(parent)
     return EarlyPeers(procs, conns, beats, shape)
+
+
+def _spawn_main(*args: Any) -> None:
+    """The spawned process's target: imported there, not here (rank.py imports torch)."""
+    from areno.backend.rank import spawn_main
+
+    spawn_main(*args)
 
 
 def early_peers_for(cfg: BackendConfig) -> EarlyPeers:

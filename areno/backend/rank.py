@@ -32,7 +32,8 @@ from typing import Any
 from areno.backend.config import BackendConfig, rank_cpu_threads
 from areno.backend.heartbeat import start_beating
 from areno.runtime.procs import die_with_parent
-from areno.rundir.log import redirect_child_output
+from areno.rundir.log import move_child_output, redirect_child_output
+from areno.timing import startup_mark
 
 
 # -- process hygiene ---------------------------------------------------------
@@ -56,11 +57,14 @@ def spawn_main(conn: Connection, env: dict[str, str], parent_pid: int, use_pdeat
         start_beating(beats, int(env.get("ARENO_PEER_INDEX", env.get("RANK"))))
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/rundir/log.py)
     _quiet()
+    startup_mark("peer imports")
     worker_class("ARENO_PEER_INDEX" in env)  # torch, transformers, the worker: while the controller works
+    startup_mark("peer imported")
     try:
         cfg = conn.recv()
     except (EOFError, OSError):  # the controller stopped first (a user mistake in its data)
         os._exit(4)
+    move_child_output(cfg.run_log)  # started before the run dir existed (runtime/early.py)
     serve(cfg, conn, same_host=True)
 
 
@@ -148,6 +152,7 @@ def serve(cfg: BackendConfig, conn: Connection, *, same_host: bool) -> None:
     try:
         worker = worker_class(engine_proc)(cfg, same_host=same_host)
         worker.emit = lambda part: conn.send(("part", part))
+        startup_mark("peer ready")
         conn.send(("ok", worker.hello()))
     except BaseException as e:  # noqa: BLE001 - reported, then exit
         _reply_error(conn, rank, e)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import sys
 
 from areno.runtime.signals import held
+from areno.timing import startup_mark
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run `areno ARGV` (default: sys.argv[1:]) -> its exit code."""
+    startup_mark("main")
     with held():
         from areno.cli.app import run_app
 

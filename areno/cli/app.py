@@ -115,11 +115,17 @@ def train(**kwargs: Any) -> None:
     config_path = kwargs.pop("config", None)
     cfg = TrainConfig.from_sources(config_path, kwargs)
     from areno.config.resume import given_options, resume_config
-    from areno.trainer import run_training  # heavy imports only after validation
+    from areno.runtime.early import prespawn
 
     cfg = resume_config(cfg, given_options(config_path, kwargs))
+    early = prespawn(cfg)  # the ranks import torch and transformers while this process does
+    try:
+        from areno.trainer import run_training  # heavy imports only after validation
 
-    run_training(cfg)
+        run_training(cfg, early=early)
+    finally:
+        if early is not None:
+            early.close()  # never adopted: a mistake found meanwhile (a no-op once adopted)
 
 
 train.__signature__ = inspect.Signature(_train_parameters())  # type: ignore[attr-defined]

@@ -23,7 +23,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from areno.rundir.checkpoint import Resume, recorded_save_path
 from areno.config.train import TrainConfig
 from areno.config.file import read_config_file
 from areno.errors import UserError
@@ -65,6 +64,8 @@ def resume_config(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     --resume. UserError naming every option given that may not change."""
     if cfg.resume is None:
         return cfg
+    from areno.rundir.checkpoint import Resume, recorded_save_path  # imports torch: a resumed run only
+
     if not cfg.save_path and cfg.output_dir:
         # The run saved where its config.yaml says: resume from there and keep saving there.
         cfg = replace(cfg, save_path=recorded_save_path(Path(cfg.output_dir).expanduser()))

@@ -18,6 +18,7 @@ from areno.models.directory import adapter_config
 from areno.losses import LossConfig
 from areno.rollout.engine import SamplingConfig
 from areno.rollout.factory import GPU_MEMORY_COLOCATED, GPU_MEMORY_DEDICATED, EngineSpec
+from areno.rundir.log import ENV as RUN_LOG_ENV
 
 
 def resolved_dtype(cfg: TrainConfig, device: str) -> str:
@@ -79,7 +80,7 @@ def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_siz
         max_nan_steps=cfg.max_nan_steps,
         seed=cfg.seed, ref_model_path=base_model, engine=engine, cpu_threads=cfg.cpu_threads,
         heartbeat_timeout_s=cfg.rank_heartbeat_timeout, lora=lora, rollout_world_size=cfg.rollout_world_size,
-        engine_gpus=engine_gpus(cfg, device),
+        engine_gpus=engine_gpus(cfg, device), run_log=os.environ.get(RUN_LOG_ENV, ""),
     )
 
 

@@ -51,6 +51,24 @@ def redirect_child_output() -> None:
     os.close(fd)
 
 
+def move_child_output(path: str) -> None:
+    """In a child started before the run directory existed (runtime/early.py):
+    the lines of its temporary log ($ARENO_RUN_LOG) go to `path`, the run's
+    run.log, where fds 1 and 2 then point and its own children write; the
+    temporary log is removed. No-op where the log did not change."""
+    old = os.environ.get(ENV)
+    if not old or old == path or not path:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with contextlib.suppress(OSError), open(old, "rb") as src, open(path, "ab") as dst:
+        dst.write(src.read())
+    os.environ[ENV] = path
+    redirect_child_output()
+    with contextlib.suppress(OSError):
+        os.unlink(old)
+
+
 @contextlib.contextmanager
 def third_party_to_log(run_dir: Path, verbose: bool) -> Iterator[Path | None]:
     """While open, third-party output goes to run_dir/run.log (see module doc);

@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
-from areno.backend.config import ENGINE_GPUS_ENV, engine_gpus_from_env
 from areno.config.train import TrainConfig
 from areno.errors import UserError
 
@@ -17,6 +14,8 @@ from areno.errors import UserError
 def visible_gpus() -> int:
     """GPUs this process could use, counted through NVML: no CUDA context is made
     (the controller never holds one; ranks and engines own the GPUs)."""
+    import torch  # here: runtime/early.py counts ranks before the controller imports torch
+
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # torch reads it per call
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -40,6 +39,8 @@ def check_placement(cfg: TrainConfig, nproc: int, world_size: int, device: str) 
         raise UserError(f"{flag}: engine processes run beside the controller; use it with --nnodes 1")
     if device != "cuda":
         return
+    from areno.backend.config import ENGINE_GPUS_ENV, engine_gpus_from_env  # imports torch: GPU hosts only
+
     gpus = visible_gpus()
     try:
         placed = engine_gpus_from_env(os.environ)  # a check's lever (backend/config.py)
