@@ -30,7 +30,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 @dataclass(frozen=True)
 class PeerShape:
     """What a peer's start-up environment depends on (peer_env): known before the
-    BackendConfig, so the peers can start early (run.spawn_early)."""
+    BackendConfig, so the peers can start early (runtime/early.py)."""
 
     world_size: int
     rollout_world_size: int = 0
