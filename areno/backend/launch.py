@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
-from areno.backend.config import BackendConfig
+from areno.backend.config import BackendConfig, rank_omp_env
 from areno.backend.errors import BackendError
 from areno.backend.handoff import ShmSegment
 from areno.backend.heartbeat import HeartbeatWatch
@@ -78,17 +78,25 @@ def spawn_peers(shape: PeerShape, master_port: int | None = None, heartbeat_time
     pdeathsig = threading.current_thread() is threading.main_thread()
     procs, conns = [], []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    for r in range(world_size + rollout_world_size):
-        parent, child = ctx.Pipe(duplex=True)
-        env = peer_env(shape, r, port, visible)
-        p = ctx.Process(
-            target=spawn_main, args=(child, env, os.getpid(), pdeathsig, beats.slots),
-            name=f"areno-rank{r}" if r < world_size else f"areno-engine{r - world_size}", daemon=True,
-        )
-        p.start()
-        child.close()
-        procs.append(p)
-        conns.append(parent)
+    # In the environment a child starts with, not its spawn_main's update: the
+    # unpickling of its target imports torch, and OpenMP reads its settings then.
+    omp = rank_omp_env(shape.device, os.environ)
+    os.environ.update(omp)
+    try:
+        for r in range(world_size + rollout_world_size):
+            parent, child = ctx.Pipe(duplex=True)
+            env = peer_env(shape, r, port, visible)
+            p = ctx.Process(
+                target=spawn_main, args=(child, env, os.getpid(), pdeathsig, beats.slots),
+                name=f"areno-rank{r}" if r < world_size else f"areno-engine{r - world_size}", daemon=True,
+            )
+            p.start()
+            child.close()
+            procs.append(p)
+            conns.append(parent)
+    finally:
+        for k in omp:  # the controller's own environment stays the user's
+            os.environ.pop(k, None)
     return EarlyPeers(procs, conns, beats, shape)
 
 
