@@ -7,6 +7,7 @@ real engine, checkpoint/resume. Failure paths are in test_backend_failures.py.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -73,6 +74,9 @@ def test_one_rank_and_two_ranks_make_the_same_update(first_step, tiny_chat_model
     assert (be1.strategy, be2.strategy) == ("single", "fsdp2")
     cpus = len(os.sched_getaffinity(0))
     assert [h["cpu_threads"] for h in be2.hellos] == [rank_cpu_threads(cpus, 2)] * 2
+    for p in be2._procs:  # OpenMP reads its wait policy at start-up: the rank must start with it
+        start_env = dict(kv.split("=", 1) for kv in Path(f"/proc/{p.pid}/environ").read_text().split("\0") if "=" in kv)
+        assert start_env.get("OMP_WAIT_POLICY") == os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), p.pid
     assert_states_close(s1, s2)
     start = tiny_chat_model.state_dict()
     assert any(not torch.equal(s1[k], start[k]) for k in start), "weights did not move"

@@ -254,11 +254,13 @@ def engine_gpus_from_env(environ: typing.Mapping[str, str]) -> tuple[int, ...]:
 
 
 def rank_cpu_threads(cpus: int, local_ranks: int) -> int:
-    """torch threads for each of `local_ranks` CPU ranks on `cpus` cores: every
-    core but one, split among the ranks (torch's own default is every core).
-    An OpenMP thread that shares a core with another busy process spins at each
-    barrier until that core comes back: with 2 threads on 2 cores next to one
-    busy process the demo's median step went from 34 ms to 359 ms, with 1 it was
-    44 ms (issue 17). The core left over takes the controller, the reward workers
-    and whatever else the machine runs (scripts/bench_busy.py measures both)."""
-    return max(1, (cpus - 1) // max(1, local_ranks))
+    """torch threads for each of `local_ranks` CPU ranks on `cpus` cores: the
+    cores split among the ranks, every core used (torch's own default is every
+    core per process). The ranks' OpenMP threads wait passively (RANK_OMP_ENV),
+    which is what makes every core safe next to other work: with the default
+    spin-wait, a thread that shared a core with a busy process spun at each
+    barrier until its partner got a core back, and the demo's step went from
+    34 ms to 359 ms at 2 threads on 2 cores (issue 17), so issue 17 left one core
+    free, (cpus - 1) / ranks, which cost the idle real model 1.3-1.75x on 2 cores
+    (issue 26, 7; docs/PERFORMANCE.md, scripts/bench_busy.py)."""
+    return max(1, cpus // max(1, local_ranks))

@@ -10,6 +10,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from areno.backend.errors import BackendError
@@ -25,6 +26,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+# OpenMP settings of every CPU rank and engine process (spawned with them: the
+# OpenMP runtime reads them once, when torch loads it). PyTorch's CPU wheels ship
+# GNU OpenMP (libgomp): PASSIVE puts a thread to sleep at a barrier at once
+# instead of spinning ~300K iterations; KMP_BLOCKTIME=0 is the same for Intel's
+# runtime (libiomp5, when preloaded). A user's own value wins.
+RANK_OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+
+
+def rank_omp_env(device: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The RANK_OMP_ENV entries a CPU peer starts with: those `environ` (the
+    user's) does not set; none on CUDA (the GPU computes; host threads stay as
+    the user has them)."""
+    if device == "cuda":
+        return {}
+    return {k: v for k, v in RANK_OMP_ENV.items() if k not in environ}
 
 
 @dataclass(frozen=True)
@@ -85,17 +103,25 @@ def spawn_peers(shape: PeerShape, master_port: int | None = None, heartbeat_time
     pdeathsig = threading.current_thread() is threading.main_thread()
     procs, conns = [], []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    for r in range(world_size + rollout_world_size):
-        parent, child = ctx.Pipe(duplex=True)
-        env = {**peer_env(shape, r, port, visible), **(extra_env or {})}
-        p = ctx.Process(
-            target=_spawn_main, args=(child, env, os.getpid(), pdeathsig, beats.slots),
-            name=f"areno-rank{r}" if r < world_size else f"areno-engine{r - world_size}", daemon=True,
-        )
-        p.start()
-        child.close()
-        procs.append(p)
-        conns.append(parent)
+    # In the environment a child starts with, not its spawn_main's update: the
+    # unpickling of its target imports torch, and OpenMP reads its settings then.
+    omp = rank_omp_env(shape.device, os.environ)
+    os.environ.update(omp)
+    try:
+        for r in range(world_size + rollout_world_size):
+            parent, child = ctx.Pipe(duplex=True)
+            env = {**peer_env(shape, r, port, visible), **(extra_env or {})}
+            p = ctx.Process(
+                target=_spawn_main, args=(child, env, os.getpid(), pdeathsig, beats.slots),
+                name=f"areno-rank{r}" if r < world_size else f"areno-engine{r - world_size}", daemon=True,
+            )
+            p.start()
+            child.close()
+            procs.append(p)
+            conns.append(parent)
+    finally:
+        for k in omp:  # the controller's own environment stays the user's
+            os.environ.pop(k, None)
     return EarlyPeers(procs, conns, beats, shape)
 
 

@@ -221,10 +221,10 @@ class TrainConfig:
         0, "Processes that only run rollout engines, beside the training ranks (split "
         "placement; on GPU one GPU each, after the ranks'; no --tensor-parallel-size). 0: every "
         "training rank holds an engine (colocated).", "Parallelism", ge=0)
-    cpu_threads: int | None = opt(None, "torch threads of each CPU rank. On a machine shared with other "
-                                  "busy processes use fewer (1): an OpenMP thread that shares a core "
-                                  "stalls its rank.", "Parallelism", ge=1,
-                                  shown="(cores - 1) / ranks on this node, at least 1")
+    cpu_threads: int | None = opt(None, "torch threads of each CPU rank. The ranks' OpenMP threads wait "
+                                  "passively (OMP_WAIT_POLICY=PASSIVE unless set), so a busy neighbour "
+                                  "slows them without stalling them.", "Parallelism", ge=1,
+                                  shown="cores / ranks on this node, at least 1")
     nnodes: int = opt(1, "Nodes in the run (as torchrun's --nnodes): every node runs the same "
                       "command with its own --node-rank and ARENO_BACKEND_AUTHKEY.", "Parallelism", ge=1)
     node_rank: int = opt(0, "This node, 0 .. --nnodes - 1; node 0 runs the controller.",
