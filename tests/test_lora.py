@@ -262,10 +262,17 @@ def test_lora_lr_default_is_ten_times_full_fine_tuning() -> None:
     from areno.config.train import DEMO_PRESET, TrainConfig
     from areno.config.lora import FULL_FT_LR
 
+    from areno.data.tasks.arith import DEMO_LORA_PRESET
+
     demo = TrainConfig.from_sources(None, {})
     assert demo.lr == DEMO_PRESET["lr"] and demo.lora_alpha is None
+    # the demo's LoRA preset (issue 26, 3): lm_head adapted too, its own alpha and LR
     lora = TrainConfig.from_sources(None, {"lora_rank": 8})
-    assert lora.lr == pytest.approx(10 * DEMO_PRESET["lr"]) and lora.lora_alpha == 16.0
+    assert {k: getattr(lora, k) for k in DEMO_LORA_PRESET} == DEMO_LORA_PRESET
+    drop = TrainConfig.from_sources(None, {"lora_rank": 8, "lora_dropout": 0.1})  # lm_head takes none
+    assert drop.lora_target_modules == "all-linear" and drop.lr == DEMO_LORA_PRESET["lr"]
+    own = TrainConfig.from_sources(None, {"lora_rank": 8, "lora_alpha": 8.0, "lora_target_modules": "q_proj"})
+    assert (own.lora_alpha, own.lora_target_modules) == (8.0, "q_proj")
     assert TrainConfig(lora_rank=4).lr == pytest.approx(10 * FULL_FT_LR)
     assert TrainConfig().lr == FULL_FT_LR
     assert TrainConfig.from_sources(None, {"lora_rank": 8, "lr": 1e-4}).lr == 1e-4

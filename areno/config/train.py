@@ -23,7 +23,7 @@ from areno.config.choices import (
 )
 from areno.errors import UserError
 from areno.config.lora import FULL_FT_LR, LORA_LR_FACTOR, check_lora_options
-from areno.data.tasks.arith import DEMO_PRESET
+from areno.data.tasks.arith import DEMO_PRESET, demo_lora_preset
 from areno.config.fieldcheck import base_type, check_file, check_value, looks_local
 from areno.models.directory import MODEL_DIR_FIX, check_model_dir
 from areno.runtime.multinode import check_authkey
@@ -211,7 +211,8 @@ class TrainConfig:
                               ge=0.0, lt=1.0)
     lora_target_modules: str = opt(
         "all-linear", "Comma-separated names of the decoder layers' linears to adapt (q_proj,v_proj), "
-        "or all-linear: every linear of attention and MLP (never lm_head or the embeddings).",
+        "or all-linear: every linear of attention and MLP; add lm_head (all-linear,lm_head) to adapt an "
+        "untied lm_head too (the demo's LoRA default). Never the embeddings.",
         "LoRA")
     save_merged: bool = opt(
         False, "With --lora-rank: checkpoints also hold the merged full model (HF format) in "
@@ -337,9 +338,9 @@ class TrainConfig:
             # hang, so it keeps the workers that enforce --reward-timeout.
             own_plugin = not str(values["reward_fn_path"]).startswith("builtin:")
             lora = isinstance(values.get("lora_rank"), int) and values["lora_rank"] > 0
-            for k, v in DEMO_PRESET.items():
-                if k == "lr" and lora:  # LoRA: 10x the demo's full fine-tuning LR, as outside it
-                    v = v * LORA_LR_FACTOR
+            # LoRA: its own targets, alpha and LR (arith.DEMO_LORA_PRESET: the frozen head caps the default)
+            lora_preset = demo_lora_preset(float(values.get("lora_dropout") or 0.0)) if lora else {}
+            for k, v in {**DEMO_PRESET, **lora_preset}.items():
                 if not (own_plugin and k == "reward_workers"):
                     values.setdefault(k, v)
         cfg = cls(**values)

@@ -53,3 +53,24 @@ DEMO_PRESET: dict[str, Any] = {
     "max_prompt_len": 16,
     "kv_cache_gb": 0.25,
 }
+
+# The demo with --lora-rank > 0, over DEMO_PRESET (issue 26, 3). The tiny model's
+# final norm and lm_head are random-init and frozen under LoRA, which caps adapters
+# of the decoder linears at an expected reward of 0.31 (scripts/lora_capacity.py);
+# an adapter on its untied lm_head lifts the cap (0.998 fitted), and both engines
+# serve it exactly. alpha and lr: measured on the demo (docs/PERFORMANCE.md, "LoRA
+# on the demo").
+DEMO_LORA_PRESET: dict[str, Any] = {
+    "lora_target_modules": "all-linear,lm_head",
+    "lora_alpha": 64.0,
+    "lr": 1e-3,
+}
+
+
+def demo_lora_preset(dropout: float) -> dict[str, Any]:
+    """DEMO_LORA_PRESET for a run with this --lora-dropout: lm_head's adapter trains
+    without dropout (config.lora refuses the two together), so with dropout the
+    demo adapts the decoder linears only."""
+    if dropout > 0:
+        return {k: v for k, v in DEMO_LORA_PRESET.items() if k != "lora_target_modules"}
+    return dict(DEMO_LORA_PRESET)
