@@ -139,3 +139,16 @@ def test_bad_head_targets_are_one_line_user_errors(targets, msg, areno_cache, tm
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and msg in lines[0], res.stderr
+
+
+def test_merged_state_holds_the_adapted_head(adapted, tiny_chat_model) -> None:
+    """--save-merged with lm_head adapted: merged lm_head.weight is W0 + scaling B A,
+    the weight the trainer computes with; the embeddings stay the base model's."""
+    from areno.backend.lora import merged_state
+    from areno.backend.weights import hf_state_names
+
+    merged = dict(merged_state(adapted, hf_state_names(tiny_chat_model)))
+    with torch.no_grad():
+        torch.testing.assert_close(merged["lm_head.weight"], head_weight(adapted.lm_head), atol=0, rtol=0)
+    assert not torch.equal(merged["lm_head.weight"], tiny_chat_model.lm_head.weight)
+    assert torch.equal(merged["model.embed_tokens.weight"], tiny_chat_model.model.embed_tokens.weight)
