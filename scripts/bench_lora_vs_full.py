@@ -1,7 +1,7 @@
 """LoRA against full fine-tuning on SmolLM2-135M-Instruct (issue 26, 3): the demo's
 one-digit addition through the chat template, same steps, seed and batch.
 
-    python scripts/bench_lora_vs_full.py                        # 30 steps, 4 prompts x 4 samples
+    python scripts/bench_lora_vs_full.py                        # 20 steps, 4 prompts x 4 samples, 4 new tokens
     python scripts/bench_lora_vs_full.py --steps 40 --cache /tmp/areno_cache
 
 Runs `areno train` twice (full FT at --lr, LoRA r=--rank on every decoder linear at
@@ -22,14 +22,14 @@ from areno.bench.lora_vs_full import Arm, curve_summary, run_arm, side_by_side, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--n-samples", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-5, help="full FT's; LoRA takes 10x")
+    ap.add_argument("--max-new-tokens", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-5, help="full FT's; LoRA takes 10x")
     ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
+    ap.add_argument("--engine", default="hf", choices=["vllm", "hf"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--window", type=int, default=10)
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "areno")

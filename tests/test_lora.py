@@ -365,17 +365,18 @@ def test_eval_of_the_adapter_equals_eval_of_its_merged_model(lora_run, tmp_path,
     assert evals[0] and evals[0] == evals[1]
 
 
-LEARN_STEPS, LEARN_WINDOW, LEARN_MARGIN = 150, 30, 0.03
+LEARN_WINDOW, LEARN_LATE = 20, 0.6
 
 
 @pytest.mark.learning
 def test_lora_demo_learns(tmp_path) -> None:
-    """`areno train --lora-rank 8` (the demo, its LR 10x: 3e-3) raises the reward.
-    Measured (CPU fp32, deterministic per seed): the mean reward of the first 30 of
-    150 steps 0.063 -> last 30 0.121 (seed 0). The full-FT demo needs ~250 steps to
-    pass 0.9, so 150 steps show the start of the climb only; a margin of 0.03 is
-    half the seed-0 rise and ~10x the noise of a 30-step mean of 128 samples each
-    (a step's mean has sd ~0.015, and 30 of them ~0.003)."""
+    """`areno train --lora-rank 8`: the demo's LoRA preset (arith.DEMO_LORA_PRESET:
+    lm_head adapted too, alpha 256, lr 2.5e-4, the demo's 600 steps) learns the task.
+    Measured (CPU fp32, seed 0): mean reward of the first 20 steps 0.061, of the
+    last 20 0.820 (best 20-step mean 0.834); rank 8 on the decoder linears only
+    stayed at 0.05-0.10 (the frozen head's cap, scripts/lora_capacity.py). 0.6 is
+    0.22 below the measured end: ~7 sd of a 20-step mean of 128 samples, and above
+    the 0.31 that decoder-only adapters can reach at all."""
     import os
 
     from test_demo_learns import REPO
@@ -383,11 +384,11 @@ def test_lora_demo_learns(tmp_path) -> None:
     run_dir = tmp_path / "demo"
     res = subprocess.run(
         [sys.executable, "-m", "areno.cli", "train", "--lora-rank", "8", "--seed", "0", "--no-save",
-         "--max-steps", str(LEARN_STEPS), "--output-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=900, cwd=REPO, env=dict(os.environ))
+         "--output-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=1500, cwd=REPO, env=dict(os.environ))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     reward = np.array([s["reward/mean"] for s in steps if "reward/mean" in s])
-    assert reward.size == LEARN_STEPS
+    assert reward.size == 600  # the demo preset's --max-steps
     early, late = reward[:LEARN_WINDOW].mean(), reward[-LEARN_WINDOW:].mean()
-    assert late >= early + LEARN_MARGIN, f"reward {early:.3f} -> {late:.3f}"
+    assert early < 0.2 and late >= LEARN_LATE, f"reward {early:.3f} -> {late:.3f}"

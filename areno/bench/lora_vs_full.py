@@ -4,9 +4,10 @@
 The task is the embedded demo's (areno/data/tasks/arith.py: `a+b=` with a+b < 10,
 reward 1.0 for the right digit then end of sequence, 0.5 for the right digit then
 more) given to SmolLM2-135M-Instruct through its chat template: the model knows
-the sums but answers in sentences ("3+4=7", "The answer is 7."), so it starts
-near 0.1-0.3 and what it must learn in a few dozen steps is to answer with the
-digit alone. Each arm is one `areno train` process (a fresh engine and trainer,
+the sums but answers in sentences ("3+4=7", "The answer is 7."): reward ~0.02
+at the start. With the system prompt "Reply with the number only." it answers
+with the digit more often, and what it must learn in a few dozen steps is to
+answer with the digit alone, then stop. Each arm is one `areno train` process (a fresh engine and trainer,
 the same --seed, hence the same prompts per step); the curve is its metrics.jsonl
 `reward/mean` per step.
 """
@@ -41,15 +42,18 @@ def write_task(path: Path) -> Path:
     return path
 
 
+SYSTEM_PROMPT = "Reply with the number only."  # without it the model answers in sentences: reward ~0
+
+
 def train_args(model: Path, data: Path, out: Path, arm: Arm, steps: int, seed: int, batch_size: int,
                n_samples: int, max_new_tokens: int, engine: str, threads: int) -> list[str]:
-    """The `areno train` command line of one arm."""
+    """The `areno train` command line of one arm (epochs unbounded: --max-steps ends it)."""
     args = [sys.executable, "-m", "areno.cli", "train", "--ckpt", str(model), "--dataset-path", str(data),
             "--reward-fn-path", "builtin:arith", "--max-steps", str(steps), "--seed", str(seed),
             "--batch-size", str(batch_size), "--n-samples", str(n_samples),
             "--max-new-tokens", str(max_new_tokens), "--lr", f"{arm.lr:g}", "--warmup-steps", "0",
             "--dtype", "float32", "--rollout-engine", engine, "--cpu-threads", str(threads),
-            "--no-save", "--output-dir", str(out)]
+            "--system-prompt", SYSTEM_PROMPT, "--epochs", "1000", "--no-save", "--output-dir", str(out)]
     return args + (["--lora-rank", str(arm.lora_rank)] if arm.lora_rank else [])
 
 

@@ -58,12 +58,15 @@ DEMO_PRESET: dict[str, Any] = {
 # final norm and lm_head are random-init and frozen under LoRA, which caps adapters
 # of the decoder linears at an expected reward of 0.31 (scripts/lora_capacity.py);
 # an adapter on its untied lm_head lifts the cap (0.998 fitted), and both engines
-# serve it exactly. alpha and lr: measured on the demo (docs/PERFORMANCE.md, "LoRA
-# on the demo").
+# serve it exactly. alpha and lr, measured on the demo at rank 8, seed 0, 400-600
+# steps (docs/PERFORMANCE.md, "LoRA: does it learn?"): a large alpha and a small lr
+# (A moves slowly, B·scaling fast) learn; alpha 16 at 3e-3 ends near 0.3, 5e-3 and
+# 1e-2 collapse; alpha 64 / 1e-3 0.51, 128 / 5e-4 0.81 (400 steps), 256 / 2.5e-4
+# 0.82 (600), 512 / 1.25e-4 0.46, 256 / 5e-4 collapses.
 DEMO_LORA_PRESET: dict[str, Any] = {
     "lora_target_modules": "all-linear,lm_head",
-    "lora_alpha": 64.0,
-    "lr": 1e-3,
+    "lora_alpha": 256.0,
+    "lr": 2.5e-4,
 }
 
 
