@@ -33,13 +33,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--window", type=int, default=10)
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "areno")
+    ap.add_argument("--model", type=Path, default=None, help="another HF model dir (tests: tiny chat)")
     ap.add_argument("--out", type=Path, default=Path("bench_results/lora_vs_full.json"))
     args = ap.parse_args()
 
     from areno.config.lora import LORA_LR_FACTOR
     from areno.models.smol import smol_model_path
 
-    model = smol_model_path(args.cache)
+    model = args.model or smol_model_path(args.cache)
     arms = [Arm("full FT", 0, args.lr), Arm(f"LoRA r={args.rank}", args.rank, args.lr * LORA_LR_FACTOR)]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
