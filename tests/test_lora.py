@@ -263,10 +263,17 @@ def test_lora_lr_default_is_ten_times_full_fine_tuning() -> None:
     from areno.data.tasks.arith import DEMO_PRESET
     from areno.config.lora import FULL_FT_LR
 
+    from areno.data.tasks.arith import DEMO_LORA_PRESET
+
     demo = TrainConfig.from_sources(None, {})
     assert demo.lr == DEMO_PRESET["lr"] and demo.lora_alpha is None
+    # the demo's LoRA preset (issue 26, 3): lm_head adapted too, its own alpha and LR
     lora = TrainConfig.from_sources(None, {"lora_rank": 8})
-    assert lora.lr == pytest.approx(10 * DEMO_PRESET["lr"]) and lora.lora_alpha == 16.0
+    assert {k: getattr(lora, k) for k in DEMO_LORA_PRESET} == DEMO_LORA_PRESET
+    drop = TrainConfig.from_sources(None, {"lora_rank": 8, "lora_dropout": 0.1})  # lm_head takes none
+    assert drop.lora_target_modules == "all-linear" and drop.lr == DEMO_LORA_PRESET["lr"]
+    own = TrainConfig.from_sources(None, {"lora_rank": 8, "lora_alpha": 8.0, "lora_target_modules": "q_proj"})
+    assert (own.lora_alpha, own.lora_target_modules) == (8.0, "q_proj")
     assert TrainConfig(lora_rank=4).lr == pytest.approx(10 * FULL_FT_LR)
     assert TrainConfig().lr == FULL_FT_LR
     assert TrainConfig.from_sources(None, {"lora_rank": 8, "lr": 1e-4}).lr == 1e-4
@@ -359,17 +366,18 @@ def test_eval_of_the_adapter_equals_eval_of_its_merged_model(lora_run, tmp_path,
     assert evals[0] and evals[0] == evals[1]
 
 
-LEARN_STEPS, LEARN_WINDOW, LEARN_MARGIN = 150, 30, 0.03
+LEARN_WINDOW, LEARN_LATE = 20, 0.6
 
 
 @pytest.mark.learning
 def test_lora_demo_learns(tmp_path) -> None:
-    """`areno train --lora-rank 8` (the demo, its LR 10x: 3e-3) raises the reward.
-    Measured (CPU fp32, deterministic per seed): the mean reward of the first 30 of
-    150 steps 0.063 -> last 30 0.121 (seed 0). The full-FT demo needs ~250 steps to
-    pass 0.9, so 150 steps show the start of the climb only; a margin of 0.03 is
-    half the seed-0 rise and ~10x the noise of a 30-step mean of 128 samples each
-    (a step's mean has sd ~0.015, and 30 of them ~0.003)."""
+    """`areno train --lora-rank 8`: the demo's LoRA preset (arith.DEMO_LORA_PRESET:
+    lm_head adapted too, alpha 256, lr 2.5e-4, the demo's 600 steps) learns the task.
+    Measured (CPU fp32, seed 0): mean reward of the first 20 steps 0.061, of the
+    last 20 0.820 (best 20-step mean 0.834); rank 8 on the decoder linears only
+    stayed at 0.05-0.10 (the frozen head's cap, scripts/lora_capacity.py). 0.6 is
+    0.22 below the measured end: ~7 sd of a 20-step mean of 128 samples, and above
+    the 0.31 that decoder-only adapters can reach at all."""
     import os
 
     from test_demo_learns import REPO
@@ -377,11 +385,11 @@ def test_lora_demo_learns(tmp_path) -> None:
     run_dir = tmp_path / "demo"
     res = subprocess.run(
         [sys.executable, "-m", "areno.cli", "train", "--lora-rank", "8", "--seed", "0", "--no-save",
-         "--max-steps", str(LEARN_STEPS), "--output-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=900, cwd=REPO, env=dict(os.environ))
+         "--output-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=1500, cwd=REPO, env=dict(os.environ))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     reward = np.array([s["reward/mean"] for s in steps if "reward/mean" in s])
-    assert reward.size == LEARN_STEPS
+    assert reward.size == 600  # the demo preset's --max-steps
     early, late = reward[:LEARN_WINDOW].mean(), reward[-LEARN_WINDOW:].mean()
-    assert late >= early + LEARN_MARGIN, f"reward {early:.3f} -> {late:.3f}"
+    assert early < 0.2 and late >= LEARN_LATE, f"reward {early:.3f} -> {late:.3f}"

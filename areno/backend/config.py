@@ -30,7 +30,8 @@ class LoraSpec:
     """Dropout on the adapters' input during the update (0 = none)."""
     target_modules: tuple[str, ...] = ("all-linear",)
     """Leaf names of the decoder layers' linears to adapt; ('all-linear',) = all of them
-    (attention and MLP; never lm_head or the embeddings)."""
+    (attention and MLP); 'lm_head' beside them adapts an untied lm_head too
+    (backend.lora.head_weight); never the embeddings."""
     adapter_path: str | None = None
     """A saved adapter directory to start from (resume, an adapter --ckpt); None = fresh (B = 0)."""
     save_merged: bool = False

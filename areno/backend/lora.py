@@ -49,6 +49,7 @@ from areno.backend.config import LoraSpec
 from areno.models.directory import ADAPTER_WEIGHTS
 
 ADAPTER = "default"  # peft's adapter name; saved files carry none
+HEAD = "lm_head"  # the one target outside the decoder layers (--lora-target-modules all-linear,lm_head)
 _PREFIX = "base_model.model."  # peft's saved key prefix in front of the HF module name
 
 
@@ -65,15 +66,47 @@ def linear_names(model: nn.Module) -> list[str]:
 
 def resolve_targets(model: nn.Module, targets: tuple[str, ...]) -> tuple[str, ...]:
     """('all-linear',) -> every linear leaf name of the decoder layers; otherwise the
-    names given, each checked (ValueError naming the first one the model lacks)."""
+    names given, each checked (ValueError naming the first one the model lacks).
+    `lm_head` may be added (alone or beside all-linear): the output projection,
+    when it is a linear of its own (untied; see `head_weight`)."""
     have = linear_names(model)
-    if tuple(targets) == ("all-linear",):
-        return tuple(have)
+    names = tuple(have) if "all-linear" in targets else ()
     for t in targets:
-        if t not in have:
+        if t == HEAD:
+            check_head_target(model)
+            names += (HEAD,)
+        elif t != "all-linear" and t not in have:
             raise ValueError(f"--lora-target-modules: the model has no linear named {t!r} in its "
-                             f"decoder layers (it has: {', '.join(have)}; or give all-linear)")
-    return tuple(targets)
+                             f"decoder layers (it has: {', '.join(have)}; or give all-linear, lm_head)")
+        elif t != "all-linear":
+            names += (t,)
+    return names
+
+
+def check_head_target(model: nn.Module) -> None:
+    """ValueError unless lm_head can carry an adapter that every side serves alike:
+    an nn.Linear of its own. A tied lm_head shares its weight with the input
+    embedding, so the merged model (--save-merged) could not hold both."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ValueError("--lora-target-modules lm_head: the model's output projection is not a linear")
+    if getattr(model.config, "tie_word_embeddings", False):
+        raise ValueError("--lora-target-modules lm_head: this model ties lm_head to its input embeddings; "
+                         "areno adapts an untied lm_head only (drop lm_head)")
+
+
+def head_weight(head: nn.Module) -> torch.Tensor:
+    """[V, H]: the weight the output projection `head` computes with, as the
+    trainer's chunked log-probs need it (they multiply by a weight, not call the
+    module): W0 + scaling * B @ A for a peft LoRA lm_head (differentiable in A
+    and B; W0 alone while `adapters_disabled`), else `head.weight`. Adapter
+    dropout is refused for lm_head (config.lora), so this is the layer's forward."""
+    lora_a = getattr(head, "lora_A", None)  # a peft LoraLayer (no peft import on full FT's path)
+    if lora_a is None or ADAPTER not in lora_a or head.disable_adapters:
+        return head.weight
+    a, b = head.lora_A[ADAPTER].weight, head.lora_B[ADAPTER].weight
+    w0 = head.get_base_layer().weight
+    return w0 + (head.scaling[ADAPTER] * (b @ a)).to(w0.dtype)
 
 
 def lora_config(spec: LoraSpec, targets: tuple[str, ...], base_path: str):
@@ -246,6 +279,8 @@ def check_adapter_modules(model: nn.Module, targets: tuple[str, ...], adapter_pa
     prefix = next(n for n, m in model.named_modules() if m is layers)
     want = {(f"{prefix}.{n}", k) for n, m in layers.named_modules() if isinstance(m, nn.Linear)
             and n.rsplit(".", 1)[-1] in targets for k in ("lora_A", "lora_B")}
+    if HEAD in targets:
+        want |= {(HEAD, "lora_A"), (HEAD, "lora_B")}
     for label, diff in (("has no", want - saved), ("has an adapter the targets do not name:", saved - want)):
         if diff:
             module, kind = sorted(diff)[0]
@@ -272,4 +307,7 @@ def lora_plan(model_path: str, spec: LoraSpec) -> tuple[int, int]:
     layers = model.get_decoder().layers if hasattr(model, "get_decoder") else model.model.layers
     trainable = sum(spec.rank * (m.in_features + m.out_features) for n, m in layers.named_modules()
                     if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets)
+    if HEAD in targets:
+        head = model.get_output_embeddings()
+        trainable += spec.rank * (head.in_features + head.out_features)
     return trainable, sum(p.numel() for p in model.parameters()) + trainable

@@ -34,6 +34,7 @@ from areno.backend.attention import (
     register,
 )
 from areno.backend.config import BackendConfig
+from areno.backend.lora import head_weight
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -206,7 +207,7 @@ class PolicyModule(nn.Module):
         hidden = out.last_hidden_state
         if temperature != 1.0:  # logits / T = (hidden / T) @ W^T: the chunks never hold unscaled logits
             hidden = hidden / temperature
-        return chunked_logprobs(hidden, self.hf.lm_head.weight, targets, self.chunk_size)
+        return chunked_logprobs(hidden, head_weight(self.hf.lm_head), targets, self.chunk_size)
 
 
 def cu_seqlens_from_positions(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from areno.backend.lora import head_weight
 from areno.rollout.engine import check_weight_names
 from areno.rollout.probe import (
     Fingerprint, check_fingerprint, check_logprobs, probe_due, probe_tolerance, sum_squares,
@@ -230,7 +231,7 @@ def logit_scale_of(hf: torch.nn.Module) -> Iterator[list[float]]:
     def grab(_module, _args, out) -> None:
         h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         with torch.no_grad():
-            scales.append(float(torch.nn.functional.linear(h, hf.lm_head.weight).abs().max()))
+            scales.append(float(torch.nn.functional.linear(h, head_weight(hf.lm_head)).abs().max()))
 
     handle = hf.model.register_forward_hook(grab)
     try:

@@ -36,8 +36,13 @@ def check_lora_options(cfg: Any) -> None:
     targets = lora_targets(cfg.lora_target_modules)
     if not targets:
         raise UserError("--lora-target-modules: name at least one module (or all-linear)")
-    if "all-linear" in targets and len(targets) > 1:
-        raise UserError("--lora-target-modules: all-linear already names every linear; give it alone")
+    if "all-linear" in targets and set(targets) - {"all-linear", "lm_head"}:
+        raise UserError("--lora-target-modules: all-linear already names every decoder linear; "
+                        "give it alone or with lm_head")
+    if "lm_head" in targets and cfg.lora_dropout > 0:
+        # the trainer multiplies by lm_head's merged weight (backend.lora.head_weight)
+        raise UserError("--lora-dropout with lm_head in --lora-target-modules: lm_head's adapter "
+                        "trains without dropout; drop one")
 
 
 def check_lora_tp(tp: int) -> None:

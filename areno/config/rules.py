@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from areno.config.fieldcheck import check_file, looks_local
-from areno.config.lora import LORA_LR_FACTOR, check_lora_options
+from areno.config.lora import check_lora_options
 from areno.config.offpolicy import check_off_policy
-from areno.data.tasks.arith import DEMO_PRESET
+from areno.data.tasks.arith import DEMO_PRESET, demo_lora_preset
 from areno.errors import UserError
 from areno.models.directory import MODEL_DIR_FIX, check_model_dir
 from areno.runtime.multinode import check_authkey
@@ -30,9 +30,9 @@ def fill_demo_preset(values: dict[str, Any]) -> None:
         # hang, so it keeps the workers that enforce --reward-timeout.
         own_plugin = not str(values["reward_fn_path"]).startswith("builtin:")
         lora = isinstance(values.get("lora_rank"), int) and values["lora_rank"] > 0
-        for k, v in DEMO_PRESET.items():
-            if k == "lr" and lora:  # LoRA: 10x the demo's full fine-tuning LR, as outside it
-                v = v * LORA_LR_FACTOR
+        # LoRA: its own targets, alpha and LR (arith.DEMO_LORA_PRESET: the frozen head caps the default)
+        lora_preset = demo_lora_preset(float(values.get("lora_dropout") or 0.0)) if lora else {}
+        for k, v in {**DEMO_PRESET, **lora_preset}.items():
             if not (own_plugin and k == "reward_workers"):
                 values.setdefault(k, v)
 

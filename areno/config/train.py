@@ -207,7 +207,8 @@ class TrainConfig:
                               ge=0.0, lt=1.0)
     lora_target_modules: str = opt(
         "all-linear", "Comma-separated names of the decoder layers' linears to adapt (q_proj,v_proj), "
-        "or all-linear: every linear of attention and MLP (never lm_head or the embeddings).",
+        "or all-linear: every linear of attention and MLP; add lm_head (all-linear,lm_head) to adapt an "
+        "untied lm_head too (the demo's LoRA default). Never the embeddings.",
         "LoRA")
     save_merged: bool = opt(
         False, "With --lora-rank: checkpoints also hold the merged full model (HF format) in "

@@ -70,6 +70,12 @@ def lora_llm_kwargs(max_lora_rank: int) -> dict[str, Any]:
                 max_cpu_loras=2)
 
 
+def _slots(stacked: Any) -> tuple[torch.Tensor, ...]:
+    """A LoRA layer's stacked weights as a tuple of slots: linears keep a tuple (one
+    per packed projection), the lm_head's `LogitsProcessorWithLoRA` one tensor."""
+    return tuple(stacked) if isinstance(stacked, (tuple, list)) else (stacked,)
+
+
 def served_fingerprint(worker: Any, lora_id: int | None, rank: int = 0) -> Fingerprint:
     """Run on the worker (`collective_rpc`): the fingerprint of the slot holding
     adapter `lora_id` (of LoRA rank `rank`), every LoRA layer the adapter has
@@ -91,7 +97,7 @@ def served_fingerprint(worker: Any, lora_id: int | None, rank: int = 0) -> Finge
                 continue
             subs = mgr.packed_modules.get(name, [name])
             present = weights.lora_a if isinstance(weights.lora_a, (list, tuple)) else [weights.lora_a]
-            for i, (a, b) in enumerate(zip(module.lora_a_stacked, module.lora_b_stacked)):
+            for i, (a, b) in enumerate(zip(_slots(module.lora_a_stacked), _slots(module.lora_b_stacked))):
                 padded += [(name, "lora_A", a[index]), (name, "lora_B", b[index])]
                 if i < len(subs) and i < len(present) and present[i] is not None:
                     held += [(subs[i], "lora_A", a[index, 0, :rank, :]), (subs[i], "lora_B", b[index, 0, :, :rank])]

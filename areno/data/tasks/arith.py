@@ -53,3 +53,27 @@ DEMO_PRESET: dict[str, Any] = {
     "max_prompt_len": 16,
     "kv_cache_gb": 0.25,
 }
+
+# The demo with --lora-rank > 0, over DEMO_PRESET (issue 26, 3). The tiny model's
+# final norm and lm_head are random-init and frozen under LoRA, which caps adapters
+# of the decoder linears at an expected reward of 0.31 (scripts/lora_capacity.py);
+# an adapter on its untied lm_head lifts the cap (0.998 fitted), and both engines
+# serve it exactly. alpha and lr, measured on the demo at rank 8, seed 0, 400-600
+# steps (docs/PERFORMANCE.md, "LoRA: does it learn?"): a large alpha and a small lr
+# (A moves slowly, B·scaling fast) learn; alpha 16 at 3e-3 ends near 0.3, 5e-3 and
+# 1e-2 collapse; alpha 64 / 1e-3 0.51, 128 / 5e-4 0.81 (400 steps), 256 / 2.5e-4
+# 0.82 (600), 512 / 1.25e-4 0.46, 256 / 5e-4 collapses.
+DEMO_LORA_PRESET: dict[str, Any] = {
+    "lora_target_modules": "all-linear,lm_head",
+    "lora_alpha": 256.0,
+    "lr": 2.5e-4,
+}
+
+
+def demo_lora_preset(dropout: float) -> dict[str, Any]:
+    """DEMO_LORA_PRESET for a run with this --lora-dropout: lm_head's adapter trains
+    without dropout (config.lora refuses the two together), so with dropout the
+    demo adapts the decoder linears only."""
+    if dropout > 0:
+        return {k: v for k, v in DEMO_LORA_PRESET.items() if k != "lora_target_modules"}
+    return dict(DEMO_LORA_PRESET)
