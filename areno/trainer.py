@@ -193,7 +193,8 @@ def step_metrics(res: StepResult) -> dict[str, float]:
     r = scored.rewards[scored.valid]
     lengths = batch.response_lengths
     step_lp = StreamingStats()
-    step_lp.update(batch.response_logprobs)
+    step_lp.update(batch.response_logprobs if batch.response_mask is None
+                   else batch.response_logprobs[batch.policy_mask])
     c = scored.counts
     m: dict[str, float] = {
         "reward/mean": float(r.mean()) if r.size else 0.0,
