@@ -69,6 +69,7 @@ def test_state_data_travels_with_the_trajectory_between_calls(env_file):
         assert (out.reward, out.reply.done) == (0.5, True)
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("policy", ["zero", "skip"])
 def test_a_hung_env_is_killed_with_its_children_and_gets_the_policy(env_file, tmp_path, policy):
     with EnvPool(str(env_file), workers=1, timeout=1.0, on_error=policy) as pool:

@@ -48,6 +48,12 @@ class EnvPool:
                 return done
             time.sleep(0.001)
 
+    def warm(self, timeout: float = 60.0) -> None:
+        """Wait until every worker has imported the environment (benchmarks, tests)."""
+        t_end = time.monotonic() + timeout
+        while self.scorer.workers_ready() < self.scorer.workers and time.monotonic() < t_end:
+            time.sleep(0.01)
+
     def result(self, ticket: int) -> Outcome:
         """The call's outcome (raises RewardError under on_error 'fail')."""
         r = self.scorer.collect(ticket)

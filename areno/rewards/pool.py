@@ -160,6 +160,11 @@ class RewardScorer:
         return RewardResult(job.rewards, job.valid, RewardCounts(**job.counts), tuple(job.messages),
                             job.payloads if self.kind_name != "reward" else None)
 
+    def workers_ready(self) -> int:
+        """How many workers have imported the plugin (benchmarks and tests wait for all)."""
+        with self._lock:
+            return sum(w.ready for w in self._pool) if self.workers else 0
+
     def ready(self, ticket: int) -> bool:
         return self._book.jobs[ticket].done.is_set()
 
