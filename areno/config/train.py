@@ -28,6 +28,7 @@ from areno.config.fieldcheck import base_type, check_file, check_value, looks_lo
 from areno.models.directory import MODEL_DIR_FIX, check_model_dir
 from areno.runtime.multinode import check_authkey
 from areno.config.offpolicy import OFF_POLICY_TIS_CAP, check_off_policy, off_policy_defaults
+from areno.config.env import EnvOptions, check_env_options
 from areno.rollout.factory import EngineKind
 
 GROUPS = (
@@ -46,7 +47,7 @@ def opt(default: Any, help: str, group: str, *, ge: float | None = None, gt: flo
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
     # -- Model ---------------------------------------------------------------
     ckpt: str | None = opt(
         None, "HF model directory or hub id to train. Unset: the embedded demo "
@@ -332,15 +333,17 @@ class TrainConfig:
         # --off-policy-steps came with what it turned on, and the rules are checked there.
         turned_on = off_policy_defaults(values) if values.get("resume") is None else []
         if values.get("ckpt") is None and values.get("dataset_path") is None:
-            values.setdefault("reward_fn_path", DEMO_PRESET["reward_fn_path"])
+            env = values.get("env_path") is not None  # an environment is the reward
+            if not env:
+                values.setdefault("reward_fn_path", DEMO_PRESET["reward_fn_path"])
             # The demo scores its built-in reward in-process; a user's plugin may
             # hang, so it keeps the workers that enforce --reward-timeout.
-            own_plugin = not str(values["reward_fn_path"]).startswith("builtin:")
+            own_plugin = not str(values.get("reward_fn_path", "")).startswith("builtin:")
             lora = isinstance(values.get("lora_rank"), int) and values["lora_rank"] > 0
             for k, v in DEMO_PRESET.items():
                 if k == "lr" and lora:  # LoRA: 10x the demo's full fine-tuning LR, as outside it
                     v = v * LORA_LR_FACTOR
-                if not (own_plugin and k == "reward_workers"):
+                if not (own_plugin and k == "reward_workers") and not (env and k == "reward_fn_path"):
                     values.setdefault(k, v)
         cfg = cls(**values)
         cfg.validate()
@@ -369,7 +372,7 @@ class TrainConfig:
         if self.ckpt is not None and self.dataset_path is None and not self.eval_only:
             raise UserError("--dataset-path is required with --ckpt (or leave both unset for the "
                             "embedded demo)")
-        if self.dataset_path is not None and self.reward_fn_path is None:
+        if self.dataset_path is not None and self.reward_fn_path is None and self.env_path is None:
             raise UserError("--reward-fn-path is required with --dataset-path "
                             "(a .py file defining reward_fn or reward_fn_batch)")
         if self.reward_fn_path is not None and not self.reward_fn_path.startswith("builtin:"):
@@ -379,6 +382,7 @@ class TrainConfig:
         if self.resume is None:  # resuming: on the config in effect, by resume.resume_config
             check_off_policy(self)
         _check_correction_options(self)
+        check_env_options(self)
         if self.tis_cap is not None and not self.recompute_logprobs:
             raise UserError("--tis-cap needs --recompute-logprobs (it weights the trainer/sampler "
                             "log-prob ratio)")

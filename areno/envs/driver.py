@@ -177,3 +177,33 @@ def rollout_multiturn(engine: Any, pool: EnvPool, tokenizer: Any, fmt: Observati
     context_room = engine.max_model_len - p_len
     budget = context_room if bounds.max_tokens <= 0 else np.minimum(bounds.max_tokens, context_room)
     return _Driver(engine, pool, tokenizer, fmt, traj, states, sampling, bounds, budget).run()
+
+
+def env_states(rows: Any, prompts: Any, prompt_idx: np.ndarray, n: int) -> list[EnvState]:
+    """One EnvState per trajectory of a step (trajectory i answers prompt i // n)."""
+    row_of_prompt = prompts.row_index[prompt_idx].tolist()
+    out = []
+    for i in range(len(row_of_prompt) * n):
+        g = i // n
+        row = rows[row_of_prompt[g]]
+        out.append(EnvState(prompt=prompts.texts[prompt_idx[g]], answer=row.get("answer"),
+                            solutions=row.get("solutions"), row=row, index=i))
+    return out
+
+
+def env_rollout(run: Any, prompt_idx: np.ndarray, sampling: SamplingConfig,
+                timer: Any) -> tuple[RolloutBatch, RewardResult, dict[str, float]]:
+    """The trainer's multi-turn round: the step's prompts through run.engine and the
+    environment (run.scorer is the EnvPool) -> (batch, rewards, env/* metrics)."""
+    from areno.data.prompts import select
+
+    cfg = run.cfg
+    eos = getattr(run.tokenizer, "eos_token_id", None)
+    fmt = ObservationFormat(run.tokenizer, cfg.chat_template, () if eos is None else (int(eos),))
+    bounds = EnvBounds(cfg.max_turns, cfg.max_trajectory_tokens or 0, cfg.env_reward)
+    ids, offsets = select(run.prompts, prompt_idx)
+    states = env_states(run.rows, run.prompts, prompt_idx, cfg.n_samples)
+    with timer("rollout"):  # generation and the env calls overlap: one phase
+        out = rollout_multiturn(run.engine, run.scorer, run.tokenizer, fmt, ids, offsets, states,
+                                cfg.n_samples, sampling, bounds)
+    return out.batch, out.scored, out.metrics()
