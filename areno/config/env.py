@@ -16,7 +16,7 @@ DEFAULT_OBSERVATION_SHARE = 2
 
 
 def _opt(default: Any, help: str, *, ge: float | None = None, shown: str | None = None) -> Any:
-    return field(default=default, metadata=dict(help=help, group="Rewards", ge=ge, gt=None, le=None,
+    return field(default=default, metadata=dict(help=help, group="Rollout", ge=ge, gt=None, le=None,
                                                 lt=None, shown=shown))
 
 
