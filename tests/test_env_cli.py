@@ -49,3 +49,26 @@ def test_env_options_without_env_and_with_a_reward_plugin_are_refused(env, tmp_p
     plugin = tmp_path / "r.py"
     plugin.write_text("def reward_fn(r):\n    return 1.0\n")
     assert "drop --reward-fn-path" in refused(["--env-path", env, "--reward-fn-path", str(plugin)], capsys)
+
+
+def test_a_multi_turn_run_logs_whole_trajectories_with_turns_told_apart(tmp_path):
+    """`areno train --env-path` end to end (2 steps of the guess demo): the terminal
+    sample and completions.jsonl show the turns with [env: ...] between them."""
+    import json
+    from pathlib import Path
+
+    from areno.cli import main
+
+    guess = Path(__file__).resolve().parents[1] / "examples" / "guess" / "env.py"
+    out = tmp_path / "run"
+    rc = main(["train", "--env-path", str(guess), "--max-turns", "2", "--max-steps", "2", "--batch-size", "4",
+               "--reward-workers", "0", "--log-completions", "4", "--output-dir", str(out), "--no-save"])
+    assert rc in (0, None)
+    recs = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    two_turns = [r for r in recs if "[env: :" in r["completion"]]
+    assert two_turns, recs
+    from areno.rundir.reporting import format_sample_line
+
+    assert "[env: :" in format_sample_line(two_turns[0])  # the terminal sample's line
+    m = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert 1.0 <= m["env/turns_mean"] <= 2.0 and m["env/rounds"] >= 1
