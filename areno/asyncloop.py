@@ -254,7 +254,8 @@ class RolloutsAhead:
         for i, cur in enumerate(self.inflight):
             self.collect(cur)
             batch = cur.batch if cur.batch is not None else cur.sink.merge()[0]  # its rewards may be out
-            arrays |= {f"{i}/{f.name}": getattr(batch, f.name) for f in fields(RolloutBatch)}
+            arrays |= {f"{i}/{f.name}": getattr(batch, f.name) for f in fields(RolloutBatch)
+                       if getattr(batch, f.name) is not None}  # response_mask: multi-turn only
             arrays[f"{i}/prompt_idx"] = cur.prompt_idx
         if self.inflight:
             np.savez(path / INFLIGHT_FILE, **arrays)
@@ -275,6 +276,6 @@ def load_inflight(ckpt: Path | None) -> list[Inflight]:
     with np.load(ckpt / INFLIGHT_FILE) as z:
         for i, m in enumerate(rollouts):
             p = prefix.format(i)
-            batch = RolloutBatch(**{f.name: z[p + f.name] for f in fields(RolloutBatch)})
+            batch = RolloutBatch(**{f.name: z[p + f.name] for f in fields(RolloutBatch) if p + f.name in z})
             out.append(Inflight(m["step"], z[p + "prompt_idx"], m["sampler_before"], m["version"], batch=batch))
     return out

@@ -21,7 +21,7 @@ sampling/bound_hit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -52,6 +52,7 @@ class Round:
     prompt_idx: np.ndarray
     batch: RolloutBatch
     scored: RewardResult
+    extra: dict = field(default_factory=dict)  # metrics of the round's own (env/*, multi-turn)
 
     def astuple(self) -> tuple[np.ndarray, RolloutBatch, RewardResult]:
         return self.prompt_idx, self.batch, self.scored

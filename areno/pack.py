@@ -7,7 +7,8 @@ position j of sequence s predicts input j+1. Sequences sit back to back:
     input_ids     [L] int32   token at each position
     targets       [L] int32   the next token (the one whose log-prob is trained)
     position_ids  [L] int32   0..len-1, restarting per sequence
-    loss_mask     [L] bool    true where the target is a response token
+    loss_mask     [L] bool    true where the target is a response token the policy
+                              sampled (not a multi-turn observation token)
     old_logprobs  [L] float32 rollout log-prob of the target (0 off the mask)
     advantages    [L] float32 the sequence's advantage on its loss tokens, else 0
     seq_index     [L] int32   which sequence (0..S-1 in this pack) a position is in
@@ -272,6 +273,14 @@ def _mask_and_values(batch: RolloutBatch, order: np.ndarray, seq_adv: np.ndarray
             batch.response_logprobs, runs_index(batch.response_offsets[order], r, int(r.sum()))
         )
     old_lp[loss_mask] = resp_lp
+    if batch.response_mask is not None:  # multi-turn: observation tokens are not trained
+        in_order = S == batch.num_responses and np.array_equal(order, np.arange(S))
+        resp_mask = batch.response_mask if in_order else np.take(
+            batch.response_mask, runs_index(batch.response_offsets[order], r, int(r.sum())))
+        loss_mask[loss_mask] = resp_mask.astype(bool)
+        off = ~loss_mask
+        tok_adv[off] = 0.0
+        old_lp[off] = 0.0
     return loss_mask, tok_adv, old_lp
 
 

@@ -17,6 +17,8 @@ from typing import Any, Iterator
 
 import torch
 
+from areno.config.env import trajectory_tokens
+from areno.envs.pool import EnvPool
 from areno import evaluate as evaluation
 from areno.asyncloop import RolloutsAhead, load_inflight
 from areno.config import settings
@@ -264,9 +266,11 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
     resume.restore_sampler(sampler)  # a changed dataset is a UserError, before anything starts
     total = total_steps_for(cfg, sampler) if sampler else 0
     longest = max(int(p.lengths.max()) for p in (prompts, evalset and evalset[1]) if p)
-    check_model(model_path, longest, cfg.max_new_tokens)  # before any engine or rank starts
+    check_model(model_path, longest, trajectory_tokens(cfg))  # before any engine or rank starts
     with contextlib.ExitStack() as stack:
-        scorer = stack.enter_context(RewardScorer(
+        scorer = stack.enter_context(EnvPool(  # multi-turn: the env's calls on the reward workers
+            cfg.env_path, workers=cfg.reward_workers, timeout=cfg.reward_timeout, on_error=cfg.on_reward_error,
+        ) if cfg.env_path else RewardScorer(
             resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,
             timeout=cfg.reward_timeout, on_error=cfg.on_reward_error))
         # The ranks hold the rollout engines, so an eval-only run starts them too.

@@ -221,5 +221,6 @@ def build_split_pack(
     seq_len = batch.prompt_lengths[batch.group_index[resp]] + r_len[resp] - 1
     plan = plan_split(seq_len, world_size, max_tokens, num_minibatches=num_minibatches)
     pack = build_train_pack(batch, advantages, order=resp[plan.seq_order], workspace=workspace)
-    weights = aggregation_weights(r_len[resp][plan.seq_order], plan, loss_agg, norm_len)
+    # loss tokens: the sampled ones (a multi-turn trajectory's observations are not)
+    weights = aggregation_weights(batch.policy_lengths[resp][plan.seq_order], plan, loss_agg, norm_len)
     return SplitPack(pack.with_seq_weights(torch.from_numpy(weights)), plan)

@@ -17,6 +17,7 @@ from areno.advantages import advantages_and_keep, overlong_penalty
 from areno.backend.controller import TrainSteps
 from areno.backend.errors import BackendError
 from areno.backend.launch import EarlyPeers
+from areno.envs.driver import env_rollout
 from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
 from areno.rundir.completions import completion_records
 from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
@@ -54,6 +55,8 @@ def colocated_round(run: Run, step: int, timer: PhaseTimer) -> Callable[[int], R
     def collect(r: int) -> Round:
         prompt_idx = run.sampler.next_batch()
         sampling = round_sampling(run.sampling_for(step), r)
+        if run.cfg.env_path:  # multi-turn: the environment's rewards (envs/driver.py)
+            return Round(prompt_idx, *env_rollout(run, prompt_idx, sampling, timer))
         rollout = rollout_overlapped if run.cfg.overlap_rewards else rollout_then_score
         return Round(prompt_idx, *rollout(run, prompt_idx, sampling, timer))
     return collect
@@ -135,7 +138,7 @@ def learn(run: Run, step: int, filled: Filled, timer: PhaseTimer, t_step: float,
         rank_imbalance=split.plan.imbalance, zero_var_groups=n_zero_var, opt_steps=opt_steps,
         times=timer.times, elapsed=elapsed, data_epoch=run.sampler.epoch, backend_perf=perf,
         overlong_penalty=float(penalty[scored.valid].mean()) if scored.valid.any() else 0.0)
-    ) | filled.metrics()
+    ) | filled.metrics() | filled.round.extra
 
 
 def shaping(cfg: TrainConfig, batch: RolloutBatch) -> np.ndarray:
@@ -195,7 +198,8 @@ def step_metrics(res: StepResult) -> dict[str, float]:
     r = scored.rewards[scored.valid]
     lengths = batch.response_lengths
     step_lp = StreamingStats()
-    step_lp.update(batch.response_logprobs)
+    step_lp.update(batch.response_logprobs if batch.response_mask is None
+                   else batch.response_logprobs[batch.policy_mask])
     c = scored.counts
     m: dict[str, float] = {
         "reward/mean": float(r.mean()) if r.size else 0.0,

@@ -20,7 +20,7 @@ from helpers import (
 
 
 def _fields(b: RolloutBatch) -> dict:
-    return {f.name: getattr(b, f.name) for f in dataclasses.fields(b)}
+    return {f.name: getattr(b, f.name) for f in dataclasses.fields(b) if getattr(b, f.name) is not None}
 
 
 def test_valid_batch_sizes():

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from areno.config.fieldcheck import check_file, looks_local
 from areno.config.lora import check_lora_options
+from areno.config.env import check_env_options
 from areno.config.offpolicy import check_off_policy
 from areno.data.tasks.arith import DEMO_PRESET, demo_lora_preset
 from areno.errors import UserError
@@ -25,15 +26,17 @@ def fill_demo_preset(values: dict[str, Any]) -> None:
     """No --ckpt and no --dataset-path: the demo's preset fills the keys not given
     (in place; values: the YAML's and the flags' keys)."""
     if values.get("ckpt") is None and values.get("dataset_path") is None:
-        values.setdefault("reward_fn_path", DEMO_PRESET["reward_fn_path"])
+        env = values.get("env_path") is not None  # an environment is the reward
+        if not env:
+            values.setdefault("reward_fn_path", DEMO_PRESET["reward_fn_path"])
         # The demo scores its built-in reward in-process; a user's plugin may
         # hang, so it keeps the workers that enforce --reward-timeout.
-        own_plugin = not str(values["reward_fn_path"]).startswith("builtin:")
+        own_plugin = not str(values.get("reward_fn_path", "")).startswith("builtin:")
         lora = isinstance(values.get("lora_rank"), int) and values["lora_rank"] > 0
         # LoRA: its own targets, alpha and LR (arith.DEMO_LORA_PRESET: the frozen head caps the default)
         lora_preset = demo_lora_preset(float(values.get("lora_dropout") or 0.0)) if lora else {}
         for k, v in {**DEMO_PRESET, **lora_preset}.items():
-            if not (own_plugin and k == "reward_workers"):
+            if not (own_plugin and k == "reward_workers") and not (env and k == "reward_fn_path"):
                 values.setdefault(k, v)
 
 
@@ -53,7 +56,7 @@ def check_rules(cfg: TrainConfig) -> None:
     if cfg.ckpt is not None and cfg.dataset_path is None and not cfg.eval_only:
         raise UserError("--dataset-path is required with --ckpt (or leave both unset for the "
                         "embedded demo)")
-    if cfg.dataset_path is not None and cfg.reward_fn_path is None:
+    if cfg.dataset_path is not None and cfg.reward_fn_path is None and cfg.env_path is None:
         raise UserError("--reward-fn-path is required with --dataset-path "
                         "(a .py file defining reward_fn or reward_fn_batch)")
     if cfg.reward_fn_path is not None and not cfg.reward_fn_path.startswith("builtin:"):
@@ -63,6 +66,7 @@ def check_rules(cfg: TrainConfig) -> None:
     if cfg.resume is None:  # resuming: on the config in effect, by resume.resume_config
         check_off_policy(cfg)
     check_correction_options(cfg)
+    check_env_options(cfg)
     if cfg.tis_cap is not None and not cfg.recompute_logprobs:
         raise UserError("--tis-cap needs --recompute-logprobs (it weights the trainer/sampler "
                         "log-prob ratio)")

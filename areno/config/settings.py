@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from areno.config.env import trajectory_tokens
 from areno.backend.config import BackendConfig, LoraSpec, engine_gpus_from_env
 from areno.config.train import TrainConfig
 from areno.config.lora import adapter_settings, check_lora_tp, lora_targets
@@ -42,7 +43,7 @@ def engine_spec(cfg: TrainConfig, device: str, max_prompt_len: int, lora_rank: i
     # Only the default engine (unset) may fall back to transformers (factory.make_engine).
     return EngineSpec(kind=cfg.rollout_engine or "vllm", fallback=cfg.rollout_engine is None,
                       dtype=resolved_dtype(cfg, device), seed=cfg.seed,
-                      max_model_len=max(max_prompt_len + cfg.max_new_tokens, 64),
+                      max_model_len=max(max_prompt_len + trajectory_tokens(cfg), 64),
                       tensor_parallel_size=cfg.tensor_parallel_size,
                       gpu_memory_utilization=engine_gpu_memory(cfg),
                       kv_cache_bytes=int(cfg.kv_cache_gb * (1 << 30)), max_lora_rank=lora_rank)

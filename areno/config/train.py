@@ -24,6 +24,7 @@ from areno.config.fieldcheck import base_type, check_value
 from areno.config.lora import FULL_FT_LR, LORA_LR_FACTOR
 from areno.config.offpolicy import OFF_POLICY_TIS_CAP, off_policy_defaults
 from areno.config.rules import check_reward_timeout, check_rules, fill_demo_preset
+from areno.config.env import EnvOptions
 from areno.rollout.factory import EngineKind
 
 GROUPS = (
@@ -42,7 +43,7 @@ def opt(default: Any, help: str, group: str, *, ge: float | None = None, gt: flo
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
     # -- Model ---------------------------------------------------------------
     ckpt: str | None = opt(
         None, "HF model directory or hub id to train. Unset: the embedded demo "

@@ -27,6 +27,7 @@ class Job:
         self.remaining = n
         self.counts = {f.name: 0 for f in fields(RewardCounts)}
         self.messages: list[str] = []
+        self.payloads: list = [None] * n  # a plugin kind's per-record payload (environments)
         self.error: BaseException | None = None
         self.done = threading.Event()
         if n == 0:
@@ -41,13 +42,16 @@ class Chunk:
     seq: int
     attempts: int = 0
     errors: dict | None = None  # chunk index (-1: all) -> message
+    payloads: dict | None = None  # chunk index -> payload, for kinds that return one
 
 
 class JobBook:
     """Outstanding jobs by ticket and the chunks waiting for a worker."""
 
-    def __init__(self, path: str, on_error: str, workers: int, batch: bool, max_chunk: int) -> None:
+    def __init__(self, path: str, on_error: str, workers: int, batch: bool, max_chunk: int,
+                 what: str = "reward plugin") -> None:
         self.path = path
+        self.what = what
         self.on_error = on_error
         self.workers = workers
         self.batch = batch  # the plugin scores a chunk in one call
@@ -85,7 +89,7 @@ class JobBook:
         job.counts[kind] += k
         if self.on_error == "fail":
             job.error = RewardError(
-                f"reward plugin {self.path}: {msg} (on_error 'fail'; 'zero' or 'skip' keep going)"
+                f"{self.what} {self.path}: {msg} (on_error 'fail'; 'zero' or 'skip' keep going)"
             )
             self._finish(job)
             return
@@ -126,6 +130,9 @@ class JobBook:
         fine = ok & ~wild
         good = chunk.pos[fine]
         job.rewards[good] = vals[fine]
+        if chunk.payloads:
+            for i, at in zip(np.flatnonzero(fine).tolist(), good.tolist()):
+                job.payloads[at] = chunk.payloads.get(i)
         self._settle(job, int(good.size))
         bad = np.flatnonzero(ok & wild)
         if bad.size:

@@ -13,6 +13,7 @@ runs the plugin on them, in worker processes or inline.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 import math
 import numbers
@@ -106,6 +107,7 @@ class RewardResult:
     valid: np.ndarray
     counts: RewardCounts
     messages: tuple[str, ...] = ()  # the first few failure messages, for the log
+    payloads: list | None = None  # [N] what a plugin kind returns beside the value (None: rewards)
 
     @staticmethod
     def concat(results: list["RewardResult"]) -> "RewardResult":
@@ -175,6 +177,35 @@ def score_batch(plugin: RewardPlugin, recs: list, loop: Any) -> tuple[list, str]
         got = f"{type(out).__name__} of length {len(out)}" if hasattr(out, "__len__") else type(out).__name__
         return [], f"reward_fn_batch returned {got} for {len(recs)} records"
     return [_as_reward(x) for x in out], ""
+
+
+# -- plugin kinds: what a worker loads and calls (rewards, environments) -------
+
+
+@dataclass(frozen=True)
+class PluginKind:
+    """How the worker pool loads a plugin file and calls it on one record.
+
+    call(plugin, record, loop) -> (status, value, message, payload): value is the
+    float the pool's shared memory carries; payload (None for rewards) goes back
+    to the caller in one message per record, beside it."""
+
+    what: str  # names the plugin in messages: "reward plugin", "environment"
+    load: Callable[[str], Any]
+    call: Callable[[Any, Any, Any], tuple[int, float, str, Any]]
+
+
+def _call_reward(plugin: RewardPlugin, rec: Any, loop: Any) -> tuple[int, float, str, Any]:
+    return (*score_one(plugin, rec, loop), None)
+
+
+KIND = PluginKind("reward plugin", load_reward_plugin, _call_reward)
+# by name, so a spawned worker finds its kind: each module defines KIND
+KIND_MODULES = {"reward": "areno.rewards.plugin", "env": "areno.envs.plugin"}
+
+
+def plugin_kind(name: str) -> PluginKind:
+    return importlib.import_module(KIND_MODULES[name]).KIND
 
 
 # -- the records of a step ----------------------------------------------------

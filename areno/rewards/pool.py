@@ -63,9 +63,8 @@ from areno.rewards.plugin import (
     RewardCounts,
     RewardError,
     RewardResult,
+    plugin_kind,
     score_batch,
-    score_one,
-    load_reward_plugin,
 )
 from areno.rewards.worker import Worker
 
@@ -96,19 +95,22 @@ class RewardScorer:
         timeout: float = 10.0,
         on_error: OnError = "fail",
         chunk_size: int | None = None,
+        kind: str = "reward",
     ) -> None:
         if on_error not in ON_ERROR:
             raise UserError(f"RewardScorer: on_error must be one of {', '.join(ON_ERROR)}; got '{on_error}'")
         if workers < 0 or timeout <= 0:
             raise UserError(f"RewardScorer: workers must be >= 0 and timeout > 0; got {workers} and {timeout}")
-        self.plugin = load_reward_plugin(plugin_path)  # validated here, before any worker starts
+        self.kind_name, self.kind = kind, plugin_kind(kind)  # rewards, or environments (areno/envs)
+        self.plugin = self.kind.load(plugin_path)  # validated here, before any worker starts
         self.path = str(plugin_path)
         self.workers = int(workers)
         self.timeout = float(timeout)
         self.on_error = on_error
         self.max_chunk = int(chunk_size or (4 * MAX_CHUNK if self.plugin.batch else MAX_CHUNK))
         self._lock = threading.Lock()
-        self._book = JobBook(self.path, on_error, self.workers, self.plugin.batch, self.max_chunk)
+        self._book = JobBook(self.path, on_error, self.workers, self.plugin.batch, self.max_chunk,
+                             self.kind.what)
         self._fatal: BaseException | None = None
         self._closed = False
         self._startup_failures = 0  # workers in a row that died before importing the plugin
@@ -155,7 +157,13 @@ class RewardScorer:
             del self._book.jobs[ticket]
         if job.error is not None:
             raise job.error
-        return RewardResult(job.rewards, job.valid, RewardCounts(**job.counts), tuple(job.messages))
+        return RewardResult(job.rewards, job.valid, RewardCounts(**job.counts), tuple(job.messages),
+                            job.payloads if self.kind_name != "reward" else None)
+
+    def workers_ready(self) -> int:
+        """How many workers have imported the plugin (benchmarks and tests wait for all)."""
+        with self._lock:
+            return sum(w.ready for w in self._pool) if self.workers else 0
 
     def ready(self, ticket: int) -> bool:
         return self._book.jobs[ticket].done.is_set()
@@ -193,10 +201,11 @@ class RewardScorer:
             if err:
                 results = [(STATUS_ERROR, math.nan, err)] * n
         else:
-            results = [score_one(self.plugin, r, self._loop) for r in chunk.records]
-        chunk.errors = {i: m for i, (s, _, m) in enumerate(results) if s == STATUS_ERROR}
-        stat = np.fromiter((s for s, _, _ in results), np.int8, n)
-        vals = np.fromiter((v for _, v, _ in results), np.float64, n)
+            results = [self.kind.call(self.plugin, r, self._loop) for r in chunk.records]
+            chunk.payloads = {i: r[3] for i, r in enumerate(results) if r[3] is not None}
+        chunk.errors = {i: r[2] for i, r in enumerate(results) if r[0] == STATUS_ERROR}
+        stat = np.fromiter((r[0] for r in results), np.int8, n)
+        vals = np.fromiter((r[1] for r in results), np.float64, n)
         self._book.record(chunk, stat, vals)
 
     # -- the pump thread -------------------------------------------------
@@ -231,7 +240,7 @@ class RewardScorer:
                 w.conn.close()
 
     def _spawn(self) -> Worker:
-        return Worker(self._ctx, self.path, self.max_chunk)
+        return Worker(self._ctx, self.path, self.max_chunk, self.kind_name)
 
     def _dispatch(self) -> None:
         for w in self._pool:
@@ -241,7 +250,7 @@ class RewardScorer:
                 chunk = self._book.pending.popleft()
                 n = len(chunk.records)
                 np.frombuffer(w.status, np.int8)[:n] = STATUS_PENDING
-                chunk.errors = {}
+                chunk.errors, chunk.payloads = {}, {}
                 w.chunk = chunk
                 w.conn.send((chunk.seq, chunk.records))
 
@@ -296,6 +305,8 @@ class RewardScorer:
             if self.on_error == "fail":  # fail fast, do not wait for the chunk
                 pos = w.chunk.pos if msg[2] < 0 else w.chunk.pos[msg[2] : msg[2] + 1]
                 self._book.fail(w.chunk.job, pos, "errors", msg[3])
+        elif kind == "out" and w.chunk is not None and msg[1] == w.chunk.seq:
+            w.chunk.payloads[msg[2]] = msg[3]
         elif kind == "done" and w.chunk is not None and msg[1] == w.chunk.seq:
             n = len(w.chunk.records)
             stat = np.frombuffer(w.status, np.int8)[:n].copy()
@@ -310,11 +321,11 @@ class RewardScorer:
         self._drain(w)  # messages sent before it died
         w.conn.close()
         if w.fatal:
-            raise RewardError(f"reward plugin {self.path} failed to load in a worker process: {w.fatal}")
+            raise RewardError(f"{self.kind.what} {self.path} failed to load in a worker process: {w.fatal}")
         if not w.ready:
             self._startup_failures += 1
             if self._startup_failures >= 3:
-                raise RewardError(f"reward plugin {self.path}: worker processes keep dying at startup: {text}")
+                raise RewardError(f"{self.kind.what} {self.path}: worker processes keep dying at startup: {text}")
         chunk, w.chunk = w.chunk, None
         if chunk is not None:
             self._salvage(w, chunk, kind, text)

@@ -19,14 +19,15 @@ import numpy as np
 
 from areno.errors import UserError, one_line
 from areno.runtime.procs import die_with_parent
-from areno.rewards.plugin import STATUS_ERROR, load_reward_plugin, score_batch, score_one
+from areno.rewards.plugin import STATUS_ERROR, plugin_kind, score_batch
 from areno.rundir.log import redirect_child_output
 
 if TYPE_CHECKING:
     from areno.rewards.jobs import Chunk
 
 
-def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, parent_pid: int) -> None:
+def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, parent_pid: int,
+                 kind_name: str = "reward") -> None:
     die_with_parent(parent_pid)
     # A session (and process group) of its own, before the plugin runs: every
     # process the plugin starts (a compiler, a test binary, a fork) joins it,
@@ -38,7 +39,8 @@ def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, 
     # plugin start processes of its own (multiprocessing refuses in a daemon).
     mp.current_process()._config["daemon"] = False
     try:
-        plugin = load_reward_plugin(path)
+        kind = plugin_kind(kind_name)
+        plugin = kind.load(path)
     except BaseException as e:  # noqa: BLE001
         conn.send(("fatal", str(e) if isinstance(e, UserError) else one_line(e)))
         return
@@ -75,16 +77,18 @@ def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, 
                 if i:
                     progress[2] = time.monotonic()
                     progress[1] = i
-                s, v, m = score_one(plugin, rec, loop)
+                s, v, m, payload = kind.call(plugin, rec, loop)
                 if s == STATUS_ERROR:
                     conn.send(("err", seq, i, m))
+                elif payload is not None:  # before the status, as errors: status => message sent
+                    conn.send(("out", seq, i, payload))
                 vals[i] = v
                 stat[i] = s
         conn.send(("done", seq))
 
 
 class Worker:
-    def __init__(self, ctx: Any, path: str, max_chunk: int) -> None:
+    def __init__(self, ctx: Any, path: str, max_chunk: int, kind_name: str = "reward") -> None:
         self.progress = ctx.RawArray("d", 3)  # chunk seq, position, start time
         self.progress[0] = -1
         self.values = ctx.RawArray("d", max_chunk)
@@ -92,7 +96,7 @@ class Worker:
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
             target=_worker_main,
-            args=(path, child, self.progress, self.values, self.status, os.getpid()),
+            args=(path, child, self.progress, self.values, self.status, os.getpid(), kind_name),
             daemon=True,
             name="areno-reward-worker",
         )

@@ -51,6 +51,9 @@ class RolloutBatch:
     response_logprobs: [T] float32, sampler log-prob of each response token
     group_index:       [N] int64, the prompt (0..P-1) response i answers
     finish_reason:     [N] uint8, 0 stop / 1 length / 2 abort
+    response_mask:     [T] uint8 or None: 1 where the policy sampled the token, 0
+                       for an environment's observation token inside a multi-turn
+                       trajectory (areno/envs); None: every token was sampled
     """
 
     prompt_ids: np.ndarray
@@ -60,6 +63,7 @@ class RolloutBatch:
     response_logprobs: np.ndarray
     group_index: np.ndarray
     finish_reason: np.ndarray
+    response_mask: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         _check_dtype("prompt_ids", self.prompt_ids, np.int32)
@@ -83,6 +87,11 @@ class RolloutBatch:
             raise ValueError(f"finish_reason: length {self.finish_reason.size} != {n} responses")
         if n and (self.group_index.min() < 0 or self.group_index.max() >= self.num_prompts):
             raise ValueError(f"group_index: values must lie in [0, {self.num_prompts})")
+        if self.response_mask is not None:
+            _check_dtype("response_mask", self.response_mask, np.uint8)
+            if self.response_mask.size != self.response_ids.size:
+                raise ValueError(f"response_mask: length {self.response_mask.size} != "
+                                 f"response_ids length {self.response_ids.size}")
         if n and self.finish_reason.max() > FINISH_ABORT:
             raise ValueError("finish_reason: values must be 0 (stop), 1 (length) or 2 (abort)")
 
@@ -109,6 +118,20 @@ class RolloutBatch:
         """[N] int64"""
         return np.diff(self.response_offsets)
 
+    @property
+    def policy_mask(self) -> np.ndarray:
+        """[T] bool: the tokens the policy sampled (all of them without a response_mask)."""
+        if self.response_mask is None:
+            return np.ones(self.response_ids.size, dtype=bool)
+        return self.response_mask.astype(bool)
+
+    @property
+    def policy_lengths(self) -> np.ndarray:
+        """[N] int64 sampled tokens per response (observation tokens left out)."""
+        if self.response_mask is None:
+            return self.response_lengths
+        return segment_sums(self.response_mask, self.response_offsets)
+
     def response_tokens(self, i: int) -> np.ndarray:
         """View of response i's token ids (for tests and debugging)."""
         return self.response_ids[self.response_offsets[i] : self.response_offsets[i + 1]]
@@ -130,10 +153,11 @@ class RolloutBatch:
         prompt_ids, prompt_offsets = csr_take(self.prompt_ids, self.prompt_offsets, groups)
         response_ids, response_offsets = csr_take(self.response_ids, self.response_offsets, resp)
         logprobs, _ = csr_take(self.response_logprobs, self.response_offsets, resp)
+        mask = None if self.response_mask is None else csr_take(self.response_mask, self.response_offsets, resp)[0]
         return RolloutBatch(prompt_ids=prompt_ids, prompt_offsets=prompt_offsets,
                             response_ids=response_ids, response_offsets=response_offsets,
                             response_logprobs=logprobs, group_index=new_group[resp],
-                            finish_reason=self.finish_reason[resp]), resp
+                            finish_reason=self.finish_reason[resp], response_mask=mask), resp
 
     # -- construction ------------------------------------------------------
     @staticmethod
@@ -185,7 +209,14 @@ class RolloutBatch:
         def cat(views: list[np.ndarray], dtype) -> np.ndarray:
             return np.concatenate(views) if views else np.zeros(0, dtype)
 
+        masks = [b.response_mask for b in parts]
+        if all(m is None for m in masks):
+            mask = None
+        else:
+            full = [b.policy_mask.astype(np.uint8) if m is None else m for b, m in zip(parts, masks)]
+            mask = cat([full[k][a:z] for k, a, z in runs], np.uint8)
         batch = RolloutBatch(
+            response_mask=mask,
             prompt_ids=cat(prompt_views, np.int32),
             prompt_offsets=_offsets(p_b[inv] - p_a[inv]),
             response_ids=cat([parts[k].response_ids[a:z] for k, a, z in runs], np.int32),
@@ -206,6 +237,14 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
 def offsets_from_lengths(lengths: np.ndarray) -> np.ndarray:
     """[n] lengths -> [n+1] int64 offsets starting at 0."""
     return _offsets(np.asarray(lengths, dtype=np.int64))
+
+
+def segment_sums(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """[T] values, [N+1] offsets -> [N] int64 sum of each row (0 for an empty row):
+    one cumulative sum, no per-row Python."""
+    c = np.zeros(values.size + 1, dtype=np.int64)
+    np.cumsum(values, out=c[1:])
+    return c[offsets[1:]] - c[offsets[:-1]]
 
 
 def csr_take(values: np.ndarray, offsets: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -30,9 +30,12 @@ def completion_records(step: int, n: int, tokenizer: Any, prompt_texts: list[str
     idx = sample_indices(batch.num_responses, n, step)
     if not idx.size:
         return []
-    ids, offsets = csr_take(batch.response_ids, batch.response_offsets, idx)
-    texts = tokenizer.batch_decode([ids[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])],
-                                   skip_special_tokens=True)
+    if batch.response_mask is not None:
+        texts = trajectory_texts(tokenizer, batch, idx)
+    else:
+        ids, offsets = csr_take(batch.response_ids, batch.response_offsets, idx)
+        texts = tokenizer.batch_decode([ids[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])],
+                                       skip_special_tokens=True)
     groups = batch.group_index[idx]
     out = []
     for i, j in enumerate(idx.tolist()):
@@ -41,4 +44,18 @@ def completion_records(step: int, n: int, tokenizer: Any, prompt_texts: list[str
                     "completion": texts[i], "reward": r if math.isfinite(r) else None,
                     "advantage": float(advantages[j]),
                     "finish_reason": FINISH_REASONS[int(batch.finish_reason[j])]})
+    return out
+
+
+def trajectory_texts(tokenizer: Any, batch: RolloutBatch, idx: np.ndarray) -> list[str]:
+    """Multi-turn responses idx as text with the turns told apart: the policy's
+    turns as written, each observation as [env: ...]. One decode call for all."""
+    from areno.envs.trajectory import turn_segments
+
+    segs = [turn_segments(batch, j) for j in idx.tolist()]
+    texts = iter(tokenizer.batch_decode([a.tolist() for s in segs for _, a in s], skip_special_tokens=True))
+    out = []
+    for s in segs:
+        parts = [(m, next(texts)) for m, _ in s]
+        out.append(" ".join(t.strip() if m else "[env: " + " ".join(t.split()) + "]" for m, t in parts))
     return out

@@ -1,0 +1,77 @@
+"""The options of multi-turn environments (--env-path, --max-turns,
+--max-trajectory-tokens, --env-reward) and their rules. TrainConfig inherits
+the fields (one declaration, flags and YAML alike); the driver is
+areno/envs/driver.py. No torch here: the config is read before anything heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from areno.errors import UserError
+
+# Without --max-trajectory-tokens: as many observation tokens as sampled ones.
+DEFAULT_OBSERVATION_SHARE = 2
+
+
+def _opt(default: Any, help: str, *, ge: float | None = None, shown: str | None = None) -> Any:
+    return field(default=default, metadata=dict(help=help, group="Rollout", ge=ge, gt=None, le=None,
+                                                lt=None, shown=shown))
+
+
+@dataclass
+class EnvOptions:
+    env_path: str | None = _opt(
+        None, "Multi-turn environment: a .py file defining step(state, completion) -> "
+        "(observation, reward, done) and optionally reset(state) (async allowed). Its rewards "
+        "replace --reward-fn-path; it runs on the reward workers (--reward-workers, "
+        "--reward-timeout, --on-reward-error).", shown="unset (single-turn)")
+    max_turns: int = _opt(4, "Completions per trajectory under --env-path; a trajectory the "
+                          "environment has not ended by then finishes as length (reward counted).", ge=1)
+    max_trajectory_tokens: int = _opt(
+        0, "Response tokens (sampled + observation) per trajectory under --env-path; one that "
+        "reaches it finishes as length (reward counted). 0: 2 x --max-turns x --max-new-tokens.",
+        ge=0, shown="0 (2 x max turns x max new tokens)")
+    env_reward: Literal["sum", "last"] = _opt(
+        "sum", "A trajectory's reward under --env-path: the sum of its steps' rewards, or the "
+        "last step's.")
+
+
+def trajectory_tokens(cfg: Any) -> int:
+    """Response tokens one sample may hold: --max-new-tokens, or a trajectory's budget."""
+    if cfg.env_path is None:
+        return cfg.max_new_tokens
+    return cfg.max_trajectory_tokens or DEFAULT_OBSERVATION_SHARE * cfg.max_turns * cfg.max_new_tokens
+
+
+def check_env_options(cfg: Any) -> None:
+    """--env-path against the options it cannot go with: UserError (one line)."""
+    if cfg.env_path is None:
+        given = [f for f, on in (("--max-trajectory-tokens", cfg.max_trajectory_tokens),
+                                 ("--env-reward last", cfg.env_reward != "sum"),
+                                 ("--max-turns", cfg.max_turns != 4)) if on]
+        if given:
+            raise UserError(f"{given[0]} needs --env-path (a multi-turn environment)")
+        return
+    from areno.config.fieldcheck import check_file
+    from areno.envs.plugin import load_env_plugin
+
+    check_file("--env-path", cfg.env_path, suffix=".py")
+    load_env_plugin(cfg.env_path)  # no step(), a syntax error: one line now, not in a worker
+    flag = f"--env-path {cfg.env_path}"
+    if cfg.reward_fn_path is not None:
+        raise UserError(f"{flag} with --reward-fn-path: the environment's step() rewards are the "
+                        "reward; drop --reward-fn-path")
+    refused = [(f"--off-policy-steps {cfg.off_policy_steps}", cfg.off_policy_steps > 0,
+                "multi-turn rollouts run in the synchronous loop"),
+               ("--eval-dataset-path", cfg.eval_dataset_path is not None,
+                "evaluation scores single completions with a reward plugin"),
+               (f"--overlong-buffer {cfg.overlong_buffer}", cfg.overlong_buffer > 0,
+                "its penalty counts one completion's length, not a trajectory's")]
+    for what, on, why in refused:
+        if on:
+            raise UserError(f"{flag} with {what}: not built ({why})")
+    if cfg.max_trajectory_tokens and cfg.max_trajectory_tokens < cfg.max_new_tokens:
+        raise UserError(f"--max-trajectory-tokens {cfg.max_trajectory_tokens} is below --max-new-tokens "
+                        f"{cfg.max_new_tokens}: not even one whole turn would fit")

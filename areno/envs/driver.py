@@ -1,0 +1,209 @@
+"""The multi-turn rollout: every trajectory goes generate -> env -> generate on
+its own, and the engines generate whichever trajectories are ready while the
+environment workers step the others (docs/DESIGN.md, "Multi-turn environments").
+
+The engine is anything with `generate_stream` (a RolloutEngine, or the loop's
+EngineView over the ranks' engines): each ready trajectory is one request of
+n = 1 whose prompt is its prompt and its trajectory so far, token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import numpy as np
+
+from areno.envs.plugin import EnvState
+from areno.envs.pool import EnvPool, Outcome
+from areno.envs.trajectory import ObservationFormat, Trajectories
+from areno.rewards.plugin import RewardCounts, RewardResult
+from areno.rollout.batch import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutBatch, csr_take,
+                                 decode_completions)
+from areno.rollout.engine import SamplingConfig, prompt_seeds
+
+EnvReward = Literal["sum", "last"]
+
+
+@dataclass(frozen=True)
+class EnvBounds:
+    """max_turns: completions per trajectory (>= 1). max_tokens: response tokens
+    (sampled + observation) per trajectory; 0: the engine's context less the prompt.
+    reward: a trajectory's reward, the sum of its steps' rewards or the last one's."""
+
+    max_turns: int = 4
+    max_tokens: int = 0
+    reward: EnvReward = "sum"
+
+
+@dataclass
+class EnvRollout:
+    """A multi-turn rollout: the batch (with response_mask), its rewards, what it cost."""
+
+    batch: RolloutBatch
+    scored: RewardResult
+    turns: np.ndarray  # [N] int64 completions per trajectory
+    turn_limit: int = 0  # trajectories ended by max_turns
+    token_limit: int = 0  # trajectories ended by the token budget
+    engine_idle_s: float = 0.0  # waiting on environments with nothing to generate
+    generate_s: float = 0.0  # inside the engines' generate calls
+    rounds: int = 0  # generate calls
+    completions: list[list[str]] = field(default_factory=list)  # [N] each turn's text (display)
+    observations: list[list[str]] = field(default_factory=list)  # [N] each observation's text
+
+    def metrics(self) -> dict[str, float]:
+        return {"env/turns_mean": float(self.turns.mean()) if self.turns.size else 0.0,
+                "env/turn_limit": float(self.turn_limit), "env/token_limit": float(self.token_limit),
+                "env/engine_idle_s": self.engine_idle_s, "env/generate_s": self.generate_s,
+                "env/rounds": float(self.rounds)}
+
+
+class _Driver:
+    """The books of one multi-turn rollout (see rollout_multiturn)."""
+
+    def __init__(self, engine: Any, pool: EnvPool, tokenizer: Any, fmt: ObservationFormat,
+                 traj: Trajectories, states: list[EnvState], sampling: SamplingConfig,
+                 bounds: EnvBounds, budget: np.ndarray) -> None:
+        self.engine, self.pool, self.tokenizer, self.fmt = engine, pool, tokenizer, fmt
+        self.traj, self.states, self.sampling, self.bounds, self.budget = traj, states, sampling, bounds, budget
+        n = len(traj)
+        self.reward = np.zeros(n, np.float64)
+        self.valid = np.ones(n, bool)
+        self.finish = np.full(n, FINISH_STOP, np.uint8)
+        self.counts, self.messages = RewardCounts(), []
+        self.pending: dict[int, tuple[int, bool]] = {}  # ticket -> (trajectory, is a step)
+        self.last_token = np.zeros(n, np.int64)
+        self.ready: list[int] = []
+        self.out = EnvRollout(batch=None, scored=None, turns=traj.turns,  # type: ignore[arg-type]
+                              completions=[[] for _ in range(n)], observations=[[] for _ in range(n)])
+
+    def run(self) -> EnvRollout:
+        for i, s in enumerate(self.states):
+            self.pending[self.pool.submit(s, None)] = (i, False)
+        while self.pending or self.ready:
+            self.harvest(wait=not self.ready)
+            if self.ready:
+                idx, self.ready = np.array(self.ready, np.int64), []
+                self.generate(idx)
+        self.out.batch = self.traj.to_batch(self.finish)
+        self.out.scored = RewardResult(self.reward.astype(np.float32), self.valid, self.counts,
+                                       tuple(self.messages[:5]))
+        return self.out
+
+    def generate(self, idx: np.ndarray) -> None:
+        """One turn of trajectories idx; each finished one goes to its env at once."""
+        ids, offsets = self.traj.context(idx)
+        room = np.minimum(self.budget[idx] - self.traj.length[idx], self.engine.max_model_len - np.diff(offsets))
+        cap = np.minimum(self.sampling.max_tokens, room)
+        t0 = time.perf_counter()
+        for c in np.unique(cap).tolist():  # one request set per token cap (one but near the budget)
+            sub = np.flatnonzero(cap == c)
+            seed = None if self.sampling.seed is None else int(prompt_seeds(self.sampling.seed, self.out.rounds + 1)[-1])
+            s = replace(self.sampling, max_tokens=int(c), seed=seed)
+            self.out.rounds += 1
+            sub_ids, sub_off = csr_take(ids, offsets, sub)
+            for pos, part in self.engine.generate_stream(sub_ids, sub_off, 1, s, min_groups=1):
+                self.take(idx[sub[pos]], part)
+                self.harvest(wait=False)
+        self.out.generate_s += time.perf_counter() - t0
+
+    def take(self, who: np.ndarray, part: RolloutBatch) -> None:
+        """The turn of trajectories `who` (part's responses, in order): append, step the env."""
+        texts = decode_completions(self.tokenizer, part)
+        for j, i in enumerate(who.tolist()):
+            a, b = part.response_offsets[j], part.response_offsets[j + 1]
+            self.traj.add_turn(i, part.response_ids[a:b], part.response_logprobs[a:b])
+            self.last_token[i] = part.response_ids[b - 1] if b > a else -1
+            self.out.completions[i].append(texts[j])
+            st = self.states[i]
+            st.turn = int(self.traj.turns[i]) - 1
+            self.pending[self.pool.submit(st, texts[j])] = (i, True)
+
+    def harvest(self, wait: bool) -> None:
+        """Take every finished env call (wait: for at least one first)."""
+        if not self.pending:
+            return
+        t0 = time.perf_counter()
+        done = self.pool.wait_any(list(self.pending), timeout=None if wait else 0.0)
+        if wait:
+            self.out.engine_idle_s += time.perf_counter() - t0
+        for t in done:
+            i, is_step = self.pending.pop(t)
+            self.settle(i, is_step, self.pool.result(t))
+
+    def settle(self, i: int, is_step: bool, o: Outcome) -> None:
+        self.counts = self.counts + o.counts
+        self.messages.extend(o.messages)
+        if is_step:
+            self.reward[i] = self.reward[i] + o.reward if self.bounds.reward == "sum" else o.reward
+        if o.reply is None:  # failed under on_error zero / skip: the trajectory ends here
+            self.valid[i] &= o.valid
+            if not o.valid:
+                self.reward[i] = np.nan
+            self.finish[i] = FINISH_ABORT
+            return
+        self.states[i].data = o.reply.data
+        if o.reply.done:
+            self.finish[i] = FINISH_STOP
+            return
+        if is_step and self.traj.turns[i] >= self.bounds.max_turns:
+            self.finish[i] = FINISH_LENGTH
+            self.out.turn_limit += 1
+            return
+        if is_step:
+            obs = self.fmt.tokens(o.reply.observation, int(self.last_token[i]))
+            context = self.traj.prompt(i).size + self.traj.length[i] + obs.size
+            if self.traj.length[i] + obs.size + 1 > self.budget[i] or context + 1 > self.engine.max_model_len:
+                self.finish[i] = FINISH_LENGTH
+                self.out.token_limit += 1
+                return
+            self.traj.add_observation(i, obs)
+            self.out.observations[i].append(o.reply.observation)
+        self.ready.append(i)
+
+
+def rollout_multiturn(engine: Any, pool: EnvPool, tokenizer: Any, fmt: ObservationFormat,
+                      prompt_ids: np.ndarray, prompt_offsets: np.ndarray, states: list[EnvState],
+                      n: int, sampling: SamplingConfig, bounds: EnvBounds) -> EnvRollout:
+    """P prompts (CSR), n trajectories each (states: [P*n], trajectory i answers
+    prompt i // n) -> their EnvRollout. Rewards: the env's, summed or last
+    (bounds.reward); a failed env call (on_error zero/skip) ends its trajectory
+    with finish_reason abort."""
+    P = int(np.asarray(prompt_offsets).size - 1)
+    assert len(states) == P * n, (len(states), P, n)
+    traj = Trajectories(prompt_ids, prompt_offsets, np.repeat(np.arange(P, dtype=np.int64), n))
+    p_len = np.diff(np.asarray(prompt_offsets, np.int64))[traj.group_index]
+    context_room = engine.max_model_len - p_len
+    budget = context_room if bounds.max_tokens <= 0 else np.minimum(bounds.max_tokens, context_room)
+    return _Driver(engine, pool, tokenizer, fmt, traj, states, sampling, bounds, budget).run()
+
+
+def env_states(rows: Any, prompts: Any, prompt_idx: np.ndarray, n: int) -> list[EnvState]:
+    """One EnvState per trajectory of a step (trajectory i answers prompt i // n)."""
+    row_of_prompt = prompts.row_index[prompt_idx].tolist()
+    out = []
+    for i in range(len(row_of_prompt) * n):
+        g = i // n
+        row = rows[row_of_prompt[g]]
+        out.append(EnvState(prompt=prompts.texts[prompt_idx[g]], answer=row.get("answer"),
+                            solutions=row.get("solutions"), row=row, index=i))
+    return out
+
+
+def env_rollout(run: Any, prompt_idx: np.ndarray, sampling: SamplingConfig,
+                timer: Any) -> tuple[RolloutBatch, RewardResult, dict[str, float]]:
+    """The trainer's multi-turn round: the step's prompts through run.engine and the
+    environment (run.scorer is the EnvPool) -> (batch, rewards, env/* metrics)."""
+    from areno.data.prompts import select
+
+    cfg = run.cfg
+    eos = getattr(run.tokenizer, "eos_token_id", None)
+    fmt = ObservationFormat(run.tokenizer, cfg.chat_template, () if eos is None else (int(eos),))
+    bounds = EnvBounds(cfg.max_turns, cfg.max_trajectory_tokens or 0, cfg.env_reward)
+    ids, offsets = select(run.prompts, prompt_idx)
+    states = env_states(run.rows, run.prompts, prompt_idx, cfg.n_samples)
+    with timer("rollout"):  # generation and the env calls overlap: one phase
+        out = rollout_multiturn(run.engine, run.scorer, run.tokenizer, fmt, ids, offsets, states,
+                                cfg.n_samples, sampling, bounds)
+    return out.batch, out.scored, out.metrics()

@@ -1,0 +1,108 @@
+"""The multi-turn driver on a real (tiny) model with its chat template: token
+in, token out; the bounds; trajectories advance while another waits on its env."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from areno.envs.driver import EnvBounds, rollout_multiturn
+from areno.envs.plugin import EnvState
+from areno.envs.pool import EnvPool
+from areno.envs.trajectory import ObservationFormat
+from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP
+from areno.rollout.engine import SamplingConfig
+from tests.env_trace import TracingEngine, assert_token_in_token_out
+
+ENV = '''
+import os, time
+def reset(state):
+    state.data["moves"] = 0
+def step(state, completion):
+    state.data["moves"] += 1
+    wait = state.row.get("wait_for", 0)
+    if state.index == 0 and state.turn == 0 and wait:  # until the others finished, at most 60 s
+        t_end = time.monotonic() + 60
+        names = [os.path.join(state.row["dir"], f"done{j}") for j in range(1, wait + 1)]
+        while not all(map(os.path.exists, names)) and time.monotonic() < t_end:
+            time.sleep(0.01)
+        state.data["others_first"] = all(map(os.path.exists, names))
+    done = state.data["moves"] >= int(state.row.get("moves", 2))
+    if done and state.row.get("dir"):
+        open(os.path.join(state.row["dir"], f"done{state.index}"), "w").close()
+    return f"move {state.data['moves']} seen", 1.0 if done else 0.25, done
+'''
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tiny_chat_path):
+    from areno.rollout.hf import HFEngine
+
+    return HFEngine(tiny_chat_path, dtype="float32", device="cpu", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_chat_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_chat_path)
+
+
+def _setup(tok, tmp_path, rows, n):
+    env = tmp_path / "env.py"
+    env.write_text(ENV)
+    texts = [tok.apply_chat_template([{"role": "user", "content": "Guess a number."}], tokenize=False,
+                                     add_generation_prompt=True) for _ in rows]
+    enc = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    ids = np.array([t for e in enc for t in e], np.int32)
+    off = np.concatenate([[0], np.cumsum([len(e) for e in enc])]).astype(np.int64)
+    states = [EnvState(texts[i // n], None, None, rows[i // n], i) for i in range(len(rows) * n)]
+    return env, ids, off, states
+
+
+def test_trajectories_are_the_sampled_tokens_and_observations(hf_engine, tok, tmp_path):
+    rows = [{"moves": 3}, {"moves": 2}]
+    env, ids, off, states = _setup(tok, tmp_path, rows, n=2)
+    fmt = ObservationFormat(tok, True, hf_engine.eos_token_ids)
+    trace = TracingEngine(hf_engine)
+    with EnvPool(str(env), workers=2) as pool:
+        out = rollout_multiturn(trace, pool, tok, fmt, ids, off, states, 2,
+                                SamplingConfig(max_tokens=6, seed=1), EnvBounds(max_turns=4))
+    assert out.turns.tolist() == [3, 3, 2, 2]
+    assert out.scored.rewards.tolist() == [1.5, 1.5, 1.25, 1.25]  # summed over the steps
+    assert (out.batch.finish_reason == FINISH_STOP).all()
+    assert assert_token_in_token_out(trace, out, fmt) == 10
+    # the observation is a user turn through the template, between two sampled turns
+    text = tok.decode(out.batch.response_tokens(0).tolist())
+    assert "<|im_start|>user\nmove 1 seen<|im_end|>\n<|im_start|>assistant\n" in text
+
+
+def test_turn_and_token_bounds_end_trajectories_with_the_reward_counted(hf_engine, tok, tmp_path):
+    rows = [{"moves": 9}]
+    env, ids, off, states = _setup(tok, tmp_path, rows, n=2)
+    fmt = ObservationFormat(tok, True, hf_engine.eos_token_ids)
+    with EnvPool(str(env), workers=0) as pool:
+        out = rollout_multiturn(hf_engine, pool, tok, fmt, ids, off, states, 2,
+                                SamplingConfig(max_tokens=4, seed=2), EnvBounds(max_turns=2, reward="last"))
+        assert out.turns.tolist() == [2, 2] and out.turn_limit == 2
+        assert (out.batch.finish_reason == FINISH_LENGTH).all()
+        assert out.scored.rewards.tolist() == [0.25, 0.25]  # the last step's
+        for s in states:
+            s.data = {}
+        out = rollout_multiturn(hf_engine, pool, tok, fmt, ids, off, states, 2,
+                                SamplingConfig(max_tokens=4, seed=2), EnvBounds(max_turns=9, max_tokens=20))
+    assert out.token_limit == 2 and (out.batch.response_lengths <= 20).all()
+    assert (out.batch.finish_reason == FINISH_LENGTH).all() and (out.scored.rewards > 0).all()
+
+
+def test_others_advance_while_one_trajectory_waits_on_its_env(hf_engine, tok, tmp_path):
+    """Trajectory 0's first step returns only once the two others have finished all
+    their turns: a driver that waited for every env call of a turn would stall here."""
+    rows = [{"moves": 3, "wait_for": 2, "dir": str(tmp_path)}]
+    env, ids, off, states = _setup(tok, tmp_path, rows, n=3)
+    fmt = ObservationFormat(tok, True, hf_engine.eos_token_ids)
+    with EnvPool(str(env), workers=3, timeout=120) as pool:
+        out = rollout_multiturn(hf_engine, pool, tok, fmt, ids, off, states, 3,
+                                SamplingConfig(max_tokens=4, seed=3), EnvBounds(max_turns=4))
+    assert out.turns.tolist() == [3, 3, 3]
+    assert states[0].data["others_first"], "the others waited for trajectory 0's env"
