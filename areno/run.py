@@ -268,11 +268,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
     longest = max(int(p.lengths.max()) for p in (prompts, evalset and evalset[1]) if p)
     check_model(model_path, longest, trajectory_tokens(cfg))  # before any engine or rank starts
     with contextlib.ExitStack() as stack:
-        scorer = stack.enter_context(EnvPool(  # multi-turn: the env's calls on the reward workers
-            cfg.env_path, workers=cfg.reward_workers, timeout=cfg.reward_timeout, on_error=cfg.on_reward_error,
-        ) if cfg.env_path else RewardScorer(
-            resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,
-            timeout=cfg.reward_timeout, on_error=cfg.on_reward_error))
+        scorer = stack.enter_context(scorer_for(cfg))
         # The ranks hold the rollout engines, so an eval-only run starts them too.
         spec = None if engine is not None else settings.engine_spec(cfg, device, longest, lora.rank if lora else 0)
         bcfg = settings.backend_config(cfg, model_path, base_model, world_size, device, max(total, 1), spec,
@@ -293,18 +289,34 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
                   logger=logger, world_size=world_size, total_steps=total, step=resume.step, evalset=evalset,
                   max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
         logger.info(start_line(run, resume, device))
-        saved = load_inflight(resume.ckpt)  # a K >= 1 run's rollouts in flight
-        if saved and not cfg.off_policy_steps:  # K = 0 samples them again, from these weights
-            sampler.load_state_dict(saved[0].sampler_before)
-            saved = []
-        if cfg.rollout_world_size:  # engine processes: their loop, any K (asyncloop.py)
-            run.ahead = RolloutsAhead(run, int(resume.state.get("weight_version", resume.step)), saved)
+        resume_rollouts(run, resume)
         if lora is not None:
             logger.info(lora_line(lora, params))
             if lora.adapter_path is not None:  # the engines hold the base model: give them the trained one
                 run.engine.sync_weights()
         resume.restore_rng()  # last: engine and backend start-up may reseed the global RNGs
         yield run
+
+
+def scorer_for(cfg: TrainConfig) -> RewardScorer | EnvPool:
+    """The reward plugin's scorer, or under --env-path the environment's calls, on
+    the same reward workers."""
+    if cfg.env_path:
+        return EnvPool(cfg.env_path, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
+                       on_error=cfg.on_reward_error)
+    return RewardScorer(resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,
+                        timeout=cfg.reward_timeout, on_error=cfg.on_reward_error)
+
+
+def resume_rollouts(run: Run, resume: Resume) -> None:
+    """A K >= 1 checkpoint's rollouts in flight: kept for the loop of the engine
+    processes (asyncloop.py), or, at K = 0, sampled again from these weights."""
+    saved = load_inflight(resume.ckpt)
+    if saved and not run.cfg.off_policy_steps:
+        run.sampler.load_state_dict(saved[0].sampler_before)
+        saved = []
+    if run.cfg.rollout_world_size:  # engine processes: their loop, any K
+        run.ahead = RolloutsAhead(run, int(resume.state.get("weight_version", resume.step)), saved)
 
 
 def model_for(cfg: TrainConfig, resume: Resume) -> tuple[str, str, Weights | None, Any, dict | None]:

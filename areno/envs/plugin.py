@@ -27,7 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from areno.errors import UserError, import_user_file, is_signal_interrupt, one_line, user_frame
-from areno.rewards.plugin import STATUS_ERROR, STATUS_OK, PluginKind
+from areno.rewards.plugin import STATUS_ERROR, STATUS_OK, PluginKind, short_repr
 
 
 @dataclass
@@ -93,14 +93,6 @@ def _run(fn: Callable, args: tuple, loop: asyncio.AbstractEventLoop | None) -> A
     return out
 
 
-def _short(x: Any) -> str:
-    try:
-        text = repr(x)
-    except Exception:  # noqa: BLE001
-        return "(unprintable)"
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def call_env(plugin: EnvPlugin, call: EnvCall, loop: Any) -> tuple[int, float, str, Any]:
     """One reset or step -> (status, reward, message, EnvReply or None)."""
     state = call.state
@@ -118,7 +110,7 @@ def call_env(plugin: EnvPlugin, call: EnvCall, loop: Any) -> tuple[int, float, s
     ok = (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], (str, type(None)))
           and isinstance(out[1], (numbers.Real, np.bool_)) and isinstance(out[2], (bool, np.bool_, int)))
     if not ok:
-        return (STATUS_ERROR, math.nan, f"step returned {_short(out)}, not (observation: str, "
+        return (STATUS_ERROR, math.nan, f"step returned {short_repr(out)}, not (observation: str, "
                 "reward: float, done: bool)", None)
     return STATUS_OK, float(out[1]), "", EnvReply(out[0] or "", bool(out[2]), state.data)
 

@@ -128,7 +128,7 @@ class RewardResult:
 def _as_reward(out: Any) -> tuple[int, float, str]:
     if isinstance(out, (numbers.Real, np.bool_)):
         return STATUS_OK, float(out), ""
-    return STATUS_ERROR, math.nan, f"returned {type(out).__name__} {_short(out)}, not a number"
+    return STATUS_ERROR, math.nan, f"returned {type(out).__name__} {short_repr(out)}, not a number"
 
 
 def out_of_range(vals: np.ndarray) -> np.ndarray:
@@ -137,7 +137,8 @@ def out_of_range(vals: np.ndarray) -> np.ndarray:
         return ~(np.abs(vals) <= REWARD_LIMIT)
 
 
-def _short(x: Any) -> str:
+def short_repr(x: Any) -> str:
+    """repr(x) cut to 60 characters, for a one-line error about a plugin's value."""
     try:
         text = repr(x)
     except Exception:  # noqa: BLE001

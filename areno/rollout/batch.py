@@ -172,16 +172,9 @@ class RolloutBatch:
         destination is cut into runs of responses contiguous in one part (a
         group, usually), found with vectorized passes, and each array is one
         np.concatenate of the runs' views. O(parts + runs) Python, runs <= responses."""
-        if not parts or len(parts) != len(positions):
-            raise ValueError(f"merge_parts: {len(parts)} parts, {len(positions)} position arrays")
-        positions = [np.asarray(q, dtype=np.int64) for q in positions]
-        for b, q in zip(parts, positions):
-            if q.shape != (b.num_prompts,):
-                raise ValueError(f"merge_parts: {q.size} positions for a part of {b.num_prompts} prompts")
+        positions = _checked_positions(parts, positions)
         pos_all = np.concatenate(positions)
         P = pos_all.size
-        if P and (pos_all.min() < 0 or pos_all.max() >= P or np.bincount(pos_all, minlength=P).max() > 1):
-            raise ValueError("merge_parts: the positions are not a permutation of 0..P-1")
         # responses: new group of each (in concat order), stable sort by it
         new_group = np.concatenate([q[b.group_index] for b, q in zip(parts, positions)])
         if np.array_equal(pos_all, np.arange(P)):  # already in order: kept as is
@@ -226,6 +219,22 @@ class RolloutBatch:
             finish_reason=np.concatenate([b.finish_reason for b in parts])[resp_perm],
         )
         return batch, resp_perm
+
+
+def _checked_positions(parts: list["RolloutBatch"], positions: list[np.ndarray]) -> list[np.ndarray]:
+    """merge_parts' positions as int64 arrays, one per part and together a
+    permutation of 0..P-1; ValueError otherwise."""
+    if not parts or len(parts) != len(positions):
+        raise ValueError(f"merge_parts: {len(parts)} parts, {len(positions)} position arrays")
+    positions = [np.asarray(q, dtype=np.int64) for q in positions]
+    for b, q in zip(parts, positions):
+        if q.shape != (b.num_prompts,):
+            raise ValueError(f"merge_parts: {q.size} positions for a part of {b.num_prompts} prompts")
+    pos_all = np.concatenate(positions)
+    P = pos_all.size
+    if P and (pos_all.min() < 0 or pos_all.max() >= P or np.bincount(pos_all, minlength=P).max() > 1):
+        raise ValueError("merge_parts: the positions are not a permutation of 0..P-1")
+    return positions
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
