@@ -18,7 +18,7 @@ from serial_lock import one_at_a_time  # noqa: F401  (autouse, every test)
 
 # Slow tiers: left out of the default run (the README's test command), run by
 # `--full` (.ci/run) or when named with -m. Registered in pyproject.toml.
-TIERS = ("realmodel", "learning", "faults", "timing")
+TIERS = ("realmodel", "learning", "faults", "timing", "bench")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

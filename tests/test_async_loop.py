@@ -171,6 +171,7 @@ def test_k2_lags_0_1_2_2_and_resumes_exactly_from_a_checkpoint_with_three_rollou
     assert {s: full[s]["data/prompt_hash"] for s in full} == expected_prompt_hashes(range(1, 7), 4)
 
 
+@pytest.mark.faults
 def test_the_synchronous_loops_resume_test_passes_with_k1(tmp_path, areno_cache, eval_flags):
     """test_resume's pair (vLLM rollouts, 2 gloo ranks, eval at 0, 2 and 4 with its
     own seeds, checkpoints at 2 and 4) with one engine process and K = 1: each eval

@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.bench
 def test_gpu_check_cpu_smoke_passes(tmp_path: Path) -> None:
     env = dict(os.environ, OUT=str(tmp_path), ARENO_CACHE=str(tmp_path / "cache"), PYTHON=sys.executable)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu-smoke"],

@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_async.py"
 
 
+@pytest.mark.timing
 def test_bench_async_stand_ins_apply_and_k1_overlaps(tmp_path: Path) -> None:
     R = T = 0.4
     out = tmp_path / "async.json"

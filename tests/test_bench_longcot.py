@@ -33,6 +33,7 @@ ASYNC_FIELDS = ("take_s", "wait_batch_s", "wait_weights_s", "host_margin_s", "st
                 "stream_after_last_s", "stream_decode_total_s")
 
 
+@pytest.mark.timing
 def test_bench_longcot_quick(tmp_path: Path) -> None:
     out = tmp_path / "longcot.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)], cwd=tmp_path,

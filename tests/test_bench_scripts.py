@@ -174,6 +174,7 @@ def test_bench_train_smoke_reports_both_trainers(tmp_path: Path):
 VS_TRL = REPO / "scripts" / "bench_demo_vs_trl.py"
 
 
+@pytest.mark.bench
 @pytest.mark.skipif(importlib.util.find_spec("trl") is not None,
                     reason="trl is installed: this covers the run without it")
 def test_demo_vs_trl_without_trl_runs_areno_alone(tmp_path: Path):
@@ -204,6 +205,7 @@ def test_demo_vs_trl_without_trl_runs_areno_alone(tmp_path: Path):
     assert not re.search(r"^areno\b", proc.stdout, re.M)  # no areno run started
 
 
+@pytest.mark.bench
 def test_bench_lora_vs_full_runs_both_arms_on_one_seed(tmp_path: Path, tiny_chat_path: Path):
     """scripts/bench_lora_vs_full.py (issue 26, 3) on the tiny chat model, 2 steps:
     both arms run as `areno train` and their reward curves land in the JSON."""
