@@ -35,6 +35,7 @@ def test_env_options_reach_the_config_and_replace_the_reward_plugin(env):
     (GOOD, ["--env-reward", "mean"], "--env-reward"),
     (GOOD, ["--max-trajectory-tokens", "1"], "below --max-new-tokens"),
     (GOOD, ["--overlong-buffer", "1"], "not built"),
+    (GOOD, ["--rollout-world-size", "1"], "--rollout-world-size 1: not built"),
 ])
 def test_env_mistakes_are_one_line(tmp_path, capsys, source, extra, message):
     p = tmp_path / "env.py"

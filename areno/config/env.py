@@ -65,6 +65,9 @@ def check_env_options(cfg: Any) -> None:
                         "reward; drop --reward-fn-path")
     refused = [(f"--off-policy-steps {cfg.off_policy_steps}", cfg.off_policy_steps > 0,
                 "multi-turn rollouts run in the synchronous loop"),
+               (f"--rollout-world-size {cfg.rollout_world_size}", cfg.rollout_world_size > 0,
+                "the multi-turn driver runs on the engines in the ranks; engine processes "
+                "stream single-turn rollouts"),
                ("--eval-dataset-path", cfg.eval_dataset_path is not None,
                 "evaluation scores single completions with a reward plugin"),
                (f"--overlong-buffer {cfg.overlong_buffer}", cfg.overlong_buffer > 0,
