@@ -7,7 +7,7 @@ when it is set (so repeated runs reuse them), else into a session temp dir.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -231,3 +231,19 @@ def files(tmp_path: Path) -> dict[str, str]:
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     return {"dataset_path": str(data), "reward_fn_path": str(plugin)}
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> Iterator[None]:
+    """Each test ends with the signal handlers it found. A test that runs part of
+    areno's loop in-process can leave SIGINT ignored (trainer.stopped ignores it
+    on the way to exit) or held; the tests after it that interrupt the main
+    thread (_thread.interrupt_main, which does nothing under SIG_IGN) would then
+    see no KeyboardInterrupt (CI run 1 of stop 30: four of them)."""
+    import signal
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for s, h in saved.items():
+        if h is not None and signal.getsignal(s) is not h:
+            signal.signal(s, h)
