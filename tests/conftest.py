@@ -46,7 +46,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def pytest_configure(config: pytest.Config) -> None:
     """Under CI, a vLLM that does not import fails the run at once: otherwise the
     vLLM tests skip and the CLI's default engine falls back to transformers, and
-    a broken install would give a green suite."""
+    a broken install would give a green suite.
+
+    Ctrl-C must reach the tests that send it: a shell starts a background job
+    (`cmd &` without job control) with SIGINT ignored, Python then keeps it
+    ignored, and _thread.interrupt_main or SIGINT do nothing (stop 30's CI runs,
+    started that way, failed four interrupt tests). Python's own handler here,
+    and so in the workers and ranks this process starts."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if os.environ.get("CI") and not os.environ.get("PYTEST_XDIST_WORKER"):
         import importlib
 
@@ -232,18 +242,3 @@ def files(tmp_path: Path) -> dict[str, str]:
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     return {"dataset_path": str(data), "reward_fn_path": str(plugin)}
 
-
-@pytest.fixture(autouse=True)
-def _signal_handlers_restored() -> Iterator[None]:
-    """Each test ends with the signal handlers it found. A test that runs part of
-    areno's loop in-process can leave SIGINT ignored (trainer.stopped ignores it
-    on the way to exit) or held; the tests after it that interrupt the main
-    thread (_thread.interrupt_main, which does nothing under SIG_IGN) would then
-    see no KeyboardInterrupt (CI run 1 of stop 30: four of them)."""
-    import signal
-
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    yield
-    for s, h in saved.items():
-        if h is not None and signal.getsignal(s) is not h:
-            signal.signal(s, h)
