@@ -103,8 +103,9 @@ def spawn_peers(shape: PeerShape, master_port: int | None = None, heartbeat_time
     pdeathsig = threading.current_thread() is threading.main_thread()
     procs, conns = [], []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    # In the environment a child starts with, not its spawn_main's update: the
-    # unpickling of its target imports torch, and OpenMP reads its settings then.
+    # In the environment a child starts with, not its spawn_main's update: its
+    # target (_spawn_main) imports torch before that update, and OpenMP reads its
+    # settings then.
     omp = rank_omp_env(shape.device, os.environ)
     os.environ.update(omp)
     try:
