@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from leftover_check import nothing_left_behind  # noqa: F401  (autouse, every module)
-from serial_lock import one_at_a_time  # noqa: F401  (autouse, every test)
+from serial_lock import pytest_runtest_protocol  # noqa: F401  (every test, around its fixtures)
 
 # Slow tiers: left out of the default run (the README's test command), run by
 # `--full` (.ci/run) or when named with -m. Registered in pyproject.toml.
@@ -29,12 +29,45 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 LONG_TIERS_TIMEOUT_S = 900  # the learning and real-model runs: minutes on 2 busy cores
 
 
+def _schedule_rank(it: pytest.Item) -> int:
+    """Where a test goes in the order xdist hands tests out (pyproject: --dist
+    loadgroup --no-loadscope-reorder). The `alone` tests first, back to back,
+    before anything else has started: later, each would first wait for the other
+    worker's running test (a learning run: a minute and more) to end. Then the
+    long runs, so that none starts last and leaves one worker idle; then the rest."""
+    if it.get_closest_marker("alone"):
+        return 0
+    if any(it.get_closest_marker(t) for t in ("learning", "realmodel", "bench")):
+        return 1
+    return 2 if it.get_closest_marker("faults") else 3
+
+
+def _shares_a_module_fixture(it: pytest.Item) -> bool:
+    """True when the test uses a module- or class-scoped fixture (a trained run,
+    an engine): its module's tests then go to one worker, which builds it once."""
+    defs = getattr(it, "_fixtureinfo", None)
+    return defs is not None and any(
+        fd.scope in ("module", "class", "package") and fd.argname != "nothing_left_behind"
+        for fds in defs.name2fixturedefs.values() for fd in fds)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for it in items:
         if it.get_closest_marker("timing"):  # a busy neighbour would disturb the clock
             it.add_marker(pytest.mark.alone)
         if any(it.get_closest_marker(t) for t in ("learning", "realmodel")) and not it.get_closest_marker("timeout"):
             it.add_marker(pytest.mark.timeout(LONG_TIERS_TIMEOUT_S))
+    # A module whose tests share a fixture goes as one unit, at its most urgent
+    # test's place, and stays contiguous (else a plain run would build it twice).
+    rank = {it.nodeid: _schedule_rank(it) for it in items}
+    unit = {it.nodeid: it.nodeid.split("::")[0] if _shares_a_module_fixture(it) else it.nodeid for it in items}
+    first: dict[str, int] = {}
+    for it in items:
+        first[unit[it.nodeid]] = min(first.get(unit[it.nodeid], 9), rank[it.nodeid])
+        if unit[it.nodeid] != it.nodeid:
+            it.add_marker(pytest.mark.xdist_group(unit[it.nodeid]))
+    items.sort(key=lambda it: first[unit[it.nodeid]])  # stable: a module's tests keep their order
     if config.getoption("--full") or config.getoption("-m"):
         return
     keep = [it for it in items if not any(it.get_closest_marker(t) for t in TIERS)]
