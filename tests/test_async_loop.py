@@ -32,6 +32,7 @@ from test_resume import (FLAGS, HF1, REPO, assert_resume_repeats, assert_same_st
 from test_split_placement import PROMPTS, backend_config
 
 K1 = ["--rollout-world-size", "1", "--off-policy-steps", "1"]
+LEARNED_AT_300 = 0.6  # the 20-step mean reward at step 300 of the demo
 K2 = ["--rollout-world-size", "1", "--off-policy-steps", "2"]
 
 
@@ -155,6 +156,7 @@ def test_k1_lags_one_version_and_resumes_exactly_from_a_checkpoint_with_a_rollou
     assert {s: full[s]["data/prompt_hash"] for s in full} == expected_prompt_hashes(range(1, 7), 4)
 
 
+@pytest.mark.faults  # K = 1 resumes exactly in the default tier (above); K = 2 in the fault tier
 def test_k2_lags_0_1_2_2_and_resumes_exactly_from_a_checkpoint_with_three_rollouts_in_flight(
         tmp_path, areno_cache):
     full = k1_run(tmp_path / "full", areno_cache, "--save-interval", "3", "--keep-last", "0", k=K2)
@@ -221,15 +223,16 @@ def test_ctrl_c_saves_the_rollouts_in_flight_and_the_resumed_run_trains_them(tmp
 @pytest.mark.learning
 def test_the_demo_learns_with_k1_and_an_engine_process(tmp_path, areno_cache):
     """Seeded (0): the embedded demo with its engine in a process of its own, one
-    rollout ahead, held to the synchronous demo's bar (test_demo_learns: the mean
-    reward of the last 20 of 600 steps >= 0.9). Measured at seed 0: 0.06 -> 0.987.
-    At 300 steps K = 1 reached 0.87 and K = 0 0.80: too close to a bar to test there."""
+    rollout ahead, for half the demo's steps. Measured at seed 0: the 20-step mean
+    reward at step 300 is 0.87 (K = 0: 0.80); LEARNED_AT_300 is 0.27 below it. The
+    mastery bar at 600 steps is held by K = 4 (below), whose samples are staler."""
     out = tmp_path / "demo"
-    ok(cli(["train", *K1, "--seed", "0", "--no-save", "--output-dir", str(out)], areno_cache, timeout=1500))
+    ok(cli(["train", *K1, "--seed", "0", "--max-steps", "300", "--no-save", "--output-dir", str(out)],
+           areno_cache, timeout=1500))
     rewards = np.array([r["reward/mean"] for _, r in sorted(train_steps(out).items())])
-    assert rewards.size == 600
+    assert rewards.size == 300
     early, late = rewards[:WINDOW].mean(), rewards[-WINDOW:].mean()
-    assert early < 0.2 and late >= MASTERED, f"reward {early:.3f} -> {late:.3f}"
+    assert early < 0.2 and late >= LEARNED_AT_300, f"reward {early:.3f} -> {late:.3f}"
 
 
 @pytest.mark.learning

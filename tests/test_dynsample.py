@@ -142,6 +142,7 @@ def test_demo_fills_every_step_with_informative_groups_and_counts_the_bound(tmp_
     assert tight[1]["sampling/groups_kept"] == 4 - off[1]["batch/zero_var_groups"]
 
 
+@pytest.mark.faults  # two runs; resume exactness is in the default tier elsewhere (test_async_loop)
 def test_resume_with_dynamic_sampling_repeats_the_uninterrupted_run(tmp_path, areno_cache):
     flags = ["--dynamic-sampling", "reward", "--max-sampling-rounds", "8", "--save-interval", "2",
              "--keep-last", "0"]

@@ -19,6 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+# Two vLLM runs on 2 ranks (~2.5 min on 2 busy cores): the fault tier. The default
+# tier resumes exactly too, with the transformers engine (test_async_loop,
+# test_lora, test_checkpoint).
+pytestmark = pytest.mark.faults
+
 REPO = Path(__file__).resolve().parents[1]
 # The embedded demo (tiny arith model, builtin task), small and quick.
 SMALL = ["--batch-size", "4", "--n-samples", "4"]
