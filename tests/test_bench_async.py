@@ -1,5 +1,5 @@
-"""scripts/bench_async.py with tiny costs: the real `areno train` at K = 0, 1
-and 2 runs with the stand-ins (RankHooks in the rank and in the engine
+"""scripts/bench_async.py with tiny costs: the real `areno train` at K = 0 and
+1 runs with the stand-ins (RankHooks in the rank and in the engine
 process) really applied, fixed and heavy-tailed, and prints the table."""
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ def test_bench_async_stand_ins_apply_and_k1_overlaps(tmp_path: Path) -> None:
     R = T = 0.4
     out = tmp_path / "async.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--train-s", str(T), "--ratios", "1", "--steps", "3",
-                           "--ks", "0,1,2", "--tail-steps", "4", "--out", str(out)],
+                           "--ks", "0,1", "--tail-steps", "4", "--out", str(out)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=400, env=child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| scenario | K | mean R | T | step (mean) |" in proc.stdout
-    assert "| R/T 1 | 2 | 0.4 s | 0.4 s |" in proc.stdout and "| tail | 2 |" in proc.stdout
+    assert "| R/T 1 | 1 | 0.4 s | 0.4 s |" in proc.stdout and "| tail | 1 |" in proc.stdout
     assert "targets:" in proc.stdout
     fixed, tail = json.loads(out.read_text())["scenarios"]
     rows = {r["k"]: r for r in fixed["rows"]}
@@ -35,6 +35,6 @@ def test_bench_async_stand_ins_apply_and_k1_overlaps(tmp_path: Path) -> None:
     assert all(r["train_cmds"] == 3 and r["rollout_cmds"] == 3 for r in rows.values()), rows
     assert all(r["max_overrun_s"] <= 0 for r in rows.values()), "the real work took longer than a stand-in"
     assert rows[0]["median_step_s"] >= R + T, rows  # synchronous: rollout, then train, each at its cost
-    assert rows[1]["median_step_s"] >= max(R, T) and rows[2]["lag_mean"] > rows[1]["lag_mean"], rows
+    assert rows[1]["median_step_s"] >= max(R, T) and rows[1]["lag_mean"] > rows[0]["lag_mean"], rows
     # the tail's rollouts took the drawn times: as many commands, none at the fixed R
-    assert [r["rollout_cmds"] for r in tail["rows"]] == [4, 4, 4] and tail["rows"][0]["rollout_mean_s"] != R
+    assert [r["rollout_cmds"] for r in tail["rows"]] == [4, 4] and tail["rows"][0]["rollout_mean_s"] != R
