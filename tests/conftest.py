@@ -18,7 +18,7 @@ from serial_lock import pytest_runtest_protocol  # noqa: F401  (every test, arou
 
 # Slow tiers: left out of the default run (the README's test command), run by
 # `--full` (.ci/run) or when named with -m. Registered in pyproject.toml.
-TIERS = ("realmodel", "learning", "faults", "timing", "bench")
+TIERS = ("realmodel", "learning", "faults", "timing", "bench", "slow")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -39,7 +39,7 @@ def _schedule_rank(it: pytest.Item) -> int:
         return 0
     if any(it.get_closest_marker(t) for t in ("learning", "realmodel", "bench")):
         return 1
-    return 2 if it.get_closest_marker("faults") else 3
+    return 2 if any(it.get_closest_marker(t) for t in ("faults", "slow")) else 3
 
 
 def _shares_a_module_fixture(it: pytest.Item) -> bool:

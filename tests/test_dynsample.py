@@ -120,6 +120,7 @@ def run_demo(tmp_path, cache, name, *extra):
     return out
 
 
+@pytest.mark.slow  # a minute of end-to-end run on 2 busy cores; its parts are tested in the default tier
 def test_demo_fills_every_step_with_informative_groups_and_counts_the_bound(tmp_path, areno_cache):
     off = train_steps(run_demo(tmp_path, areno_cache, "off", "--no-save"))
     on = train_steps(run_demo(tmp_path, areno_cache, "on", "--no-save", "--dynamic-sampling", "reward",

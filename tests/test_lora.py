@@ -202,6 +202,7 @@ print("TOKENS " + json.dumps(list(out[0].outputs[0].token_ids)), flush=True)
 
 
 # -- real rank processes: FSDP2 (2 ranks, gloo) and DDP --------------------------------
+@pytest.mark.slow  # a minute of end-to-end run on 2 busy cores; its parts are tested in the default tier
 def test_fsdp2_and_ddp_make_the_single_rank_lora_update(tiny_chat_path, tmp_path) -> None:
     from areno.backend import TorchBackend
 

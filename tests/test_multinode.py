@@ -28,6 +28,7 @@ def _metrics(run_dir) -> np.ndarray:
     return np.array([[r["reward/mean"], r["train/loss"], r["train/grad_norm"]] for r in rows])
 
 
+@pytest.mark.slow  # a minute of end-to-end run on 2 busy cores; its parts are tested in the default tier
 def test_two_nodes_on_localhost_give_the_one_node_update(tmp_path):
     env = {"ARENO_BACKEND_AUTHKEY": secrets.token_hex(16)}
     port = str(free_port())

@@ -54,6 +54,7 @@ def test_third_party_output_goes_to_run_log_unless_verbose(tmp_path, verbose):
         assert (text in log) != verbose, (text, log)
 
 
+@pytest.mark.slow  # a minute of end-to-end run on 2 busy cores; its parts are tested in the default tier
 def test_default_startup_shows_areno_lines_only(tmp_path, areno_cache):
     """The default engine (vLLM; the demo's is transformers) and its notices,
     warnings and progress bars."""

@@ -56,7 +56,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("engine", ["vllm", "hf"])
+@pytest.mark.parametrize("engine", [pytest.param("vllm", marks=pytest.mark.slow), "hf"])  # vllm: a minute
 def test_gsm8k_two_steps(engine, tmp_path, tiny_chat_path):
     data = tmp_path / "gsm8k.jsonl"
     write_gsm8k_rows(data)
