@@ -7,7 +7,7 @@ when it is set (so repeated runs reuse them), else into a session temp dir.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -60,13 +60,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             it.add_marker(pytest.mark.timeout(LONG_TIERS_TIMEOUT_S))
     # A module whose tests share a fixture goes as one unit, at its most urgent
     # test's place, and stays contiguous (else a plain run would build it twice).
-    rank = {it.nodeid: _schedule_rank(it) for it in items}
     unit = {it.nodeid: it.nodeid.split("::")[0] if _shares_a_module_fixture(it) else it.nodeid for it in items}
     first: dict[str, int] = {}
     for it in items:
-        first[unit[it.nodeid]] = min(first.get(unit[it.nodeid], 9), rank[it.nodeid])
-        if unit[it.nodeid] != it.nodeid:
-            it.add_marker(pytest.mark.xdist_group(unit[it.nodeid]))
+        u = unit[it.nodeid]
+        first[u] = min(first.get(u, 9), _schedule_rank(it))
+        if u != it.nodeid:
+            it.add_marker(pytest.mark.xdist_group(u))
     items.sort(key=lambda it: first[unit[it.nodeid]])  # stable: a module's tests keep their order
     if config.getoption("--full") or config.getoption("-m"):
         return
@@ -274,4 +274,3 @@ def files(tmp_path: Path) -> dict[str, str]:
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
     return {"dataset_path": str(data), "reward_fn_path": str(plugin)}
-
