@@ -239,13 +239,15 @@ def test_the_demo_learns_with_k1_and_an_engine_process(tmp_path, areno_cache):
 def test_the_demo_learns_with_k4(tmp_path, areno_cache):
     """Seeded (0): the embedded demo four rollouts ahead (every step from the 5th
     on trains on samples four versions old), held to the same bar as K = 1 and
-    the synchronous demo. Measured at seed 0: 0.057 -> 0.976 (issue 27)."""
+    the synchronous demo, in 400 of the demo's 600 steps (its cosine schedule
+    ends at 400). Measured at seed 0: 0.057 -> 0.938, the 20-step mean at 0.9
+    by step 273; at 600 steps 0.976 (issue 27)."""
     out = tmp_path / "demo"
     ok(cli(["train", "--rollout-world-size", "1", "--off-policy-steps", "4", "--seed", "0", "--no-save",
-            "--output-dir", str(out)], areno_cache, timeout=1500))
+            "--max-steps", "400", "--output-dir", str(out)], areno_cache, timeout=1500))
     steps = train_steps(out)
     rewards = np.array([r["reward/mean"] for _, r in sorted(steps.items())])
-    assert rewards.size == 600 and steps[600]["rollout/policy_lag_max"] == 4
+    assert rewards.size == 400 and steps[400]["rollout/policy_lag_max"] == 4
     early, late = rewards[:WINDOW].mean(), rewards[-WINDOW:].mean()
     assert early < 0.2 and late >= MASTERED, f"reward {early:.3f} -> {late:.3f}"
 

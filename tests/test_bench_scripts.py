@@ -178,20 +178,21 @@ VS_TRL = REPO / "scripts" / "bench_demo_vs_trl.py"
 @pytest.mark.skipif(importlib.util.find_spec("trl") is not None,
                     reason="trl is installed: this covers the run without it")
 def test_demo_vs_trl_without_trl_runs_areno_alone(tmp_path: Path):
-    """No trl: the install hint, then areno's demo alone (and through vLLM with
-    a --variant), with its rows in the table and JSON."""
+    """No trl: the install hint, then areno's demo alone (and with a --variant's
+    flags: one thread, not vLLM, whose start-up would double the test), with its
+    rows in the table and JSON."""
     out = tmp_path / "vs_trl.json"
     env = child_env()
     proc = subprocess.run(
-        [sys.executable, str(VS_TRL), "--steps", "3", "--variant", "areno-vllm=--rollout-engine vllm", "--json", str(out)],
+        [sys.executable, str(VS_TRL), "--steps", "3", "--variant", "areno-1t=--cpu-threads 1", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300, env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "trl is not importable" in proc.stdout and "--target /tmp/trlsite trl==1.16.0" in proc.stdout
-    assert "areno   " in proc.stdout and "areno-vllm " in proc.stdout and "\ntrl " not in proc.stdout
+    assert "areno   " in proc.stdout and "areno-1t " in proc.stdout and "\ntrl " not in proc.stdout
     data = json.loads(out.read_text())
     assert data["trl"] is False and data["ratios"] == {}
-    assert [r["trainer"] for r in data["rows"]] == ["areno", "areno-vllm"]
+    assert [r["trainer"] for r in data["rows"]] == ["areno", "areno-1t"]
     for row in data["rows"]:
         assert row["steps"] == 3
         assert _positive_finite(row["wall_s"]) and 0.0 <= row["final_reward"] <= 1.0
