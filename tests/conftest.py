@@ -64,7 +64,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     first: dict[str, int] = {}
     for it in items:
         u = unit[it.nodeid]
-        first[u] = min(first.get(u, 9), _schedule_rank(it))
+        r = _schedule_rank(it)
+        first[u] = min(first.get(u, r), r)
         if u != it.nodeid:
             it.add_marker(pytest.mark.xdist_group(u))
     items.sort(key=lambda it: first[unit[it.nodeid]])  # stable: a module's tests keep their order
