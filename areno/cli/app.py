@@ -132,7 +132,7 @@ train.__signature__ = inspect.Signature(_train_parameters())  # type: ignore[att
 # One paragraph (rich keeps a docstring's line breaks).
 TRAIN_HELP = (
     "Train a policy with GRPO/GSPO. With no --ckpt and no --dataset-path it runs the embedded "
-    "demo: a tiny model learns one-digit addition on CPU in a few minutes, with its own values "
+    "demo: a tiny model learns one-digit addition on CPU in about a minute, with its own values "
     "for the options marked 'demo:' below (a flag or --config still overrides them)."
 )
 app.command(help=TRAIN_HELP, context_settings={"max_content_width": 120})(train)
