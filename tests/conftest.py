@@ -60,6 +60,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             it.add_marker(pytest.mark.timeout(LONG_TIERS_TIMEOUT_S))
     # A module whose tests share a fixture goes as one unit, at its most urgent
     # test's place, and stays contiguous (else a plain run would build it twice).
+    # Inside a unit its `alone` tests go first: spread through it, each would
+    # stall the other worker at its turn long after the alone phase.
     unit = {it.nodeid: it.nodeid.split("::")[0] if _shares_a_module_fixture(it) else it.nodeid for it in items}
     first: dict[str, int] = {}
     for it in items:
@@ -68,7 +70,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         first[u] = min(first.get(u, r), r)
         if u != it.nodeid:
             it.add_marker(pytest.mark.xdist_group(u))
-    items.sort(key=lambda it: first[unit[it.nodeid]])  # stable: a module's tests keep their order
+    order = {u: i for i, u in enumerate(dict.fromkeys(unit.values()))}
+    items.sort(key=lambda it: (first[unit[it.nodeid]], order[unit[it.nodeid]], _schedule_rank(it) != 0))
     if config.getoption("--full") or config.getoption("-m"):
         return
     keep = [it for it in items if not any(it.get_closest_marker(t) for t in TIERS)]
