@@ -60,8 +60,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             it.add_marker(pytest.mark.timeout(LONG_TIERS_TIMEOUT_S))
     # A module whose tests share a fixture goes as one unit, at its most urgent
     # test's place, and stays contiguous (else a plain run would build it twice).
-    # Inside a unit its `alone` tests go first: spread through it, each would
-    # stall the other worker at its turn long after the alone phase.
+    # Within a rank, modules before single tests, and inside a module its `alone`
+    # tests first: an alone test that comes late waits for the other worker's
+    # long run to end, and that worker then waits for it.
     unit = {it.nodeid: it.nodeid.split("::")[0] if _shares_a_module_fixture(it) else it.nodeid for it in items}
     first: dict[str, int] = {}
     for it in items:
@@ -71,7 +72,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if u != it.nodeid:
             it.add_marker(pytest.mark.xdist_group(u))
     order = {u: i for i, u in enumerate(dict.fromkeys(unit.values()))}
-    items.sort(key=lambda it: (first[unit[it.nodeid]], order[unit[it.nodeid]], _schedule_rank(it) != 0))
+    items.sort(key=lambda it: (first[unit[it.nodeid]], unit[it.nodeid] == it.nodeid, order[unit[it.nodeid]],
+                               _schedule_rank(it) != 0))
     if config.getoption("--full") or config.getoption("-m"):
         return
     keep = [it for it in items if not any(it.get_closest_marker(t) for t in TIERS)]
