@@ -64,16 +64,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # tests first: an alone test that comes late waits for the other worker's
     # long run to end, and that worker then waits for it.
     unit = {it.nodeid: it.nodeid.split("::")[0] if _shares_a_module_fixture(it) else it.nodeid for it in items}
+    rank = {it.nodeid: _schedule_rank(it) for it in items}
     first: dict[str, int] = {}
     for it in items:
         u = unit[it.nodeid]
-        r = _schedule_rank(it)
-        first[u] = min(first.get(u, r), r)
+        first[u] = min(first.get(u, rank[it.nodeid]), rank[it.nodeid])
         if u != it.nodeid:
             it.add_marker(pytest.mark.xdist_group(u))
     order = {u: i for i, u in enumerate(dict.fromkeys(unit.values()))}
-    items.sort(key=lambda it: (first[unit[it.nodeid]], unit[it.nodeid] == it.nodeid, order[unit[it.nodeid]],
-                               _schedule_rank(it) != 0))
+
+    def key(it: pytest.Item) -> tuple[int, bool, int, bool]:
+        u = unit[it.nodeid]
+        return first[u], u == it.nodeid, order[u], rank[it.nodeid] != 0
+
+    items.sort(key=key)
     if config.getoption("--full") or config.getoption("-m"):
         return
     keep = [it for it in items if not any(it.get_closest_marker(t) for t in TIERS)]
