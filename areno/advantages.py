@@ -51,9 +51,8 @@ def _advantages_and_zero_variance(rewards: np.ndarray, group_index: np.ndarray, 
         raise ValueError(f"rewards {r.shape} and group_index {g.shape} must be equal 1-D shapes")
     if r.size == 0:
         return np.zeros(0, dtype=np.float32), np.ones(int(num_groups or 0), dtype=bool)
-    bad = ~np.isfinite(r)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
+    if not np.isfinite(r).all():
+        i = int(np.flatnonzero(~np.isfinite(r))[0])
         raise ValueError(f"rewards: non-finite reward {r[i]} at response index {i}")
     if g.min() < 0:
         raise ValueError("group_index: negative group id")
