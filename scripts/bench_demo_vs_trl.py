@@ -188,12 +188,13 @@ def print_table(rows: list[dict[str, Any]], ratios: dict[str, float | None]) -> 
     def f(v: Any, fmt: str, none: str = "n/a") -> str:
         return none if v is None else format(v, fmt)
 
-    head = f"{'trainer':<10} {'wall s':>7} {'steps':>5} {'s/step':>7} {'own s/step':>10} " \
+    w = max([10] + [len(r["trainer"]) for r in rows])
+    head = f"{'trainer':<{w}} {'wall s':>7} {'steps':>5} {'s/step':>7} {'own s/step':>10} " \
            f"{'final reward':>12} {'step to 0.9':>11} {'s to 0.9':>8}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['trainer']:<10} {r['wall_s']:>7.1f} {r['steps']:>5} {f(r['s_per_step'], '.4f'):>7} "
+        print(f"{r['trainer']:<{w}} {r['wall_s']:>7.1f} {r['steps']:>5} {f(r['s_per_step'], '.4f'):>7} "
               f"{f(r['own_s_per_step'], '.4f'):>10} {f(r['final_reward'], '.3f'):>12} "
               f"{f(r['to_target_step'], 'd', 'never'):>11} {f(r['to_target_s'], '.1f', 'never'):>8}")
     for k, v in ratios.items():
