@@ -25,6 +25,7 @@ import numpy as np
 from areno.config.choices import AdvantageMode
 
 ADVANTAGE_MODES: tuple[str, ...] = typing.get_args(AdvantageMode)
+EPS = 1e-6  # grpo: added to the group std
 
 
 def group_advantages(
@@ -32,10 +33,16 @@ def group_advantages(
     group_index: np.ndarray,
     *,
     mode: AdvantageMode = "grpo",
-    eps: float = 1e-6,
+    eps: float = EPS,
     num_groups: int | None = None,
 ) -> np.ndarray:
     """[N] rewards, [N] int64 group ids -> [N] float32 advantages."""
+    return _advantages_and_zero_variance(rewards, group_index, mode, eps, num_groups)[0]
+
+
+def _advantages_and_zero_variance(rewards: np.ndarray, group_index: np.ndarray, mode: AdvantageMode,
+                                  eps: float, num_groups: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """group_advantages, and the [G] bool zero_variance_groups it found on the way."""
     if mode not in ADVANTAGE_MODES:
         raise ValueError(f"mode: expected one of {ADVANTAGE_MODES}, got {mode!r}")
     r = np.asarray(rewards, dtype=np.float64)
@@ -43,10 +50,9 @@ def group_advantages(
     if r.ndim != 1 or g.shape != r.shape:
         raise ValueError(f"rewards {r.shape} and group_index {g.shape} must be equal 1-D shapes")
     if r.size == 0:
-        return np.zeros(0, dtype=np.float32)
-    bad = ~np.isfinite(r)
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
+        return np.zeros(0, dtype=np.float32), np.ones(int(num_groups or 0), dtype=bool)
+    if not np.isfinite(r).all():
+        i = int(np.flatnonzero(~np.isfinite(r))[0])
         raise ValueError(f"rewards: non-finite reward {r[i]} at response index {i}")
     if g.min() < 0:
         raise ValueError("group_index: negative group id")
@@ -59,7 +65,8 @@ def group_advantages(
     var = np.bincount(g, weights=centered * centered, minlength=G) * inv_count
     # A constant group centres to rounding noise (~1e-16 |mean|), not exact
     # zeros: it is found by max == min instead, so it gives 0, not noise/eps.
-    no_signal = (count <= 1.0) | zero_variance_groups(r, g, G)
+    zero_var = zero_variance_groups(r, g, G)
+    no_signal = (count <= 1.0) | zero_var
 
     if mode == "grpo":  # unbiased std: sum of squares / (G - 1)
         std = np.sqrt(var * count / np.maximum(count - 1.0, 1.0))
@@ -69,7 +76,7 @@ def group_advantages(
     else:  # rloo: r_i - mean of the others = G/(G-1) (r_i - mean_g)
         per_group = count / np.maximum(count - 1.0, 1.0)
     per_group[no_signal] = 0.0
-    return (centered * per_group[g]).astype(np.float32)
+    return (centered * per_group[g]).astype(np.float32), zero_var
 
 
 def zero_variance_groups(rewards: np.ndarray, group_index: np.ndarray, num_groups: int) -> np.ndarray:
@@ -120,10 +127,14 @@ def advantages_and_keep(
     drops groups whose valid rewards are all equal (DAPO's dynamic sampling
     filter), mask_overlong drops truncated responses (DAPO's overlong mask).
     """
-    r, g = rewards[valid], group_index[valid]
-    adv = np.zeros(group_index.size, dtype=np.float32)
-    adv[valid] = group_advantages(r, g, mode=mode, num_groups=num_groups)
-    zero_var = zero_variance_groups(r, g, num_groups)
+    all_valid = bool(valid.all())
+    r, g = (rewards, group_index) if all_valid else (rewards[valid], group_index[valid])
+    adv_valid, zero_var = _advantages_and_zero_variance(r, g, mode, EPS, num_groups)
+    if all_valid:  # the usual step: no masked copies
+        adv = adv_valid
+    else:
+        adv = np.zeros(group_index.size, dtype=np.float32)
+        adv[valid] = adv_valid
     has_members = np.bincount(g, minlength=num_groups) > 0
     keep = valid.copy()
     if filter_zero_variance:

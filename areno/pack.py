@@ -17,9 +17,12 @@ position j of sequence s predicts input j+1. Sequences sit back to back:
                               (set by the aggregation mode; see losses.py)
     sample_index  [S] int64   the response (0..N-1 of the RolloutBatch) of sequence s
 
-Every per-token array is built by a handful of vectorized passes: gathers from
-one index array made by a cumulative sum of jumps, and 1-byte delta cumsums for
-the mask. Python only loops over sequences, in the split planner (split.py).
+Every per-token array is built by one vectorized pass or two: np.repeat over
+(context, response) runs for the masks and advantages, masked stores for the
+targets and log-probs, the targets shifted by one for the inputs, one cumsum for
+the positions; gathers only for what is not already in order (a reordered
+split, the prompt's tokens). A single-turn batch pays nothing for multi-turn
+observation masks. Python only loops over sequences, in the split planner (split.py).
 """
 
 from __future__ import annotations
@@ -194,14 +197,15 @@ def build_train_pack(
     cu = np.zeros(order.size + 1, dtype=np.int64)
     np.cumsum(seq_len, out=cu[1:])
 
-    src, idx, resp_start = _source_index(batch, order, p_len, r, int(cu[-1]), workspace)
-    input_ids, targets, position_ids = _inputs_and_targets(src, idx, resp_start, cu, p_len, workspace)
-    loss_mask, tok_adv, old_lp = _mask_and_values(batch, order, adv[order], p_len, r, workspace)
+    contiguous = _contiguous(batch, order, r)
+    loss_mask, tok_adv = _response_runs(adv[order], p_len, r)
+    input_ids, targets = _inputs_and_targets(batch, order, p_len, r, cu, loss_mask, contiguous, workspace)
+    old_lp = _old_logprobs(batch, order, r, loss_mask, tok_adv, contiguous, workspace)
     t = torch.from_numpy
     return TrainPack(
         input_ids=t(input_ids),
         targets=t(targets),
-        position_ids=t(position_ids),
+        position_ids=t(_position_ids(cu, workspace)),
         loss_mask=t(loss_mask),
         old_logprobs=t(old_lp),
         advantages=t(tok_adv),
@@ -212,83 +216,94 @@ def build_train_pack(
     )
 
 
-def _source_index(batch: RolloutBatch, order: np.ndarray, p_len: np.ndarray, r: np.ndarray,
-                  L: int, ws: Workspace | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """-> (src, idx, resp_start): src [prompt tokens + response tokens] int32 is
-    every prompt then every response; input position j reads src[idx[j]] ([L]
-    int64); resp_start [S] is where sequence s's response begins in src.
+def _contiguous(batch: RolloutBatch, order: np.ndarray, r: np.ndarray) -> bool:
+    """Whether the responses of `order` are all of the batch's response tokens in
+    storage order (every non-empty response, ascending): then per-token response
+    arrays are used as they are, with no gather."""
+    return int(r.sum()) == batch.response_ids.size and bool(order.size < 2 or (np.diff(order) > 0).all())
 
-    Prompt part of seq s reads src[a_s + j], response part src[b_s + j - p_s]:
-    runs interleave (prompt run, response run) per sequence, and the response
-    run stops one short (its last token is a target only)."""
-    n_prompt_tok = batch.prompt_ids.size
-    src = _empty(ws, "src", n_prompt_tok + batch.response_ids.size, np.int32)
-    np.concatenate([batch.prompt_ids, batch.response_ids], out=src)
+
+def _response_tokens(batch: RolloutBatch, values: np.ndarray, order: np.ndarray, r: np.ndarray,
+                     contiguous: bool) -> np.ndarray:
+    """[sum r] the per-token response array `values` ([T]) of the responses of `order`, in order."""
+    if contiguous:
+        return values
+    return np.take(values, runs_index(batch.response_offsets[order], r, int(r.sum())))
+
+
+def _response_runs(seq_adv: np.ndarray, p_len: np.ndarray, r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """-> [L] bool: the positions whose target is a response token; [L] float32
+    advantages (the sequence's on those positions, else 0).
+
+    Both are runs of constants over alternating (context, response) runs: one
+    np.repeat each (much faster than a cumsum of deltas or a masked scatter, measured)."""
+    S = seq_adv.size
+    runs = np.stack([p_len - 1, r], axis=1).reshape(-1)  # context: targets that are prompt tokens
+    adv_runs = np.zeros(2 * S, dtype=np.float32)
+    adv_runs[1::2] = seq_adv
+    return np.repeat(np.tile(np.array([False, True]), S), runs), np.repeat(adv_runs, runs)
+
+
+def _inputs_and_targets(batch: RolloutBatch, order: np.ndarray, p_len: np.ndarray, r: np.ndarray,
+                        cu: np.ndarray, response_target: np.ndarray, contiguous: bool,
+                        ws: Workspace | None) -> tuple[np.ndarray, np.ndarray]:
+    """-> [L] int32 input_ids and targets (cu: [S+1] int64; response_target: [L] bool).
+
+    Sequence s is full = prompt ++ response; its targets are full[1:] (the
+    prompt's tokens 1..p-1, then every response token) and its inputs full[:-1],
+    which is the targets shifted by one position, after the prompt's first
+    token. So the targets take two masked stores and the inputs one copy: no
+    index array over all L positions."""
+    L = response_target.size
     a = batch.prompt_offsets[batch.group_index[order]]
-    b = n_prompt_tok + batch.response_offsets[order]
-    run_starts = np.stack([a, b], axis=1).reshape(-1)
-    run_lens = np.stack([p_len, r - 1], axis=1).reshape(-1)
-    return src, runs_index(run_starts, run_lens, L, out=_empty(ws, "idx", L, np.int64)), b
+    targets = _empty(ws, "targets", L, np.int32)
+    targets[response_target] = _response_tokens(batch, batch.response_ids, order, r, contiguous)
+    prompt_idx = runs_index(a + 1, p_len - 1, int(p_len.sum()) - order.size)
+    targets[~response_target] = np.take(batch.prompt_ids, prompt_idx)
+    input_ids = _empty(ws, "input_ids", L, np.int32)
+    input_ids[1:] = targets[:-1]
+    input_ids[cu[:-1]] = batch.prompt_ids[a]
+    return input_ids, targets
 
 
-def _inputs_and_targets(src: np.ndarray, idx: np.ndarray, resp_start: np.ndarray, cu: np.ndarray,
-                        p_len: np.ndarray, ws: Workspace | None,
-                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """-> [L] int32 input_ids, targets and position_ids (cu: [S+1] int64)."""
-    L, starts, seq_len = idx.size, cu[:-1], np.diff(cu)
-    input_ids = np.take(src, idx, out=_empty(ws, "input_ids", L, np.int32))
-    # target of position j is full[j+1]: src[idx+1] everywhere except the last
-    # prompt position, whose target is the first response token.
-    targets = np.take(src[1:], idx, out=_empty(ws, "targets", L, np.int32))
-    targets[starts + p_len - 1] = src[resp_start]
-
-    position_ids = _empty(ws, "position_ids", L, np.int32)
+def _position_ids(cu: np.ndarray, ws: Workspace | None) -> np.ndarray:
+    """[L] int32 0..len-1 per sequence: one cumsum of ones that jumps back at each start."""
+    starts, seq_len = cu[:-1], np.diff(cu)
+    position_ids = _empty(ws, "position_ids", int(cu[-1]), np.int32)
     position_ids.fill(1)
     if starts.size:
         position_ids[starts[1:]] = 1 - seq_len[:-1]
         position_ids[0] = 0
-    np.cumsum(position_ids, out=position_ids)
-    return input_ids, targets, position_ids
+    return np.cumsum(position_ids, out=position_ids)
 
 
-def _mask_and_values(batch: RolloutBatch, order: np.ndarray, seq_adv: np.ndarray, p_len: np.ndarray,
-                     r: np.ndarray, ws: Workspace | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """-> [L] bool loss_mask, [L] float32 advantages and old log-probs (0 off the mask).
+def _old_logprobs(batch: RolloutBatch, order: np.ndarray, r: np.ndarray, loss_mask: np.ndarray,
+                  tok_adv: np.ndarray, contiguous: bool, ws: Workspace | None) -> np.ndarray:
+    """[L] float32 rollout log-probs on the loss positions, else 0.
 
-    The mask and per-token advantages are runs of constants over alternating
-    (context, response) runs: one np.repeat each (much faster than a cumsum
-    of deltas or a masked scatter, measured)."""
-    S = order.size
-    ab_lens = np.stack([p_len - 1, r], axis=1).reshape(-1)  # context: targets that are prompt tokens
-    loss_mask = np.repeat(np.tile(np.array([False, True]), S), ab_lens)
-    adv_runs = np.zeros(2 * S, dtype=np.float32)
-    adv_runs[1::2] = seq_adv
-    tok_adv = np.repeat(adv_runs, ab_lens)
+    loss_mask arrives as every response-target position; a multi-turn batch's
+    observation tokens are taken out of it here (in place, with their advantages),
+    so a single-turn batch (response_mask None) pays nothing for them."""
     old_lp = _empty(ws, "old_logprobs", loss_mask.size, np.float32)
     old_lp.fill(0.0)
-    if S == batch.num_responses and np.array_equal(order, np.arange(S)):
-        resp_lp = batch.response_logprobs  # every response packed, in order
-    else:
-        resp_lp = np.take(
-            batch.response_logprobs, runs_index(batch.response_offsets[order], r, int(r.sum()))
-        )
-    old_lp[loss_mask] = resp_lp
-    if batch.response_mask is not None:  # multi-turn: observation tokens are not trained
-        in_order = S == batch.num_responses and np.array_equal(order, np.arange(S))
-        resp_mask = batch.response_mask if in_order else np.take(
-            batch.response_mask, runs_index(batch.response_offsets[order], r, int(r.sum())))
-        loss_mask[loss_mask] = resp_mask.astype(bool)
-        off = ~loss_mask
-        tok_adv[off] = 0.0
-        old_lp[off] = 0.0
-    return loss_mask, tok_adv, old_lp
+    resp_lp = _response_tokens(batch, batch.response_logprobs, order, r, contiguous)
+    if batch.response_mask is None:
+        old_lp[loss_mask] = resp_lp
+        return old_lp
+    sampled = _response_tokens(batch, batch.response_mask, order, r, contiguous).astype(bool)
+    loss_mask[loss_mask] = sampled  # observation tokens are not trained
+    tok_adv[~loss_mask] = 0.0
+    old_lp[loss_mask] = resp_lp[sampled]
+    return old_lp
 
 
 def to_padded(pack: TrainPack, pad_id: int = 0) -> PaddedPack:
-    """[S, Lmax] right-padded copy of a pack (one masked scatter per field)."""
+    """[S, Lmax] right-padded copy of a pack: one fill and one masked store per
+    field (position_ids, 0..len-1 on each row, is one multiply of the grid)."""
     lengths = pack.seq_lengths
     S, Lmax = lengths.size, (int(lengths.max()) if lengths.size else 0)
-    valid = np.arange(Lmax)[None, :] < lengths[:, None]
+    j = np.arange(Lmax, dtype=np.int32)
+    valid = j < lengths[:, None]
 
     def grid(x: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
         # numpy's boolean-mask assignment is ~7x faster than torch's (measured)
@@ -300,7 +315,7 @@ def to_padded(pack: TrainPack, pad_id: int = 0) -> PaddedPack:
     return PaddedPack(
         input_ids=grid(pack.input_ids, pad_id),
         targets=grid(pack.targets, pad_id),
-        position_ids=grid(pack.position_ids, 0),
+        position_ids=torch.from_numpy(j * valid),
         attention_mask=torch.from_numpy(valid),
         loss_mask=grid(pack.loss_mask, False),
         old_logprobs=grid(pack.old_logprobs, 0.0),

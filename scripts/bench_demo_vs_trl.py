@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """areno's embedded demo vs TRL's GRPOTrainer on the same task, in one run.
 
-Both run in their own subprocess, one after the other (areno first), on CPU:
+Both run in their own subprocess, one after the other (areno first, then --ref's
+demo, then the variants, TRL last), on CPU:
 
   areno  `python -m areno.cli train --max-steps N --seed S --output-dir TMP --no-save`,
          i.e. `areno train` with no model: the demo preset (tiny "arith" model,
@@ -37,11 +38,13 @@ Usage:
   python scripts/bench_demo_vs_trl.py                     # 600 steps each, a few minutes
   python scripts/bench_demo_vs_trl.py --steps 50 --seed 1 --json /tmp/vs_trl.json
   PYTHONPATH=.:/tmp/trlsite python scripts/bench_demo_vs_trl.py --require-trl
+  PYTHONPATH=.:/tmp/trlsite python scripts/bench_demo_vs_trl.py --ref main   # + main's demo, the ratio to it
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -57,6 +60,7 @@ REPO = Path(__file__).resolve().parents[1]
 STEADY_FROM = 5  # steps excluded from s/step (startup, first-call warmup)
 WINDOW = 20  # moving-average window and final-reward window
 TARGET = 0.9
+RATIOS = (("s/step", "s_per_step"), ("own s/step", "own_s_per_step"), ("wall", "wall_s"), ("s to 0.9", "to_target_s"))
 INSTALL_HINT = (f"{sys.executable} -m pip install -q --no-deps --target /tmp/trlsite trl==1.16.0 accelerate"
                 f"\n  then: PYTHONPATH={REPO}:/tmp/trlsite {sys.executable} {Path(__file__).name} ...")
 
@@ -122,14 +126,15 @@ def trl_child(steps: int, seed: int, out_dir: Path) -> None:
     log.close()
 
 
-def run_child(name: str, cmd: list[str], metrics: Path, log_path: Path) -> dict[str, Any]:
-    """Run one trainer; stamp each metrics line with the second this script first saw it."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+def run_child(name: str, cmd: list[str], metrics: Path, log_path: Path, root: Path = REPO) -> dict[str, Any]:
+    """Run one trainer from the checkout `root`; stamp each metrics line with the
+    second this script first saw it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     recs: list[dict[str, Any]] = []
     buf, pos = "", 0
     with open(log_path, "w") as logf:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=logf, stderr=subprocess.STDOUT)
         while True:
             done = proc.poll() is not None
             if metrics.exists():
@@ -183,16 +188,17 @@ def print_table(rows: list[dict[str, Any]], ratios: dict[str, float | None]) -> 
     def f(v: Any, fmt: str, none: str = "n/a") -> str:
         return none if v is None else format(v, fmt)
 
-    head = f"{'trainer':<10} {'wall s':>7} {'steps':>5} {'s/step':>7} {'own s/step':>10} " \
+    w = max([10] + [len(r["trainer"]) for r in rows])
+    head = f"{'trainer':<{w}} {'wall s':>7} {'steps':>5} {'s/step':>7} {'own s/step':>10} " \
            f"{'final reward':>12} {'step to 0.9':>11} {'s to 0.9':>8}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['trainer']:<10} {r['wall_s']:>7.1f} {r['steps']:>5} {f(r['s_per_step'], '.4f'):>7} "
+        print(f"{r['trainer']:<{w}} {r['wall_s']:>7.1f} {r['steps']:>5} {f(r['s_per_step'], '.4f'):>7} "
               f"{f(r['own_s_per_step'], '.4f'):>10} {f(r['final_reward'], '.3f'):>12} "
               f"{f(r['to_target_step'], 'd', 'never'):>11} {f(r['to_target_s'], '.1f', 'never'):>8}")
     for k, v in ratios.items():
-        print(f"areno/TRL {k}: {'n/a' if v is None else format(v, '.2f')}")
+        print(f"{k}: {'n/a' if v is None else format(v, '.2f')}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--require-trl", action="store_true", help="exit 2 if trl is not importable")
     p.add_argument("--variant", action="append", default=[], metavar='NAME="FLAGS"',
                    help="add a row: areno's demo with these flags (repeatable)")
+    p.add_argument("--ref", metavar="REV", help="also run REV's demo (a git worktree), right after this "
+                   "checkout's, and print this checkout / REV")
     p.add_argument("--trl-child", type=Path, help=argparse.SUPPRESS)  # internal: run TRL here
     a = p.parse_args(argv)
     if a.steps < 1:
@@ -221,14 +229,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trl is not importable: TRL's half is skipped. Install it aside with\n  {INSTALL_HINT}")
         if a.require_trl:
             return 2
-    with tempfile.TemporaryDirectory(prefix="bench_vs_trl_") as tmp:
-        d = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        d = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_vs_trl_")))
+        runs = [("areno", [], REPO)] + [(name, extra, REPO) for name, extra in variants]
+        if a.ref:
+            from areno.bench.refs import rev_id, worktrees
+
+            ref = rev_id(a.ref)
+            tree = stack.enter_context(worktrees([ref], d))[ref]
+            runs.insert(1, (f"areno@{ref}", [], tree))
         rows = []
-        for name, extra in [("areno", [])] + variants:
+        for name, extra, root in runs:
             print(f"{name}: {a.steps} steps, seed {a.seed} ...", flush=True)
+            out = d / name.replace("@", "-")
             rows.append(run_child(name, [sys.executable, "-m", "areno.cli", "train", "--max-steps", str(a.steps),
-                                         "--seed", str(a.seed), "--output-dir", str(d / name), "--no-save", *extra],
-                                  d / name / "metrics.jsonl", d / f"{name}.log"))
+                                         "--seed", str(a.seed), "--output-dir", str(out), "--no-save", *extra],
+                                  out / "metrics.jsonl", d / f"{out.name}.log", root))
         if have_trl:
             print(f"trl: {a.steps} steps, seed {a.seed} ...", flush=True)
             rows.append(run_child("trl", [sys.executable, str(Path(__file__).resolve()), "--steps", str(a.steps),
@@ -236,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                                   d / "trl_steps.jsonl", d / "trl.log"))
     ratios: dict[str, float | None] = {}
     if have_trl:  # areno's demo (the first row) against TRL (the last)
-        ratios = {"s/step": _ratio(rows[0]["s_per_step"], rows[-1]["s_per_step"]),
-                  "s to 0.9": _ratio(rows[0]["to_target_s"], rows[-1]["to_target_s"])}
+        ratios = {f"areno/TRL {k}": _ratio(rows[0][f], rows[-1][f]) for k, f in RATIOS}
+    if a.ref:  # this checkout (the first row) against REV's (the second)
+        ratios |= {f"areno/{rows[1]['trainer']} {k}": _ratio(rows[0][f], rows[1][f]) for k, f in RATIOS}
     print_table(rows, ratios)
     if a.json is not None:
         a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -104,3 +104,22 @@ def test_advantages_and_keep_skips_invalid_filters_zero_variance_and_masks_overl
     _, keep, _ = advantages_and_keep(r, valid, g, 3, truncated, filter_zero_variance=True,
                                      mask_overlong=True)
     assert keep.tolist() == [False, False, False, True, False, False]
+
+
+def test_advantages_and_keep_all_valid_is_group_advantages_bit_for_bit():
+    """The all-valid step (no masked copies) gives exactly group_advantages and
+    the same keep and zero-variance count as the general path."""
+    from areno.advantages import advantages_and_keep
+
+    rng = np.random.default_rng(7)
+    g = np.repeat(np.arange(9, dtype=np.int64), 4)
+    r = rng.choice([0.0, 0.5, 1.0], g.size).astype(np.float32)
+    r[:4] = 1.0  # a constant group
+    valid, trunc = np.ones(g.size, dtype=bool), np.zeros(g.size, dtype=bool)
+    adv, keep, nz = advantages_and_keep(r, valid, g, 9, trunc, filter_zero_variance=True)
+    assert adv.dtype == np.float32 and np.array_equal(adv, group_advantages(r, g, num_groups=9))
+    r2, valid2 = np.append(r, np.nan).astype(np.float32), np.append(valid, False)
+    adv2, keep2, nz2 = advantages_and_keep(r2, valid2, np.append(g, 8), 9, np.append(trunc, False),
+                                           filter_zero_variance=True)
+    assert np.array_equal(adv2[:-1], adv) and adv2[-1] == 0.0
+    assert np.array_equal(keep2[:-1], keep) and not keep2[-1] and nz2 == nz >= 1 and not keep[:4].any()

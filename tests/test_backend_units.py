@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -383,9 +387,36 @@ def test_cpu_ranks_split_every_core_and_wait_passively() -> None:
 
     assert [rank_cpu_threads(2, 1), rank_cpu_threads(2, 2), rank_cpu_threads(16, 1), rank_cpu_threads(16, 8),
             rank_cpu_threads(1, 1), rank_cpu_threads(3, 2), rank_cpu_threads(2, 4)] == [2, 1, 16, 2, 1, 1, 1]
-    assert rank_omp_env("cpu", {}) == RANK_OMP_ENV == {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
-    assert rank_omp_env("cpu", {"OMP_WAIT_POLICY": "ACTIVE"}) == {"KMP_BLOCKTIME": "0"}
-    assert rank_omp_env("cuda", {}) == {}
+    assert rank_omp_env("cpu", {}, others=1) == RANK_OMP_ENV == {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+    assert rank_omp_env("cpu", {}, others=None) == RANK_OMP_ENV  # load unknown: the safe wait
+    assert rank_omp_env("cpu", {"OMP_WAIT_POLICY": "ACTIVE"}, others=0) == {"KMP_BLOCKTIME": "0"}
+    assert rank_omp_env("cuda", {}, others=0) == {}
+
+
+def test_cpu_ranks_spin_briefly_only_on_an_otherwise_idle_host(tmp_path: Path) -> None:
+    """An idle host gets a short spin before the passive sleep (waking sleepers
+    at every barrier cost the idle demo's train phase ~1.7x); a runnable
+    neighbour, or the user's own wait policy or spin count, keeps it passive."""
+    from areno.backend.launch import IDLE_SPIN_ENV, RANK_OMP_ENV, rank_omp_env, runnable_elsewhere
+
+    assert rank_omp_env("cpu", {}, others=0) == {**RANK_OMP_ENV, **IDLE_SPIN_ENV} == {
+        "OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0", "GOMP_SPINCOUNT": "30000"}
+    assert rank_omp_env("cpu", {"GOMP_SPINCOUNT": "5"}, others=0) == RANK_OMP_ENV
+    assert rank_omp_env("cpu", {"OMP_WAIT_POLICY": "PASSIVE"}, others=0) == {"KMP_BLOCKTIME": "0"}
+    fake = tmp_path / "loadavg"
+    fake.write_text("0.50 0.40 0.30 1/96 4017\n")  # only the reader runs
+    assert runnable_elsewhere(samples=3, interval_s=0, loadavg=str(fake)) == 0
+    fake.write_text("2.10 1.40 0.30 3/96 4017\n")
+    assert runnable_elsewhere(samples=3, interval_s=0, loadavg=str(fake)) == 2
+    assert runnable_elsewhere(loadavg=str(tmp_path / "absent")) is None
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # past its start-up: it is runnable from now on
+        assert runnable_elsewhere() >= 1
+        assert "GOMP_SPINCOUNT" not in rank_omp_env("cpu", {})  # the real count: a neighbour spins
+    finally:
+        spin.kill()
+        spin.wait()
 
 
 def test_probe_runs_every_sync_unless_a_fingerprint_checks_the_weights() -> None:

@@ -220,3 +220,39 @@ def test_bench_lora_vs_full_runs_both_arms_on_one_seed(tmp_path: Path, tiny_chat
     assert list(arms) == ["full FT", "LoRA r=8"] and arms["LoRA r=8"]["lr"] == 10 * arms["full FT"]["lr"]
     assert all(len(a["rewards"]) == 2 and 0 <= a["summary"]["best"] <= 1 for a in arms.values())
     assert "mean reward/mean per block" in res.stdout
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_near_limit_references_equal_areno(seed: int):
+    """The near-limit references compute exactly what areno computes (1-token
+    prompts and responses, empty responses, ragged groups), or their ratio means nothing."""
+    from areno.bench.listref import compare_advantages, compare_pack, compare_padded
+    from areno.bench.nearlimit import nl_advantages, nl_pack, nl_padded
+
+    batch = random_batch(seed, num_prompts=7, max_prompt=5, max_response=8, min_response=0)
+    rewards = random_rewards(batch, seed).astype(np.float64)
+    adv = group_advantages(rewards, batch.group_index, num_groups=batch.num_prompts)
+    assert compare_advantages(nl_advantages(rewards, batch.group_index, batch.num_prompts), adv) == []
+    assert compare_pack(nl_pack(batch, adv), build_train_pack(batch, adv)) == []
+    assert compare_padded(nl_padded(batch, adv, 3), build_train_pack(batch, adv).to_padded(3)) == []
+
+
+def test_ref_runs_both_trees_and_prints_the_ratio(tmp_path: Path):
+    """--ref HEAD: HEAD's benchmark (a git worktree) and this checkout's, each
+    once, and per workload this checkout's time over HEAD's."""
+    out = tmp_path / "ref.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--repeats", "1", "--ref", "HEAD", "--ref-rounds", "1",
+         "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600, env=child_env(),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+) .* ([\d.]+)x$", proc.stdout, re.M)}
+    assert {"advantages", "pack_small", "padded_large", "e2e_large"} <= set(rows), proc.stdout
+    assert all(0.02 < r < 50 for r in rows.values()), rows  # the same code, run twice: near 1 on a quiet host
+    data = json.loads(out.read_text())
+    assert data["ref"] == head and sorted(data["runs"]) == sorted([head, "."])
+    assert all(len(runs) == 1 for runs in data["runs"].values())
+    listed = subprocess.run(["git", "-C", str(REPO), "worktree", "list"], capture_output=True, text=True).stdout
+    assert "areno-materialize-ref-" not in listed  # the worktree is gone

@@ -77,3 +77,19 @@ def test_worktrees_check_out_each_revision_and_are_removed(tmp_path: Path):
     assert not tree.exists()
     listed = subprocess.run(["git", "-C", str(REPO), "worktree", "list"], capture_output=True, text=True).stdout
     assert str(tree) not in listed
+
+
+def test_ref_compares_this_checkout_as_it_is_against_the_revision(tmp_path: Path):
+    """--ref REV is --revs REV . ; '.' is this checkout itself (uncommitted
+    changes included), for which no worktree is made."""
+    from areno.bench.refs import CURRENT, rev_id
+    from areno.bench.step_commits import parse_args
+
+    args = parse_args(["--ref", "HEAD"])
+    assert args.ref == "HEAD" and rev_id(CURRENT) == CURRENT
+    with worktrees(["HEAD", CURRENT], tmp_path) as trees:
+        assert trees[CURRENT] == REPO and trees["HEAD"] != REPO and trees["HEAD"].is_relative_to(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    assert "| 2 | train | 1.00 | 2.00 | 2.00x |" in markdown(
+        summarize([(RunSpec("abc", 2), {"train": 1.0}), (RunSpec(CURRENT, 2), {"train": 2.0})], ["abc", CURRENT]),
+        ["abc", CURRENT])

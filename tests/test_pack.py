@@ -190,3 +190,42 @@ def test_workspace_reuses_buffers_and_gives_identical_packs():
     fresh2 = build_train_pack(b2, adv2)
     for f in ("input_ids", "targets", "position_ids", "loss_mask", "old_logprobs", "advantages"):
         assert torch.equal(getattr(p2, f), getattr(fresh2, f)), f
+
+
+@pytest.mark.parametrize("reorder", [False, True])
+def test_no_response_mask_packs_exactly_as_an_all_ones_mask(reorder):
+    """A single-turn batch (response_mask None) skips the observation-token work;
+    its pack is bit-identical to the same batch marked all sampled."""
+    from areno.rollout.batch import RolloutBatch
+
+    b = random_batch(seed=31, num_prompts=6, min_response=0, max_response=9)
+    ones = RolloutBatch(**{**b.__dict__, "response_mask": np.ones(b.response_ids.size, dtype=np.uint8)})
+    adv = np.random.default_rng(31).standard_normal(b.num_responses).astype(np.float32)
+    order = np.flatnonzero(b.response_lengths > 0)
+    order = order[::-1].copy() if reorder else order
+    got, want = build_train_pack(b, adv, order=order), build_train_pack(ones, adv, order=order)
+    for f in ("input_ids", "targets", "position_ids", "loss_mask", "old_logprobs", "advantages", "seq_index",
+              "cu_seqlens", "sample_index"):
+        assert getattr(got, f).dtype == getattr(want, f).dtype and torch.equal(getattr(got, f), getattr(want, f)), f
+    assert int(got.loss_mask.sum()) == b.num_response_tokens
+
+
+def test_in_order_and_reordered_packs_agree_sequence_by_sequence_with_a_mask():
+    """The in-order pack (response arrays used as they lie) and a reordered one
+    (gathered) hold the same sequences, multi-turn observation mask included."""
+    from areno.rollout.batch import RolloutBatch
+
+    b = random_batch(seed=41, num_prompts=6, min_response=0, max_response=9)
+    rng = np.random.default_rng(41)
+    m = (rng.random(b.response_ids.size) < 0.6).astype(np.uint8)
+    b = RolloutBatch(**{**b.__dict__, "response_mask": m})
+    adv = rng.standard_normal(b.num_responses).astype(np.float32)
+    order = np.flatnonzero(b.response_lengths > 0)
+    fwd, rev = build_train_pack(b, adv), build_train_pack(b, adv, order=order[::-1].copy())
+    assert int(fwd.loss_mask.sum()) == int(m.sum())
+    S = fwd.num_seqs
+    for s in range(S):
+        a, z = fwd.cu_seqlens[s], fwd.cu_seqlens[s + 1]
+        ra, rz = rev.cu_seqlens[S - 1 - s], rev.cu_seqlens[S - s]
+        for f in ("input_ids", "targets", "position_ids", "loss_mask", "old_logprobs", "advantages"):
+            assert torch.equal(getattr(fwd, f)[a:z], getattr(rev, f)[ra:rz]), (s, f)

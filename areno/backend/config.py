@@ -257,7 +257,8 @@ def engine_gpus_from_env(environ: typing.Mapping[str, str]) -> tuple[int, ...]:
 def rank_cpu_threads(cpus: int, local_ranks: int) -> int:
     """torch threads for each of `local_ranks` CPU ranks on `cpus` cores: the
     cores split among the ranks, every core used (torch's own default is every
-    core per process). The ranks' OpenMP threads wait passively (RANK_OMP_ENV),
+    core per process). The ranks' OpenMP threads wait passively (RANK_OMP_ENV;
+    a short spin only when nothing else was runnable at start-up, rank_omp_env),
     which is what makes every core safe next to other work: with the default
     spin-wait, a thread that shared a core with a busy process spun at each
     barrier until its partner got a core back, and the demo's step went from

@@ -8,6 +8,7 @@ import secrets
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener
 from collections.abc import Mapping
@@ -30,19 +31,49 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 # OpenMP settings of every CPU rank and engine process (spawned with them: the
 # OpenMP runtime reads them once, when torch loads it). PyTorch's CPU wheels ship
-# GNU OpenMP (libgomp): PASSIVE puts a thread to sleep at a barrier at once
-# instead of spinning ~300K iterations; KMP_BLOCKTIME=0 is the same for Intel's
-# runtime (libiomp5, when preloaded). A user's own value wins.
+# GNU OpenMP (libgomp), whose threads spin ~300K iterations at each barrier by
+# default. Next to a busy process that spin holds the core its partner needs (a
+# step several times slower), so the ranks wait passively (PASSIVE: sleep at
+# once; KMP_BLOCKTIME=0 is the same for Intel's libiomp5, when preloaded). On a
+# host with nothing else to run, though, waking a sleeper at every barrier costs
+# the demo's train phase ~1.7x: there a short spin (IDLE_SPIN_ENV, about 0.3 ms)
+# is added. Which one is chosen once, at start-up, from the runnable tasks found
+# (docs/PERFORMANCE.md, "Threads"). A user's own value of any of them wins.
 RANK_OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+IDLE_SPIN_ENV = {"GOMP_SPINCOUNT": "30000"}
 
 
-def rank_omp_env(device: str, environ: Mapping[str, str]) -> dict[str, str]:
-    """The RANK_OMP_ENV entries a CPU peer starts with: those `environ` (the
-    user's) does not set; none on CUDA (the GPU computes; host threads stay as
-    the user has them)."""
+def runnable_elsewhere(samples: int = 8, interval_s: float = 0.002, loadavg: str = "/proc/loadavg") -> int | None:
+    """Tasks runnable on the host besides the caller: the median of `samples`
+    reads of the kernel's count of running tasks (/proc/loadavg's "running/total"),
+    less the reading thread. None where the count cannot be read (not Linux)."""
+    counts = []
+    try:
+        for i in range(samples):
+            if i:
+                time.sleep(interval_s)
+            with open(loadavg) as f:
+                counts.append(int(f.read().split()[3].split("/")[0]))
+    except (OSError, IndexError, ValueError):
+        return None
+    return max(0, sorted(counts)[len(counts) // 2] - 1)
+
+
+def rank_omp_env(device: str, environ: Mapping[str, str], others: int | None = -1) -> dict[str, str]:
+    """The OpenMP entries a CPU peer starts with that `environ` (the user's)
+    does not set: RANK_OMP_ENV, plus IDLE_SPIN_ENV when no other task is
+    runnable (`others`: runnable tasks besides the caller; -1: count them now,
+    None: unknown) and the user chose no wait policy or spin count. None on CUDA
+    (the GPU computes; host threads stay as the user has them)."""
     if device == "cuda":
         return {}
-    return {k: v for k, v in RANK_OMP_ENV.items() if k not in environ}
+    env = dict(RANK_OMP_ENV)
+    if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & environ.keys():
+        if others == -1:
+            others = runnable_elsewhere()
+        if others == 0:
+            env.update(IDLE_SPIN_ENV)
+    return {k: v for k, v in env.items() if k not in environ}
 
 
 @dataclass(frozen=True)

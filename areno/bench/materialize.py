@@ -41,6 +41,7 @@ collections). Reference and areno runs alternate; medians are reported.
 Usage:
   python scripts/bench_materialize.py                  # full sizes, 7 repeats
   python scripts/bench_materialize.py --quick --repeats 1 --out /tmp/m.json
+  python scripts/bench_materialize.py --ref main       # this checkout against main, ratio per workload
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ from areno.bench.listref import (
     PAD_ID, ListRollouts, compare_advantages, compare_e2e, compare_pack, compare_padded, compare_split,
     compare_stats, ref_advantages, ref_e2e, ref_pack, ref_padded, ref_split_pack, ref_stats, to_lists,
 )
+
+from areno.bench.nearlimit import nl_advantages, nl_pack, nl_padded
 
 from areno.advantages import group_advantages
 from areno.pack import PACKED_TOKEN_FIELDS, TrainPack, Workspace, build_train_pack
@@ -185,6 +188,17 @@ QUICK = Sizes(
     small_max_tokens=16, large_max_tokens=256,
 )
 
+def time_advantages(pairs: Pairs, name: str, groups: int, sizes: Sizes) -> None:
+    """group_advantages against the list and near-limit references."""
+    r, g = make_group_rewards(4, groups, sizes.adv_group_size, ragged=sizes.adv_ragged)
+    r_l, g_l, G = r.tolist(), g.tolist(), int(g.max()) + 1
+    areno_fn = lambda: group_advantages(r, g, num_groups=G)  # noqa: E731
+    near_limit(pairs, name, lambda: nl_advantages(r, g, G), areno_fn, compare_advantages,
+               lambda nl: pairs.time(name, f"GRPO advantages {G} groups x ~{sizes.adv_group_size}", int(g.size),
+                                     "response", lambda: ref_advantages(r_l, g_l), areno_fn, compare_advantages,
+                                     baselines=nl))
+
+
 def time_packs(pairs: Pairs, tag: str, d: Data, adv: np.ndarray, adv_l: list[float], max_tok: int) -> None:
     """pack (with its memcpy baseline), split over 2 ranks and padded, on one data set."""
     b, lr, T = d.batch, d.lists, d.response_tokens
@@ -193,10 +207,12 @@ def time_packs(pairs: Pairs, tag: str, d: Data, adv: np.ndarray, adv_l: list[flo
     ws = Workspace()
     pack = build_train_pack(b, adv)
     extra = {"pack_tokens": pack.num_tokens, "sequences": pack.num_seqs, "pack_token_bytes": pack_token_bytes(pack)}
-    res = pairs.time(f"pack_{tag}", f"train pack {fmt_k(T)} resp tok ({fmt_k(pack.num_tokens)} packed)",
-                     T, "response token", lambda: ref_pack(lr, adv_l),
-                     lambda: build_train_pack(b, adv, workspace=ws),
-                     compare_pack, baselines=memcpy_fns(extra["pack_token_bytes"]), **extra)
+    areno_pack = lambda: build_train_pack(b, adv, workspace=ws)  # noqa: E731
+    res = near_limit(pairs, f"pack_{tag}", lambda: nl_pack(b, adv), areno_pack, compare_pack,
+                     lambda nl: pairs.time(f"pack_{tag}", f"train pack {fmt_k(T)} resp tok "
+                                           f"({fmt_k(pack.num_tokens)} packed)", T, "response token",
+                                           lambda: ref_pack(lr, adv_l), areno_pack, compare_pack,
+                                           baselines={**memcpy_fns(extra["pack_token_bytes"]), **nl}, **extra))
     res["areno_over_memcpy"] = res["areno"]["median_s"] / res["memcpy"]["median_s"]
     res["areno_over_fresh_copy"] = res["areno"]["median_s"] / res["fresh_copy"]["median_s"]
     print(f"  {'memcpy':<13} {fmt_k(extra['pack_token_bytes']) + 'B (pack per-token bytes)':<40} "
@@ -207,9 +223,24 @@ def time_packs(pairs: Pairs, tag: str, d: Data, adv: np.ndarray, adv_l: list[flo
                lambda: ref_split_pack(lr, adv_l, 2, max_tok),
                lambda: build_split_pack(b, adv, world_size=2, max_tokens=max_tok, workspace=ws),
                compare_split, world_size=2, max_tokens=max_tok, **extra)
-    pairs.time(f"padded_{tag}", f"padded [S, Lmax] {fmt_k(T)} resp tok", T, "response token",
-               lambda: ref_padded(lr, adv_l), lambda: build_train_pack(b, adv).to_padded(PAD_ID),
-               compare_padded, **extra)
+    areno_padded = lambda: build_train_pack(b, adv).to_padded(PAD_ID)  # noqa: E731
+    near_limit(pairs, f"padded_{tag}", lambda: nl_padded(b, adv, PAD_ID), areno_padded, compare_padded,
+               lambda nl: pairs.time(f"padded_{tag}", f"padded [S, Lmax] {fmt_k(T)} resp tok", T,
+                                     "response token", lambda: ref_padded(lr, adv_l), areno_padded,
+                                     compare_padded, baselines=nl, **extra))
+
+
+def near_limit(pairs: Pairs, name: str, nl_fn: Callable[[], Any], areno_fn: Callable[[], Any],
+               compare: Callable[[Any, Any], list[str]], timed: Callable[[dict], dict[str, Any]]) -> dict[str, Any]:
+    """Check the near-limit reference's output against areno's, run `timed`
+    (a pairs.time call given {"nearlimit": nl_fn} as extra baselines, so all
+    three alternate), and add areno / near-limit to its result."""
+    pairs.failures.extend(f"{name} (near-limit): {e}" for e in compare(nl_fn(), areno_fn()))
+    res = timed({"nearlimit": nl_fn})
+    res["areno_over_nearlimit"] = res["areno"]["median_s"] / res["nearlimit"]["median_s"]
+    print(f"  {'':<13} near-limit {res['nearlimit']['median_s'] * 1e3:.3f} ms -> areno = "
+          f"{res['areno_over_nearlimit']:.2f}x near-limit", flush=True)
+    return res
 
 
 def time_e2e(pairs: Pairs, tag: str, d: Data, tok: Any) -> None:
@@ -240,8 +271,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ids = (len(SPECIALS), len(tok))  # ordinary tokens only
     small, large = make_data(1, vocab=ids, **sizes.small), make_data(2, vocab=ids, **sizes.large)
     e2e_small = make_data(3, vocab=ids, **sizes.e2e_small)
-    r_adv, g_adv = make_group_rewards(4, sizes.adv_groups, sizes.adv_group_size, ragged=sizes.adv_ragged)
-    r_adv_l, g_adv_l, n_groups_adv = r_adv.tolist(), g_adv.tolist(), int(g_adv.max()) + 1
     packs = []
     for tag, d, max_tok in (("small", small, sizes.small_max_tokens), ("large", large, sizes.large_max_tokens)):
         adv = group_advantages(d.rewards, d.batch.group_index, num_groups=d.batch.num_prompts)
@@ -254,9 +283,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     pairs = Pairs(args.repeats, args.min_run_time)
     print(f"tokenizer: byte-level BPE, {len(tok)} tokens; repeats {args.repeats}; "
           f"{'quick' if args.quick else 'full'} sizes")
-    pairs.time("advantages", f"GRPO advantages {n_groups_adv} groups x ~{sizes.adv_group_size}",
-               int(g_adv.size), "response", lambda: ref_advantages(r_adv_l, g_adv_l),
-               lambda: group_advantages(r_adv, g_adv, num_groups=n_groups_adv), compare_advantages)
+    for tag, groups in (("", sizes.adv_groups), ("_large", 8 * sizes.adv_groups)):
+        time_advantages(pairs, "advantages" + tag, groups, sizes)
     for tag, d, adv, adv_l, max_tok in packs:
         time_packs(pairs, tag, d, adv, adv_l, max_tok)
     pairs.time("stats", f"log-prob stats over {fmt_k(large.response_tokens)} values", large.response_tokens,
@@ -265,7 +293,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for tag, d in (("small", e2e_small), ("large", large)):
         time_e2e(pairs, tag, d, tok)
     return {"meta": meta(args, len(tok), load_start, t_start), "workloads": pairs.results,
-            "targets": evaluate_targets(pairs.results), "equality_failures": pairs.failures}
+            "targets": evaluate_targets(pairs.results), "equality_failures": pairs.failures,
+            "near_limit_targets": [target(f"{name}: areno / near-limit", r["areno_over_nearlimit"], "<=", 1.5)
+                                   for name, r in pairs.results.items() if "areno_over_nearlimit" in r]}
 
 
 def meta(args: argparse.Namespace, vocab_size: int, load_start: list[float], t_start: float) -> dict[str, Any]:
@@ -323,6 +353,11 @@ def format_report(out: dict[str, Any]) -> str:
             f"{r['memcpy']['median_s'] * 1e3:.3f} ms (prealloc), {r['fresh_copy']['median_s'] * 1e3:.3f} ms "
             f"(fresh); pack = {r['areno_over_memcpy']:.2f}x memcpy, {r['areno_over_fresh_copy']:.2f}x fresh copy"
         )
+    for name, r in out["workloads"].items():
+        if "areno_over_nearlimit" in r:
+            lines.append(f"{name}: near-limit {r['nearlimit']['median_s'] * 1e3:.3f} ms; areno / near-limit "
+                         f"{r['areno_over_nearlimit']:.2f}x, list reference / near-limit "
+                         f"{r['reference']['median_s'] / r['nearlimit']['median_s']:.1f}x")
     for name in ("e2e_small", "e2e_large"):
         c = out["workloads"][name]["areno_components_median_s"]
         lines.append(
@@ -332,7 +367,7 @@ def format_report(out: dict[str, Any]) -> str:
     lines.append("")
     quick = out["meta"]["quick"]
     lines.append("targets:" + ("  (quick sizes: not meaningful, shown as n/a)" if quick else ""))
-    lines += target_lines(out["targets"], quick, 42, "9.2f")
+    lines += target_lines(out["targets"] + out["near_limit_targets"], quick, 42, "9.2f")
     m = out["meta"]
     lines.append("")
     lines.append("ratio = reference median / areno median; ratio(min) = the same with each path's fastest run; "
@@ -347,6 +382,46 @@ def format_report(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def against_ref(args: argparse.Namespace) -> int:
+    """--ref REV: REV's bench_materialize (a git worktree) and this checkout's, each
+    in its own process, in turn (ABBA) for --ref-rounds rounds; per workload the
+    median of areno's medians and the ratio this checkout / REV."""
+    import json
+    import subprocess
+    import tempfile
+
+    from areno.bench.refs import CURRENT, rev_id, worktrees
+
+    revs = [rev_id(args.ref), CURRENT]
+    got: dict[str, list[dict[str, Any]]] = {rev: [] for rev in revs}
+    with tempfile.TemporaryDirectory(prefix="areno-materialize-ref-") as d, worktrees(revs, Path(d)) as trees:
+        for i in range(args.ref_rounds):
+            for rev in revs if i % 2 == 0 else revs[::-1]:
+                out = Path(d) / f"round{i}-{len(got[rev])}-{rev.strip('.') or 'tree'}.json"
+                cmd = [sys.executable, str(trees[rev] / "scripts" / "bench_materialize.py"), "--repeats",
+                       str(args.repeats), "--out", str(out), *(["--quick"] if args.quick else [])]
+                res = subprocess.run(cmd, cwd=trees[rev], env={**os.environ, "PYTHONPATH": str(trees[rev])},
+                                     capture_output=True, text=True)
+                if not out.exists():
+                    raise SystemExit(f"{' '.join(cmd)} failed (rc {res.returncode}):\n{res.stderr[-2000:]}")
+                got[rev].append(json.loads(out.read_text())["workloads"])
+                print(f"  round {i + 1}: {'this checkout' if rev == CURRENT else rev} done", flush=True)
+    print(ref_table(got, revs[0]))
+    write_json(args.out, {"ref": revs[0], "runs": got})
+    print(f"wrote {args.out}")
+    return 0
+
+
+def ref_table(got: dict[str, list[dict[str, Any]]], ref: str) -> str:
+    """Per workload both trees run: median over rounds of areno's median, tree / ref."""
+    lines = [f"{'workload':<17} {ref + ' ms':>12} {'tree ms':>12} {'tree/' + ref:>14}"]
+    names = [n for n in got["."][0] if all(n in w for runs in got.values() for w in runs)]
+    for name in names:
+        m = {rev: median([w[name]["areno"]["median_s"] for w in runs]) for rev, runs in got.items()}
+        lines.append(f"{name:<17} {m[ref] * 1e3:>12.3f} {m['.'] * 1e3:>12.3f} {m['.'] / m[ref]:>13.2f}x")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -356,7 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-run-time", type=float, default=0.005,
                     help="runs shorter than this many seconds average several calls (default 0.005)")
     ap.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary size to train (default 2048)")
+    ap.add_argument("--ref", metavar="REV", help="run REV's bench (a git worktree) and this checkout's in turn "
+                    "and print areno's time ratio per workload (this checkout / REV)")
+    ap.add_argument("--ref-rounds", type=int, default=2, help="with --ref: runs of each tree (default 2)")
     args = ap.parse_args(argv)
+    if args.ref:
+        return against_ref(args)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     if not 300 <= args.vocab <= 65536:

@@ -17,6 +17,7 @@ runs one pure-Python spin loop alongside each run (a busy neighbour).
 
     python scripts/bench_step_commits.py                       # 42b2f93 vs HEAD
     python scripts/bench_step_commits.py --revs HEAD --threads 1,2,default --busy
+    python scripts/bench_step_commits.py --ref 42b2f93       # this checkout, uncommitted changes too
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from areno.bench.refs import CURRENT, rev_id, worktrees
+from areno.bench.refs import label as rev_label
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_REVS = ("42b2f93", "HEAD")
@@ -103,7 +106,7 @@ def summarize(results: list[tuple[RunSpec, dict[str, float]]], revs: Sequence[st
 
 def markdown(rows: list[dict], revs: Sequence[str]) -> str:
     """The summary as a markdown table (seconds; ratio = last revision / first)."""
-    head = ["threads", "phase", *[f"{r} s" for r in revs]] + (["ratio"] if len(revs) > 1 else [])
+    head = ["threads", "phase", *[f"{rev_label(r)} s" for r in revs]] + (["ratio"] if len(revs) > 1 else [])
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for row in rows:
         cells = [row["threads"], row["phase"], *[f"{row[r]:.2f}" for r in revs]]
@@ -147,23 +150,6 @@ def command(flags: dict[str, str | None], threads: int | None, out: Path) -> lis
     return argv + ([] if threads is None else ["--cpu-threads", str(threads)])
 
 
-@contextmanager
-def worktrees(revs: Sequence[str], root: Path) -> Iterator[dict[str, Path]]:
-    """{rev: a detached `git worktree` of it under root}, removed on exit."""
-    made: dict[str, Path] = {}
-    try:
-        for i, rev in enumerate(revs):
-            path = root / f"wt{i}"
-            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), rev],
-                           check=True, capture_output=True, text=True)
-            made[rev] = path
-        yield made
-    finally:
-        for path in made.values():
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
-                           capture_output=True)
-
-
 def run_one(tree: Path, argv: list[str], env: dict[str, str], busy: bool, out: Path) -> dict[str, float]:
     """One CLI run in `tree` -> phase_medians of its metrics (SystemExit on failure)."""
     spin = subprocess.Popen([sys.executable, "-c", SPIN]) if busy else None
@@ -180,15 +166,11 @@ def run_one(tree: Path, argv: list[str], env: dict[str, str], busy: bool, out: P
     return phase_medians(recs)
 
 
-def rev_id(rev: str) -> str:
-    """`rev` as a short commit id (HEAD moves; the report names what ran)."""
-    return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev],
-                          check=True, capture_output=True, text=True).stdout.strip()
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--revs", nargs="+", default=list(DEFAULT_REVS), help="old then new (one: no ratio)")
+    p.add_argument("--revs", nargs="+", default=list(DEFAULT_REVS),
+                   help=f"old then new (one: no ratio); {CURRENT!r} is this checkout as it is on disk")
+    p.add_argument("--ref", metavar="REV", help=f"this checkout against REV: the same as --revs REV {CURRENT}")
     p.add_argument("--threads", type=parse_threads, default=[2, None], help="e.g. 2,default or 1,2,default")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
@@ -209,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
 
     model = smol_model_path(args.cache)
     env = dict(kv.split("=", 1) for kv in args.env)
-    revs = [rev_id(r) for r in args.revs]
+    revs = [rev_id(r) for r in ([args.ref, CURRENT] if args.ref else args.revs)]
     results: list[tuple[RunSpec, dict[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="areno-step-commits-") as d, worktrees(revs, Path(d)) as trees:
         data, reward = task_files(Path(d), args.prompts, args.steps)
@@ -222,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
             argv_ = command(supported(base, helps[spec.rev]), spec.threads, out)
             med = run_one(trees[spec.rev], argv_, env, args.busy, out)
             results.append((spec, med))
-            print(f"  {spec.rev} threads={spec.threads_label}: "
+            print(f"  {rev_label(spec.rev)} threads={spec.threads_label}: "
                   + " ".join(f"{p} {v:.2f}s" for p, v in med.items())
                   + f" (load {os.getloadavg()[0]:.1f})", flush=True)
     rows = summarize(results, revs)
