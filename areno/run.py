@@ -360,6 +360,7 @@ def start_line(run: Run, resume: Resume, device: str) -> str:
     return (f"areno: {model_path} on {device} x{run.world_size}, {what}"
             + (f", resumed at step {run.step}" if resume.ckpt else "")
             + fallback_note(cfg.rollout_engine, getattr(run.engine, "kinds", ()))
+            + "".join(f"; {note}" for note in getattr(run.engine, "notes", ()))
             + f"; run dir {run.output_dir}")
 
 

@@ -85,6 +85,7 @@ class RankWorker:
             "vocab_size": self.vocab_size, "weights": self.export_meta if self.rank == 0 else None,
             "strategy": self.wrapped.strategy, "engine": self.engine_kind,
             "engine_max_model_len": getattr(self.engine, "max_model_len", None),
+            "engine_note": getattr(self.engine, "note", None),  # vLLM's release and model runner
             # for perf/mfu in the controller, which never touches CUDA
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
             "flop_shape": self.flop_shape, "cpu_threads": torch.get_num_threads(),

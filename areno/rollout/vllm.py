@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ import vllm  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths  # noqa: E402
+from areno.rollout.factory import check_vllm_version, select_vllm_runner  # noqa: E402
 from areno.rollout.engine import (  # noqa: E402
     SamplingConfig,
     prompt_seeds,
@@ -89,6 +91,8 @@ class VLLMEngine:
     ) -> None:
         from vllm.platforms import current_platform
 
+        check_vllm_version(vllm.__version__)
+        select_vllm_runner()  # read by vLLM when LLM() builds its config
         on_cpu = current_platform.is_cpu()
         if on_cpu and kv_cache_memory_bytes is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
@@ -111,6 +115,10 @@ class VLLMEngine:
             kwargs.update(lora_llm_kwargs(max_lora_rank))
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
+        # What vLLM chose from VLLM_USE_V2_MODEL_RUNNER (rollout.factory.select_vllm_runner).
+        self.runner = "V2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
+        self.note = f"vLLM {vllm.__version__}, {self.runner} model runner"
+        print(f"areno: engine {self.note}", file=sys.stderr, flush=True)  # run.log
         mc = self.llm.llm_engine.model_config
         self.adapters = VLLMAdapters(self.llm, max_lora_rank, mc.dtype) if max_lora_rank > 0 else None
         self.max_model_len: int = int(mc.max_model_len)
