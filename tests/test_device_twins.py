@@ -7,6 +7,8 @@ branch and the test that takes it is docs/BACKEND.md, "Device branches"
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -33,6 +35,42 @@ def test_the_run_resolves_cuda_and_places_ranks_on_the_visible_gpus(four_gpus, f
         run.check_tensor_parallel(8, 4, 4, "cuda")
     with pytest.raises(UserError, match="only 4 GPU"):
         run.check_tensor_parallel(8, 8, 8, "cuda")
+
+
+def test_colocated_ranks_above_the_visible_gpus_are_one_line(four_gpus, files) -> None:
+    """The extra ranks would die in set_device ("invalid device ordinal")."""
+    from areno.runtime import placement
+    from areno.config.train import TrainConfig
+
+    cfg = TrainConfig.from_sources(None, {**files, "world_size": 8})
+    with pytest.raises(UserError, match=r"8 rank\(s\) on this node .* only 4 GPU\(s\) visible"):
+        placement.check_placement(cfg, 8, 8, "cuda")
+    placement.check_placement(cfg, 4, 4, "cuda")
+    placement.check_placement(cfg, 8, 8, "cpu")  # CPU ranks share the cores
+
+
+@pytest.mark.parametrize("driver,refused", [((12, 4), True), ((13, 0), False), ((13, 2), False), (None, False)])
+def test_a_torch_built_for_a_newer_cuda_than_the_driver_stops_train_and_fails_check(
+        four_gpus, files, monkeypatch, driver, refused) -> None:
+    """NVML counts the GPUs (no CUDA context), but the ranks could not start CUDA:
+    `areno train` and `areno check` say the same line."""
+    from areno.cli.check import collect
+    from areno.config.train import TrainConfig
+    from areno.runtime import placement
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(placement, "driver_cuda_version", lambda: driver)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    cfg = TrainConfig.from_sources(None, files)
+    status, detail = {c: (s, d) for s, c, d in collect()}["cuda"]
+    if not refused:
+        assert placement.resolve_device(cfg) == "cuda" and status == "OK"
+        return
+    line = (r"4 GPU\(s\) visible, but torch .* is built for CUDA 13.0 and the NVIDIA driver supports "
+            r"CUDA 12.4 at most: upgrade the driver, or install a torch built for CUDA 12.x")
+    with pytest.raises(UserError, match=line):
+        placement.resolve_device(cfg)
+    assert status == "FAIL" and re.match(line, detail)
 
 
 def test_gpu_settings_bf16_nccl_and_the_optimizer(files) -> None:

@@ -199,7 +199,7 @@ def accept_ranks(cfg: BackendConfig, conns: list[Connection | None], marker: Shm
     try:
         if len(accepted) < cfg.world_size:
             raise BackendError(f"startup: {len(accepted)} of {cfg.world_size} ranks connected "
-                               f"within {cfg.startup_timeout_s:g}s")
+                               f"within {cfg.startup_timeout_s:g}s (--startup-timeout)")
         for conn in accepted:
             if not conn.poll(cfg.startup_timeout_s):
                 raise BackendError("startup: a rank connected but never said hello")

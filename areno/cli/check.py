@@ -25,7 +25,12 @@ def collect() -> list[tuple[str, str, str]]:
     except Exception as e:  # noqa: BLE001
         return rows + [("FAIL", "torch", f"cannot import: {e}")]
     rows.append(("OK", "torch", torch.__version__))
-    if torch.cuda.is_available():
+    from areno.runtime.placement import cuda_runtime_problem, visible_gpus
+
+    gpus = visible_gpus()  # as `areno train` counts them (NVML)
+    if gpus and (problem := cuda_runtime_problem(gpus)):
+        rows.append(("FAIL", "cuda", problem))
+    elif gpus:
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         rows.append(("OK", "cuda", f"{torch.version.cuda}; {len(names)} GPU(s): {', '.join(names)}"))
         nccl = torch.distributed.is_nccl_available()

@@ -80,7 +80,9 @@ def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_siz
         recompute_logprobs=cfg.recompute_logprobs, loss=loss, temperature=cfg.temperature,
         max_nan_steps=cfg.max_nan_steps,
         seed=cfg.seed, ref_model_path=base_model, engine=engine, cpu_threads=cfg.cpu_threads,
-        heartbeat_timeout_s=cfg.rank_heartbeat_timeout, lora=lora, rollout_world_size=cfg.rollout_world_size,
+        heartbeat_timeout_s=cfg.rank_heartbeat_timeout, startup_timeout_s=cfg.startup_timeout,
+        command_timeout_s=cfg.command_timeout, collective_timeout_s=cfg.collective_timeout, lora=lora,
+        rollout_world_size=cfg.rollout_world_size,
         engine_gpus=engine_gpus(cfg, device), run_log=os.environ.get(RUN_LOG_ENV, ""),
     )
 

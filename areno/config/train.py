@@ -196,6 +196,18 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
         0.0, "Seconds a training rank may go without a heartbeat (stopped, frozen) before the run "
         "stops naming it; 0 = max(30, 3 x the longest gap between its heartbeats so far).",
         "Optimization", ge=0.0)
+    # A cold GPU start compiles vLLM and captures CUDA graphs in every rank, and
+    # rank 0 alone writes a checkpoint while the others wait in a collective.
+    startup_timeout: float = opt(
+        1800.0, "Seconds every rank gets to load the model, build its engine and report ready.",
+        "Optimization", gt=0.0)
+    command_timeout: float = opt(
+        3600.0, "Seconds one command to the ranks (a training step, a rollout, a save) may take.",
+        "Optimization", gt=0.0)
+    collective_timeout: float = opt(
+        1800.0, "Seconds a collective may wait for every rank (torch.distributed's timeout: "
+        "a rank saving a checkpoint keeps the others waiting this long at most).",
+        "Optimization", gt=0.0)
     # -- LoRA --------------------------------------------------------------------
     lora_rank: int = opt(
         0, "Train LoRA adapters of this rank on the frozen model instead of all its weights "
