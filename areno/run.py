@@ -42,6 +42,7 @@ from areno.runtime.multinode import controller_port, start_local_ranks
 from areno.runtime.multinode import stop as stop_ranks
 from areno.runtime.early import spawn_early
 from areno.runtime.placement import check_placement, ranks_for, resolve_device
+from areno.runtime.shm import check_shm_room
 from areno.pack import Workspace
 from areno.perf import default_micro_tokens
 from areno.rundir.reporting import RunLogger, limit_note
@@ -168,6 +169,14 @@ def check_save_room(cfg: TrainConfig, out: Path, weights: Weights | None, device
         check_free_space(root, checkpoint_bytes(weights.params, weights.nbytes, item), flag)
 
 
+def weight_bytes(weights: Weights | None, item: int) -> int:
+    """The full weights in a dtype of `item` bytes (their files' size where the
+    element count is unknown; 0 for a model not on this host yet)."""
+    if weights is None:
+        return 0
+    return weights.params * item if weights.params is not None else weights.nbytes
+
+
 def load_data(cfg: TrainConfig, tokenizer: Any) -> tuple[RowSet, PromptSet]:
     if cfg.dataset_path is None:
         rows = normalize_rows(arith.rows(), source="builtin:arith")
@@ -256,6 +265,9 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
     made_run_dir(out)  # an interrupt before the first step names what was written
     logs.enter_context(third_party_to_log(out, cfg.verbose))
     check_save_room(cfg, out, weights, device, lora_params=params and params["trainable"])
+    item = getattr(torch, settings.resolved_dtype(cfg, device)).itemsize  # the engines' dtype
+    check_shm_room(cfg, weight_bytes(weights, item), (params["trainable"] if params else 0) * item,
+                   cfg.rollout_world_size or nproc)
     early = spawn_early(cfg, world_size, device, settings.engine_gpus(cfg, device), logs, early)
     startup_mark("run dir ready")
     tokenizer = load_tokenizer(model_path)

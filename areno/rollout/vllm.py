@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +33,7 @@ import vllm  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths  # noqa: E402
+from areno.models.directory import local_model_dir  # noqa: E402
 from areno.rollout.factory import check_vllm_version, select_vllm_runner  # noqa: E402
 from areno.rollout.engine import (  # noqa: E402
     SamplingConfig,
@@ -328,11 +328,13 @@ class VLLMEngine:
 
 def _checkpoint_names(model_config: Any) -> tuple[set[str] | None, set[str]]:
     """Tensor names of the checkpoint vLLM loaded (read from the safetensors
-    headers), used to check weight pushes by name; None if not a local dir."""
-    path = Path(str(model_config.model))
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    headers), used to check weight pushes by name: a local dir, or a hub id's
+    snapshot in the HF cache, where vLLM has just loaded it from; None if neither."""
+    path = local_model_dir(str(model_config.model))
+    files = sorted(path.glob("*.safetensors")) if path is not None else []
     if not files:
-        log.warning("areno: cannot list the checkpoint's tensors in %s; weight pushes are not name-checked", path)
+        log.warning("areno: cannot list the checkpoint's tensors in %s; weight pushes are not name-checked",
+                    model_config.model)
         return None, set()
     from safetensors import safe_open
 
