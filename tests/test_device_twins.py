@@ -118,6 +118,28 @@ def test_check_lists_the_gpus(four_gpus, monkeypatch) -> None:
     rows = {c: (s, d) for s, c, d in collect()}
     assert rows["cuda"][0] == "OK" and "4 GPU(s): NVIDIA H200 #0, NVIDIA H200 #1" in rows["cuda"][1]
     assert "nccl" in rows
+    # what auto runs on the GPUs: torch's varlen without flash-attn (not "SDPA")
+    assert rows["attention"] == ("OK", f"cuda, bfloat16: torch {torch.__version__}'s varlen_attn (flash)")
+
+
+def test_check_says_what_packed_attention_runs_and_flags_an_unknown_varlen(four_gpus, monkeypatch) -> None:
+    from torch.nn.attention import varlen as tv
+
+    from areno.backend import attention
+    from areno.cli.check import attention_row, collect
+
+    assert attention_row("cpu") == ("OK", "attention", "cpu, float32: one causal sdpa call per sequence length")
+    monkeypatch.setattr(attention, "has_flash_attn", lambda: False)
+
+    def varlen_attn_next(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1), enable_gqa=False, softcap=0.0):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(tv, "varlen_attn", varlen_attn_next)
+    status, _, detail = attention_row("cuda")
+    assert status == "WARN" and detail.endswith("varlen_attn (flash): a signature areno was not tested with")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    assert {c: s for s, c, _ in collect()}["attention"] == "WARN"
 
 
 def test_the_hf_engine_returns_cached_gpu_memory_on_shutdown(tiny_chat_path, monkeypatch) -> None:

@@ -53,13 +53,23 @@ def collect() -> list[tuple[str, str, str]]:
     else:
         rows.append(("WARN", "vllm", "not installed: rollouts use transformers (--rollout-engine hf)"))
     fa = _version("flash-attn") or _version("flash_attn")
-    rows.append(("OK", "flash-attn", fa) if fa else
-                ("WARN", "flash-attn", "not installed: packed attention uses SDPA"))
+    rows.append(("OK", "flash-attn", fa if fa else "not installed (optional)"))
+    rows.append(attention_row("cuda" if gpus else "cpu"))
     for dist in ("transformers", "datasets", "math-verify"):
         v = _version(dist)
         rows.append(("OK", dist, v) if v else ("FAIL", dist, "not installed"))
     rows.append(("OK", "cpus", str(os.cpu_count())))
     return rows
+
+
+def attention_row(device: str) -> tuple[str, str, str]:
+    """What --attn-implementation auto runs for packed attention here (at --dtype
+    auto: bf16 on a GPU, fp32 on CPU)."""
+    from areno.backend.attention import describe_auto
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    known, what = describe_auto(device, dtype)
+    return ("OK" if known else "WARN", "attention", f"{device}, {dtype}: {what}")
 
 
 def run_checks() -> int:
