@@ -373,6 +373,7 @@ def start_line(run: Run, resume: Resume, device: str) -> str:
             + (f", resumed at step {run.step}" if resume.ckpt else "")
             + fallback_note(cfg.rollout_engine, getattr(run.engine, "kinds", ()))
             + "".join(f"; {note}" for note in getattr(run.engine, "notes", ()))
+            + settings.old_logprobs_note(cfg, device)
             + f"; run dir {run.output_dir}")
 
 

@@ -183,9 +183,14 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
     mini_batches: int = opt(1, "Optimizer steps per rollout batch (mini-batches).",
                             "Optimization", ge=1)
     ppo_epochs: int = opt(1, "Passes over each rollout batch.", "Optimization", ge=1)
-    recompute_logprobs: bool = opt(
-        False, "Take old log-probs from the trainer before the first update instead of the "
-        "sampler's.", "Optimization", shown="off; on with --off-policy-steps >= 1")
+    recompute_logprobs: bool | None = opt(
+        None, "Take the PPO ratio's old log-probs from the trainer (its own, detached, when a "
+        "step makes one update; recomputed before the first update otherwise) instead of the "
+        "sampler's, whose kernels differ in bf16 (docs/PERFORMANCE.md: at K = 0 they clip "
+        "tokens before any update); unset, the sampler's mismatch is then a truncated-IS "
+        f"weight (--tis-cap {OFF_POLICY_TIS_CAP:g}); recompute_logprobs: false in --config takes the "
+        "sampler's.", "Optimization",
+        shown="auto: on in bf16/fp16 or with --off-policy-steps >= 1, off in fp32")
     grad_checkpointing: bool = opt(False, "Activation checkpointing.", "Optimization")
     max_tokens_per_micro: int | None = opt(
         None, "Token budget of one micro-batch per rank, measured per device "
