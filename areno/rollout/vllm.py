@@ -283,21 +283,29 @@ class VLLMEngine:
         """Free the KV cache and the weights (vLLM level 2) while the trainer
         runs. Level 1 would copy the weights to host memory and back every step,
         though the sync after training overwrites them all (reload_weights).
-        Serving LoRA, level 1: the base is never sent again (rollout.vllm_lora).
-        A no-op where sleep mode is unsupported (CPU); see `supports_sleep`."""
+        Serving LoRA the base never changes and is never sent again, so it stays
+        on the device with the adapter's slots: scheduling paused (level 0) and
+        only the KV cache released (vLLM's release_kv_cache_memory), not level 1's
+        copy of the base out and back every step. A no-op where sleep mode is
+        unsupported (CPU); see `supports_sleep`."""
         if self.supports_sleep and not self._asleep:
-            lora = self.adapters is not None
-            self.llm.sleep(level=1 if lora else SLEEP_LEVEL)
-            self._asleep, self._discarded = True, not lora
+            if self.adapters is not None:
+                self.llm.sleep(level=0)
+                self.llm.release_kv_cache_memory()
+            else:
+                self.llm.sleep(level=SLEEP_LEVEL)
+            self._asleep, self._discarded = True, self.adapters is None
 
     def wake_up(self) -> None:
         """Reallocate the weights only (uninitialised); the next full load fills
         them, then wakes the KV cache (`_finish_wake`): vLLM's order for updates.
-        Serving LoRA: weights and KV cache back, the adapter re-added to its slot."""
+        Serving LoRA: the KV cache back, then scheduling; base and adapter never left."""
         if self.supports_sleep and self._asleep:
-            self.llm.wake_up(tags=None if self.adapters is not None else ["weights"])
-            self._asleep = False
-            self._restore_adapter()
+            if self.adapters is not None:
+                self.llm.wake_up(tags=["kv_cache"])
+                self.llm.wake_up(tags=["scheduling"])
+            else:
+                self.llm.wake_up(tags=["weights"])
         self._asleep = False
 
     def _finish_wake(self) -> None:
