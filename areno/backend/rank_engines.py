@@ -284,6 +284,10 @@ class PendingRollout:
         loaded = [r["load_s"] for r in replies if "load_s" in r]
         if loaded:
             info["sync_load_s"] = max(loaded)
+            probed = [r for r in replies if "probe_diff" in r]
+            probe = {"probe_diff": max(r["probe_diff"] for r in probed),
+                     "probe_tolerance": min(r["probe_tolerance"] for r in probed)} if probed else {}
+            self.engines.backend.log_sync({"sync_load_s": info["sync_load_s"], **probe})
         return info
 
     def drop(self) -> None:
