@@ -72,3 +72,12 @@ def test_vllm_on_a_gpu_gets_the_v1_runner_unless_v2_is_asked_for(monkeypatch):
     assert choice(config) is False
     monkeypatch.setenv(VLLM_RUNNER_ENV, "1")
     assert select_vllm_runner() == "V2" and choice(config) is True
+
+
+def test_areno_check_names_the_vllm_release_and_runner_and_fails_an_unsupported_one(monkeypatch):
+    from areno.cli.check import vllm_row
+
+    monkeypatch.delenv(VLLM_RUNNER_ENV, raising=False)
+    assert vllm_row("vllm", "0.32.0") == ("OK", "vllm", "vllm 0.32.0, V1 model runner")
+    status, _, detail = vllm_row("vllm", "0.33.0")
+    assert status == "FAIL" and detail.startswith("vLLM 0.33.0 is installed; areno runs vLLM >= 0.32.0, < 0.33")

@@ -224,7 +224,8 @@ def describe_auto(device: str, dtype: str) -> tuple[bool, str]:
         return known, (f"torch {torch.__version__}'s varlen_attn (flash)"
                        + ("" if known else ": a signature areno was not tested with"))
     if impl == "flex":
-        return True, "FlexAttention with a document-causal block mask" + (" (compiled)" if device == "cuda" else "")
+        compiled = " (compiled)" if device == "cuda" else ""
+        return True, f"FlexAttention with a document-causal block mask{compiled}"
     return True, "one causal sdpa call per sequence length"
 
 

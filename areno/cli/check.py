@@ -45,7 +45,7 @@ def collect() -> list[tuple[str, str, str]]:
             try:
                 import vllm  # noqa: F401
 
-                rows.append(("OK", "vllm", f"{dist} {v}"))
+                rows.append(vllm_row(dist, v))
             except Exception as e:  # noqa: BLE001
                 rows.append(("FAIL", "vllm", f"{dist} {v} installed but import fails: "
                              f"{' '.join(str(e).split())[:200]}"))
@@ -60,6 +60,20 @@ def collect() -> list[tuple[str, str, str]]:
         rows.append(("OK", dist, v) if v else ("FAIL", dist, "not installed"))
     rows.append(("OK", "cpus", str(os.cpu_count())))
     return rows
+
+
+def vllm_row(dist: str, version: str) -> tuple[str, str, str]:
+    """The installed vLLM against the release areno runs (the engine refuses another)
+    and the model runner it will be asked for."""
+    from areno.errors import UserError
+    from areno.rollout.factory import VLLM_RUNNER_ENV, check_vllm_version
+
+    try:
+        check_vllm_version(version)
+    except UserError as e:
+        return "FAIL", "vllm", str(e)
+    runner = "V1" if os.environ.get(VLLM_RUNNER_ENV, "0").strip() == "0" else "V2"
+    return "OK", "vllm", f"{dist} {version}, {runner} model runner"
 
 
 def attention_row(device: str) -> tuple[str, str, str]:

@@ -53,7 +53,8 @@ def old_logprobs_note(cfg: TrainConfig, device: str) -> str:
         return ""
     one = cfg.mini_batches * cfg.ppo_epochs == 1
     when = "its own, detached" if one else "recomputed before the first update"
-    return f"; old log-probs: the trainer's ({when}), the sampler's mismatch a truncated-IS weight (--tis-cap {cap:g})"
+    return (f"; old log-probs: the trainer's ({when}), the sampler's mismatch a truncated-IS weight "
+            f"(--tis-cap {cap:g})")
 
 
 def sampling(cfg: TrainConfig) -> SamplingConfig:
