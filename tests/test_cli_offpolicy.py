@@ -160,7 +160,7 @@ def test_help_lists_the_options_and_the_cap_default():
     text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", out.stdout).split())  # rich's panel borders
     for flag in ("--off-policy-steps", "--rollout-world-size", "--recompute-logprobs"):
         assert flag in text, flag
-    assert "off; 2 with --off-policy-steps >= 1" in text  # --tis-cap
+    assert "off in fp32; 2 in bf16/fp16 or with --off-policy-steps >= 1" in text  # --tis-cap
     assert "auto: on in bf16/fp16 or with --off-policy-steps >= 1, off in fp32" in text  # --recompute-logprobs
 
 
@@ -225,3 +225,11 @@ def test_old_logprobs_default_to_the_trainers_in_half_precision(files, given, de
     if note:
         assert note == ("; old log-probs: the trainer's (its own, detached), the sampler's mismatch a "
                         f"truncated-IS weight (--tis-cap {want[1]:g})")
+
+
+def test_a_tis_cap_with_the_samplers_old_logprobs_is_refused(files):
+    """--tis-cap weighs trainer/sampler: with recompute_logprobs: false (--config's
+    opt-out) there is no trainer side; unset, the cap turns the trainer's on."""
+    with pytest.raises(UserError, match="--tis-cap needs --recompute-logprobs"):
+        TrainConfig.from_sources(None, {**files, "tis_cap": 2.0, "recompute_logprobs": False})
+    assert TrainConfig.from_sources(None, {**files, "tis_cap": 2.0}).recompute_logprobs is None

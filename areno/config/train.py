@@ -136,8 +136,9 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient (0 = off).", "Algorithm", ge=0.0)
     tis_cap: float | None = opt(
         None, "Truncated importance-sampling cap C: each token's policy loss is weighted by "
-        "min(trainer/sampler probability ratio, C) (needs --recompute-logprobs).", "Algorithm",
-        gt=0.0, shown=f"off; {OFF_POLICY_TIS_CAP:g} with --off-policy-steps >= 1")
+        "min(trainer/sampler probability ratio, C) (takes the trainer's old log-probs, "
+        "--recompute-logprobs).", "Algorithm",
+        gt=0.0, shown=f"off in fp32; {OFF_POLICY_TIS_CAP:g} in bf16/fp16 or with --off-policy-steps >= 1")
     is_level: ISLevel = opt(
         "token", "Level of the --tis-cap importance weight: token (each token's own ratio), "
         "sequence (the product over the completion: unbiased, high variance; verl's "
