@@ -36,7 +36,9 @@ from areno.runtime.interrupt import made_run_dir
 from areno.runtime.signals import signals_held
 from areno.runtime.leftovers import clean_leftovers
 from areno.config.file import write_run_config
-from areno.models.directory import MODEL_DIR_FIX, Weights, adapter_base, check_model_dir, is_adapter_dir
+from areno.models.directory import (
+    MODEL_DIR_FIX, Weights, adapter_base, cached_weights, check_model_dir, is_adapter_dir,
+)
 from areno.models.info import check_model
 from areno.runtime.multinode import controller_port, start_local_ranks
 from areno.runtime.multinode import stop as stop_ranks
@@ -337,7 +339,8 @@ def model_for(cfg: TrainConfig, resume: Resume) -> tuple[str, str, Weights | Non
     LoRA checkpoint (--ckpt or --resume) loads its base model plus the adapter."""
     base_model = resume.base_model if resume.ckpt else model_path_for(cfg)
     model_path = str(resume.ckpt) if resume.ckpt else base_model
-    weights = check_model_dir(model_path, "--resume" if resume.ckpt else "--ckpt", MODEL_DIR_FIX)
+    weights = check_model_dir(model_path, "--resume" if resume.ckpt else "--ckpt", MODEL_DIR_FIX) \
+        or cached_weights(model_path)  # a hub id: its cached snapshot, if any
     adapter = None
     if is_adapter_dir(model_path):
         adapter = model_path

@@ -67,3 +67,30 @@ def test_the_cli_checks_it_before_any_rank_starts(tmp_path, monkeypatch, capsys,
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith("areno: error: /dev/shm has 1.0 MiB free") and "--shm-size=" in err[0], err
+
+
+def test_a_cached_hub_id_counts_its_weights_and_a_partial_snapshot_counts_none(tiny_chat_path, tmp_path,
+                                                                              monkeypatch):
+    """`--ckpt org/name` (every README command): the footprint and the checkpoint
+    room are estimated from its snapshot in the HF cache when it is there whole."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    from areno.models.directory import cached_weights, check_model_dir
+
+    hub = tmp_path / "hub"
+    for repo, files in (("whole", None), ("partial", ["config.json"])):
+        snap = hub / f"models--areno-test--{repo}" / "snapshots" / "abc"
+        if files is None:
+            shutil.copytree(tiny_chat_path, snap)
+        else:
+            snap.mkdir(parents=True)
+            for f in files:
+                shutil.copy(tiny_chat_path / f, snap / f)
+        (snap.parents[1] / "refs").mkdir()
+        (snap.parents[1] / "refs" / "main").write_text("abc")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    whole = cached_weights("areno-test/whole")
+    assert whole is not None and whole == check_model_dir(tiny_chat_path, "--ckpt", "")
+    assert cached_weights("areno-test/partial") is None and cached_weights("areno-test/absent") is None
