@@ -36,12 +36,15 @@ from areno.runtime.interrupt import made_run_dir
 from areno.runtime.signals import signals_held
 from areno.runtime.leftovers import clean_leftovers
 from areno.config.file import write_run_config
-from areno.models.directory import MODEL_DIR_FIX, Weights, adapter_base, check_model_dir, is_adapter_dir
+from areno.models.directory import (
+    MODEL_DIR_FIX, Weights, adapter_base, cached_weights, check_model_dir, is_adapter_dir,
+)
 from areno.models.info import check_model
 from areno.runtime.multinode import controller_port, start_local_ranks
 from areno.runtime.multinode import stop as stop_ranks
 from areno.runtime.early import spawn_early
 from areno.runtime.placement import check_placement, ranks_for, resolve_device
+from areno.runtime.shm import check_shm_room
 from areno.pack import Workspace
 from areno.perf import default_micro_tokens
 from areno.rundir.reporting import RunLogger, limit_note
@@ -168,6 +171,14 @@ def check_save_room(cfg: TrainConfig, out: Path, weights: Weights | None, device
         check_free_space(root, checkpoint_bytes(weights.params, weights.nbytes, item), flag)
 
 
+def weight_bytes(weights: Weights | None, item: int) -> int:
+    """The full weights in a dtype of `item` bytes (their files' size where the
+    element count is unknown; 0 for a model not on this host yet)."""
+    if weights is None:
+        return 0
+    return weights.params * item if weights.params is not None else weights.nbytes
+
+
 def load_data(cfg: TrainConfig, tokenizer: Any) -> tuple[RowSet, PromptSet]:
     if cfg.dataset_path is None:
         rows = normalize_rows(arith.rows(), source="builtin:arith")
@@ -256,6 +267,9 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
     made_run_dir(out)  # an interrupt before the first step names what was written
     logs.enter_context(third_party_to_log(out, cfg.verbose))
     check_save_room(cfg, out, weights, device, lora_params=params and params["trainable"])
+    item = getattr(torch, settings.resolved_dtype(cfg, device)).itemsize  # the engines' dtype
+    check_shm_room(cfg, weight_bytes(weights, item), (params["trainable"] if params else 0) * item,
+                   cfg.rollout_world_size or nproc)
     early = spawn_early(cfg, world_size, device, settings.engine_gpus(cfg, device), logs, early)
     startup_mark("run dir ready")
     tokenizer = load_tokenizer(model_path)
@@ -325,7 +339,8 @@ def model_for(cfg: TrainConfig, resume: Resume) -> tuple[str, str, Weights | Non
     LoRA checkpoint (--ckpt or --resume) loads its base model plus the adapter."""
     base_model = resume.base_model if resume.ckpt else model_path_for(cfg)
     model_path = str(resume.ckpt) if resume.ckpt else base_model
-    weights = check_model_dir(model_path, "--resume" if resume.ckpt else "--ckpt", MODEL_DIR_FIX)
+    weights = check_model_dir(model_path, "--resume" if resume.ckpt else "--ckpt", MODEL_DIR_FIX) \
+        or cached_weights(model_path)  # a hub id: its cached snapshot, if any
     adapter = None
     if is_adapter_dir(model_path):
         adapter = model_path
@@ -360,6 +375,8 @@ def start_line(run: Run, resume: Resume, device: str) -> str:
     return (f"areno: {model_path} on {device} x{run.world_size}, {what}"
             + (f", resumed at step {run.step}" if resume.ckpt else "")
             + fallback_note(cfg.rollout_engine, getattr(run.engine, "kinds", ()))
+            + "".join(f"; {note}" for note in getattr(run.engine, "notes", ()))
+            + settings.old_logprobs_note(cfg, device)
             + f"; run dir {run.output_dir}")
 
 

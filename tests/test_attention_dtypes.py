@@ -48,6 +48,26 @@ def test_the_adapter_reads_each_signature() -> None:
     }
 
 
+def test_an_unknown_varlen_signature_warns_once_and_the_known_ones_do_not() -> None:
+    import warnings
+
+    def varlen_attn_next(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1), enable_gqa=False, softcap=0.0):
+        raise AssertionError("not called")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a known signature warns nothing
+        for v in vs.VERSIONS:
+            attention.varlen_signature(vs.make(v, []))
+    with pytest.warns(RuntimeWarning, match=r"varlen_attn\(.*softcap.*\) is not one of the signatures areno "
+                                            r"was tested with \(torch 2.10, 2.11, 2.13\)"):
+        sig = attention.varlen_signature(varlen_attn_next)
+    assert sig == attention.VarlenSignature(causal_by_window=True, has_scale=True, has_gqa=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        attention.varlen_signature(varlen_attn_next)  # once: read per function, not per layer call
+
+
 def _bf16_forward_backward(tiny_chat_path, impl: str, pack):
     """(logp, grads) of one packed pass under bf16 autocast, backward outside it
     (as the train step), over fp32 master weights."""

@@ -67,6 +67,14 @@ def test_k_nonfinite_steps_in_a_row_stop_the_run(tiny_chat_path) -> None:
 
 
 
+def test_a_command_past_its_timeout_names_the_command_and_the_option(tiny_chat_path) -> None:
+    be = TorchBackend(config(tiny_chat_path, 1, command_timeout_s=2))
+    with pytest.raises(BackendError, match=r"debug: rank\(s\) \[0\] did not answer within 2s "
+                                           r"\(--command-timeout\)"):
+        rank_debug(be, "sleep", seconds=60)
+    assert_clean()
+
+
 def test_ctrl_c_in_the_controller_stops_every_rank(tiny_chat_path) -> None:
     import _thread
 

@@ -28,14 +28,22 @@ def test_gpu_check_cpu_smoke_passes(tmp_path: Path) -> None:
         assert line in report
     assert json.loads((tmp_path / "gpu_check.json").read_text())["engine"]["new_tokens"] == 16
     assert "CLI: ALL PASS" in cli, cli
-    assert cli.count("median seconds per steady step") == 6 and "weight_sync" in cli
-    runs = (("cli_demo", 3), ("cli_split", 3), ("cli_split_k1", 3), ("cli_qwen3", 2), ("cli_qwen3_ckpt", 2),
-            ("cli_qwen3_lora8", 2))
+    assert cli.count("median seconds per steady step") == 8 and "weight_sync" in cli
+    runs = (("cli_demo", 3), ("cli_split", 3), ("cli_split_k1", 3), ("cli_resume", 5), ("cli_env", 2),
+            ("cli_qwen3", 2), ("cli_qwen3_ckpt", 2), ("cli_qwen3_lora8", 2))
     for name, steps in runs:
         run = json.loads((tmp_path / f"{name}.json").read_text())
         assert run["ok"] and run["weight_sync_check"] == dict(run["weight_sync_check"], passed=True, syncs=steps)
     steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps][:8] == ["build", "engine", *(name for name, _ in runs)]
+    assert [s["step"] for s in steps][:10] == ["build", "engine", *(name for name, _ in runs)]
+    # eval at the demo's end; the resumed run went on from step 3 (resume.log: only its own steps)
+    assert set(json.loads((tmp_path / "cli_demo.json").read_text())["eval"]) >= {"eval/pass@1", "eval/reward@1"}
+    assert "resumed at step 3" in (tmp_path / "runs" / "resume.log").read_text()
+    # step 1's K = 0 ratio: the trainer's old log-probs (bf16 default) give exactly 1, the sampler's not
+    trainer, sampler = (json.loads((tmp_path / f"cli_{n}.json").read_text())["step1"]
+                        for n in ("qwen3", "qwen3_ckpt"))
+    assert (trainer["train/ratio_std"], trainer["train/ratio_max"]) == (0.0, 1.0)
+    assert sampler["train/ratio_std"] > 0 and sampler["train/logprob_diff"] == trainer["train/logprob_diff"]
     assert all(s["rc"] == 0 for s in steps), steps
     # each step printed one line; the whole wrote one table
     for s in steps:
@@ -43,6 +51,7 @@ def test_gpu_check_cpu_smoke_passes(tmp_path: Path) -> None:
     table = (tmp_path / "gpu_check_table.md").read_text()
     assert all(f"| {s['step']} | 0 |" in table for s in steps) and table.rstrip().endswith("ALL PASS")
     assert "grad checkpointing: no GPU peak memory (CPU)" in table
+    assert "K = 0 ratio at step 1: trainer's old log-probs clip_frac 0, ratio_std 0, ratio_max 1" in table
     # what the runs were: split placement (an engine process beside the rank), K = 1, checkpointing
     split_log = (tmp_path / "runs" / "split_k1.log").read_text()
     assert "--off-policy-steps 1 turns on" in split_log
@@ -75,5 +84,5 @@ def test_every_gpu_step_has_a_limit_and_they_fit_one_450s_call() -> None:
     text = (ROOT / "scripts" / "gpu_check.sh").read_text()
     kill_after = int(re.search(r"^KILL_AFTER=(\d+)$", text, re.M).group(1))
     limits = [int(n) for n in re.findall(r"^\s*(?:step|qwen_run|demo_run) [a-z0-9_]+ (\d+) ", text, re.M)]
-    assert len(limits) == 9 and sum(limits) + kill_after * len(limits) <= 450, limits
+    assert len(limits) == 11 and sum(limits) + kill_after * len(limits) <= 450, limits
     assert 'timeout --signal=TERM --kill-after=$KILL_AFTER "$limit"' in text

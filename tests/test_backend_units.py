@@ -253,6 +253,48 @@ def test_one_device_to_host_readback_per_optimizer_step(tiny_chat_path, monkeypa
     assert all(s.keys() == set(REPORTED) for s in steps), steps[0].keys() ^ set(REPORTED)
 
 
+def _train_once(worker, split) -> list[dict]:
+    writer = PackWriter()
+    try:
+        (h,) = writer.write(split)
+        return worker.cmd_train(h)["steps"]
+    finally:
+        writer.close()
+
+
+def test_one_update_takes_its_own_log_probs_detached_as_old_without_a_second_pass(
+        tiny_chat_path, monkeypatch) -> None:
+    """With the trainer's old log-probs and one update per step, the ratio is the
+    update's own forward over itself, detached: exactly 1 (no clip, no noise), and
+    no separate no-grad pass; the update equals the one that recomputes them. With
+    two mini-batches the old log-probs are recomputed once, before the first."""
+    from areno.backend import step
+
+    passes: list[int] = []
+    recompute = step.no_grad_logprobs
+    monkeypatch.setattr(step, "no_grad_logprobs", lambda *a: passes.append(1) or recompute(*a))
+    loss = LossConfig(tis_cap=2.0)
+    with local_worker(tiny_chat_path, monkeypatch, lr=1e-3, recompute_logprobs=True, loss=loss) as worker:
+        before = {n: p.detach().clone() for n, p in worker.hf.named_parameters()}
+        (own,) = _train_once(worker, make_split(1, num_minibatches=1))
+        after_own = {n: p.detach().clone() for n, p in worker.hf.named_parameters()}
+        assert passes == []
+        assert (own["ratio_max"], own["ratio_mean"], own["clip_frac"]) == (1.0, 1.0, 0.0)
+        assert own["tis_weight"] != 1.0  # the sampler's mismatch still weighs each token
+        with torch.no_grad():
+            for n, p in worker.hf.named_parameters():
+                p.copy_(before[n])
+        monkeypatch.setattr(step, "own_old_logprobs", lambda cfg, k: False)
+        worker.trainer.optimizer.state.clear()
+        worker.trainer.step = 0
+        (recomputed,) = _train_once(worker, make_split(1, num_minibatches=1))
+        assert passes == [1]
+        assert recomputed["loss"] == pytest.approx(own["loss"], rel=1e-6, abs=1e-9)
+        for n, p in worker.hf.named_parameters():
+            torch.testing.assert_close(p.detach(), after_own[n], rtol=1e-5, atol=1e-7, msg=n)
+    assert step.own_old_logprobs(BackendConfig(model_path="m", recompute_logprobs=True), 2) is False
+
+
 def test_nan_steps_are_skipped_then_k_in_a_row_stop(tiny_chat_path, monkeypatch) -> None:
     good, bad = make_split(1, num_minibatches=2), make_split(1, num_minibatches=2, nan_adv=True)
     with local_worker(tiny_chat_path, monkeypatch, lr=1e-3, max_nan_steps=3) as worker:

@@ -207,6 +207,22 @@ def test_demo_vs_trl_without_trl_runs_areno_alone(tmp_path: Path):
 
 
 @pytest.mark.bench
+def test_bench_ratio_noise_smoke_takes_step_1_from_both_sources(tmp_path):
+    """scripts/bench_ratio_noise.py --smoke (the demo model, bf16 on CPU): the
+    trainer's old log-probs give a ratio of exactly 1 at step 1, the sampler's a
+    spread, and both runs see the same sampler/trainer mismatch."""
+    out = tmp_path / "ratio.json"
+    res = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_ratio_noise.py"), "--smoke",
+                          "--engine", "hf", "--device", "cpu", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600, cwd=REPO, env=child_env(REPO))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    step1 = json.loads(out.read_text())["step1"]
+    assert (step1["trainer"]["train/ratio_std"], step1["trainer"]["train/ratio_max"]) == (0.0, 1.0)
+    assert step1["sampler"]["train/ratio_std"] > 0 and step1["sampler"]["train/tis_weight"] == 1.0
+    assert step1["sampler"]["train/logprob_diff"] == step1["trainer"]["train/logprob_diff"] > 0
+
+
+@pytest.mark.bench
 def test_bench_lora_vs_full_runs_both_arms_on_one_seed(tmp_path: Path, tiny_chat_path: Path):
     """scripts/bench_lora_vs_full.py (issue 26, 3) on the tiny chat model, 2 steps:
     both arms run as `areno train` and their reward curves land in the JSON."""

@@ -52,7 +52,6 @@ BAD = [
     (["--batch-size", "0"], "--batch-size must be >= 1"),
     (["--n-samples", "1"], "--n-samples must be >= 2"),
     (["--clip-eps-low", "1.5"], "--clip-eps-low must be < 1.0"),
-    (["--tis-cap", "2"], "--tis-cap needs --recompute-logprobs"),
     (["--world-size", "0"], "--world-size must be >= 1"),
     (["--mini-batches", "100000"], "--mini-batches"),
     (["--config", "/nonexistent/run.yaml"], "--config: file not found"),

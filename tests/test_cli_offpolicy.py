@@ -133,7 +133,7 @@ def test_k0_leaves_every_setting_as_it_was(files, capsys):
     zero = TrainConfig.from_sources(None, {**files, "off_policy_steps": 0, "rollout_world_size": 0})
     assert (plain.off_policy_steps, plain.rollout_world_size) == (0, 0)
     assert zero == plain and capsys.readouterr().out == ""
-    assert plain.recompute_logprobs is False and plain.tis_cap is None
+    assert plain.recompute_logprobs is None and plain.tis_cap is None  # auto: off in fp32 (settings)
     bc = backend_config(zero, "m", "m", 2, "cpu", 10)
     assert bc == backend_config(plain, "m", "m", 2, "cpu", 10)
     assert bc.loss == LossConfig()  # grpo, eps 0.2/0.2, no KL, entropy, TIS or dual-clip
@@ -160,8 +160,8 @@ def test_help_lists_the_options_and_the_cap_default():
     text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", out.stdout).split())  # rich's panel borders
     for flag in ("--off-policy-steps", "--rollout-world-size", "--recompute-logprobs"):
         assert flag in text, flag
-    assert "off; 2 with --off-policy-steps >= 1" in text  # --tis-cap
-    assert "off; on with --off-policy-steps >= 1" in text  # --recompute-logprobs
+    assert "off in fp32; 2 in bf16/fp16 or with --off-policy-steps >= 1" in text  # --tis-cap
+    assert "auto: on in bf16/fp16 or with --off-policy-steps >= 1, off in fp32" in text  # --recompute-logprobs
 
 
 # -- resume ---------------------------------------------------------------------
@@ -202,3 +202,34 @@ def test_a_synchronous_run_cannot_resume_asynchronous(tmp_path):
              "rollout_world_size": 1}
     with pytest.raises(UserError, match=r"^--resume: --off-policy-steps 0 -> 1: this option cannot"):
         resume_config(TrainConfig.from_sources(None, given), set(given))
+
+
+@pytest.mark.parametrize("given, device, want", [
+    ({}, "cpu", (False, None)),                                   # fp32: the sampler's agree to ~1e-5
+    ({}, "cuda", (True, 2.0)),                                    # --dtype auto is bf16 on a GPU
+    ({"dtype": "bfloat16"}, "cpu", (True, 2.0)),
+    ({"dtype": "bfloat16", "recompute_logprobs": False}, "cpu", (False, None)),  # --config's opt-out
+    ({"dtype": "bfloat16", "tis_cap": 3.0}, "cpu", (True, 3.0)),
+    ({"tis_cap": 3.0}, "cpu", (True, 3.0)),                       # a cap needs the trainer's
+    ({"recompute_logprobs": True}, "cpu", (True, None)),          # as before: no weight unless asked
+])
+def test_old_logprobs_default_to_the_trainers_in_half_precision(files, given, device, want):
+    from areno.config.settings import old_logprobs, old_logprobs_note
+
+    cfg = TrainConfig.from_sources(None, {**files, **given})
+    assert old_logprobs(cfg, device) == want
+    bc = backend_config(cfg, "m", "m", 1, device, 10)
+    assert (bc.recompute_logprobs, bc.loss.tis_cap) == want
+    note = old_logprobs_note(cfg, device)
+    assert bool(note) == (want[0] and cfg.recompute_logprobs is None)
+    if note:
+        assert note == ("; old log-probs: the trainer's (its own, detached), the sampler's mismatch a "
+                        f"truncated-IS weight (--tis-cap {want[1]:g})")
+
+
+def test_a_tis_cap_with_the_samplers_old_logprobs_is_refused(files):
+    """--tis-cap weighs trainer/sampler: with recompute_logprobs: false (--config's
+    opt-out) there is no trainer side; unset, the cap turns the trainer's on."""
+    with pytest.raises(UserError, match="--tis-cap needs --recompute-logprobs"):
+        TrainConfig.from_sources(None, {**files, "tis_cap": 2.0, "recompute_logprobs": False})
+    assert TrainConfig.from_sources(None, {**files, "tis_cap": 2.0}).recompute_logprobs is None

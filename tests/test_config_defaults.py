@@ -50,6 +50,16 @@ def test_cpu_threads_reach_the_ranks_unset_by_default(files):
     assert backend_config(cfg, "m", "m", 1, "cpu", 10).cpu_threads == 2
 
 
+def test_the_timeouts_are_options_whose_defaults_fit_a_cold_multi_gpu_start(files):
+    from areno.config.settings import backend_config
+
+    be = backend_config(TrainConfig.from_sources(None, files), "m", "m", 1, "cpu", 10)
+    assert (be.startup_timeout_s, be.command_timeout_s, be.collective_timeout_s) == (1800, 3600, 1800)
+    given = {"startup_timeout": 60, "command_timeout": 70, "collective_timeout": 80}
+    be = backend_config(TrainConfig.from_sources(None, {**files, **given}), "m", "m", 1, "cpu", 10)
+    assert (be.startup_timeout_s, be.command_timeout_s, be.collective_timeout_s) == (60, 70, 80)
+
+
 @pytest.mark.parametrize("value", ["1", "0.5"])
 def test_clip_ratio_c_must_exceed_one(value, capsys):
     assert main(["train", "--clip-ratio-c", value]) == 2

@@ -244,6 +244,30 @@ def test_unknown_tensor_names_are_refused_up_front(engine, original_state):
         check_engine_names(engine, list(original_state) + ["model.bogus.weight"])
 
 
+def test_a_hub_id_is_name_checked_from_its_snapshot_in_the_hf_cache(tiny_chat_path, tmp_path, monkeypatch):
+    """`--ckpt org/name` (every README command): vLLM loaded it from the HF cache,
+    where the checkpoint's tensor names are read for the up-front check."""
+    pytest.importorskip("vllm")
+    import shutil
+    import types
+
+    import huggingface_hub.constants
+    from transformers import AutoConfig
+
+    from areno.rollout.vllm import _checkpoint_names
+
+    repo = tmp_path / "hub" / "models--areno-test--tiny-chat"
+    shutil.copytree(tiny_chat_path, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    hf = AutoConfig.from_pretrained(tiny_chat_path)
+    local = _checkpoint_names(types.SimpleNamespace(model=str(tiny_chat_path), hf_config=hf))
+    from_hub = _checkpoint_names(types.SimpleNamespace(model="areno-test/tiny-chat", hf_config=hf))
+    assert from_hub == local and local[0], from_hub
+    assert _checkpoint_names(types.SimpleNamespace(model="areno-test/not-cached", hf_config=hf))[0] is None
+
+
 def test_probe_catches_a_load_that_silently_drops_a_tensor(engine, tiny_chat_model, original_state,
                                                            perturbed_state, restore_weights):
     new_model = copy.deepcopy(tiny_chat_model)

@@ -103,6 +103,9 @@ def test_two_ranks_both_generate_and_overlap_equals_plain(tiny_arith_path, tmp_p
     with TorchBackend(cfg) as be:
         engines = RankEngines(be)
         assert engines.kinds == [kind] and engines.num_engines == 2
+        # the start line's note: the release and model runner vLLM built (rollout.factory)
+        assert engines.notes == ([f"vLLM {__import__('vllm').__version__}, V1 model runner"]
+                                 if kind == "vllm" else [])
         check_engine(engines, AutoTokenizer.from_pretrained(tiny_arith_path), tmp_path)
         assert len(engines.last_tokens) == 2 and min(engines.last_tokens) > 0
         be.sync_weights()  # the probe holds on every rank

@@ -292,20 +292,24 @@ def test_vllm_fingerprint_reads_the_slot_not_the_bookkeeping(engine, trainer, mo
 
 
 @only("vllm")
-def test_vllm_lora_sleeps_at_level_1_and_re_adds_the_adapter(engine, trainer, monkeypatch):
-    """The GPU branch (CPU vLLM has no sleep mode: its LLM's sleep/wake_up are
-    recorded): level 1 keeps the base, wake_up brings back everything, the
-    adapter is re-added to its slot, and the engine serves it without a load."""
+def test_vllm_lora_sleep_frees_only_the_kv_cache_and_keeps_the_base_and_adapter(engine, trainer, monkeypatch):
+    """The GPU branch (CPU vLLM has no sleep mode: its LLM's calls are recorded):
+    scheduling paused and only the KV cache released (the base, never sent again,
+    stays on the device: no level-1 copy out and back each step), then the KV
+    cache and scheduling woken; the adapter never left its slot and is served
+    without a load or a re-add."""
     sync_adapter(engine, adapter_tensors(trainer).items(), lora_config(), bump(engine))
     calls = []
     monkeypatch.setattr(engine, "supports_sleep", True)
     monkeypatch.setattr(engine.llm, "sleep", lambda level: calls.append(("sleep", level)))
+    monkeypatch.setattr(engine.llm, "release_kv_cache_memory", lambda: calls.append(("release_kv_cache",)))
     monkeypatch.setattr(engine.llm, "wake_up", lambda tags=None: calls.append(("wake_up", tags)))
+    monkeypatch.setattr(engine.llm.llm_engine, "add_lora", lambda request: calls.append(("add_lora",)) or True)
     engine.sleep()
     with pytest.raises(RuntimeError, match="asleep"):
         engine.prompt_logprobs(PROBE_IDS)
     engine.wake_up()
-    assert calls == [("sleep", 1), ("wake_up", None)]
+    assert calls == [("sleep", 0), ("release_kv_cache",), ("wake_up", ["kv_cache"]), ("wake_up", ["scheduling"])]
     assert loaded_lora_ids(engine) == {engine.adapters.request.lora_int_id}
     want = adapter_fingerprint_of(adapter_tensors(trainer, DTYPES[engine.dtype_name]), lora_config())
     assert fingerprint_mismatch(engine.adapter_fingerprint(), want) is None

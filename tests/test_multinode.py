@@ -67,3 +67,72 @@ def test_multinode_flag_mistakes_are_one_line(args, env, needle, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("areno: error:") and needle in err[0], err
+
+
+def _connect_when_listening(port: int):
+    """A raw TCP connection to the controller, once it listens (10 s at most)."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return socket.create_connection(("127.0.0.1", port), timeout=10)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_a_bad_connection_is_rejected_and_the_controller_keeps_accepting_ranks(capsys, monkeypatch):
+    """A port scan (opened and closed), a peer that sends junk, and one with a wrong
+    key are each rejected with their address; the two ranks that dial next (the
+    ranks' own dial and hello, areno/backend/rank.py) are adopted."""
+    import socket
+    import threading
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    from areno.backend.config import BackendConfig
+    from areno.backend.handoff import ShmSegment
+    from areno.backend.launch import accept_ranks
+    from areno.backend.rank import _dial
+
+    key = secrets.token_hex(16)
+    monkeypatch.setenv("ARENO_BACKEND_AUTHKEY", key)
+    port = free_port()
+    cfg = BackendConfig(model_path="m", world_size=2, launcher="external", listen_host="127.0.0.1",
+                        listen_port=port, startup_timeout_s=30)
+    conns: list = [None, None]
+    marker = ShmSegment("marker")
+    controller = threading.Thread(target=accept_ranks, args=(cfg, conns, marker))
+    controller.start()
+    try:
+        for junk in (b"", b"GET / HTTP/1.0\r\n\r\n"):
+            s = _connect_when_listening(port)
+            s.sendall(junk)
+            s.close()
+        with pytest.raises((AuthenticationError, EOFError, OSError)):
+            Client(("127.0.0.1", port), authkey=b"wrong key")
+        got: dict[int, tuple] = {}
+
+        def rank(r: int) -> None:
+            conn = _dial("127.0.0.1", port, bytes.fromhex(key), timeout_s=30)
+            conn.send(("hello", r, 2, socket.gethostname()))
+            got[r] = conn.recv()
+            conn.close()
+
+        ranks = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in ranks:
+            t.start()
+        for t in ranks + [controller]:
+            t.join(60)
+        assert not controller.is_alive() and all(c is not None for c in conns), conns
+        assert sorted(got) == [0, 1] and all(cfg_sent.world_size == 2 for cfg_sent, _ in got.values())
+    finally:
+        marker.unlink()
+        for c in conns:
+            if c is not None:
+                c.close()
+    rejected = [line for line in capsys.readouterr().err.splitlines() if "rejected a connection from" in line]
+    assert len(rejected) == 3 and all("127.0.0.1:" in line for line in rejected), rejected

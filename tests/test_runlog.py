@@ -72,3 +72,19 @@ def test_default_startup_shows_areno_lines_only(tmp_path, areno_cache):
     res = ok(cli(["train", *HF1, "--max-steps", "2", "--output-dir", str(out), "--resume", "latest",
                   "--verbose"], areno_cache))
     assert "Loading weights" in res.stderr
+
+
+@pytest.mark.parametrize("placement", [[], ["--rollout-world-size", "1"]], ids=["colocated", "split"])
+def test_every_weight_sync_is_a_line_in_run_log(tmp_path, areno_cache, placement):
+    """The probe's diff against its tolerance (when it ran: the first sync) and the
+    sync's seconds, every sync, colocated and in split placement's loop."""
+    import re
+
+    out = tmp_path / "run"
+    ok(cli(["train", *HF1, "--max-steps", "2", "--no-save", *placement, "--output-dir", str(out)], areno_cache))
+    lines = [ln for ln in (out / "run.log").read_text().splitlines() if ln.startswith("areno: weight sync ")]
+    # colocated: after each update; split: rollout 2 loads v1 (rollout 1 samples the loaded model)
+    assert len(lines) == (1 if placement else 2), lines
+    assert re.fullmatch(r"areno: weight sync 1: probe_diff \S+ \(tolerance \S+\).*; sync_load_s \d+\.\d{3}.*",
+                        lines[0]), lines
+    assert placement or lines[1].startswith("areno: weight sync 2: probe not due (fingerprint checked)"), lines

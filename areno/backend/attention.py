@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,11 +180,53 @@ class VarlenSignature:
     has_gqa: bool
 
 
+# The parameter names of each released `varlen_attn` the adapter was written and
+# tested against (tests/varlen_signatures.py): torch 2.10, 2.11, 2.13.
+KNOWN_VARLEN_PARAMETERS: tuple[tuple[str, ...], ...] = (
+    ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "is_causal", "return_aux"),
+    ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "return_aux", "scale", "window_size"),
+    ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k", "return_aux", "scale", "window_size",
+     "enable_gqa", "seqused_k", "block_table", "num_splits"),
+)
+
+
+def varlen_known(fn) -> bool:
+    """Whether `fn`'s parameters are those of a release the adapter knows."""
+    return tuple(inspect.signature(fn).parameters) in KNOWN_VARLEN_PARAMETERS
+
+
 @functools.lru_cache(maxsize=4)
 def varlen_signature(fn) -> VarlenSignature:
-    """Read once per function object (not once per layer call)."""
+    """Read once per function object (not once per layer call); an unknown
+    signature warns once (run.log): the adapter goes by parameter names, which a
+    new release may keep while changing what they mean."""
     params = inspect.signature(fn).parameters
+    if not varlen_known(fn):
+        warnings.warn(f"areno: torch {torch.__version__}'s varlen_attn{inspect.signature(fn)} is not one of "
+                      "the signatures areno was tested with (torch 2.10, 2.11, 2.13); packed attention adapts "
+                      "by parameter name: watch train/logprob_diff, or use --attn-implementation flex",
+                      RuntimeWarning, stacklevel=2)
     return VarlenSignature("window_size" in params, "scale" in params, "enable_gqa" in params)
+
+
+def describe_auto(device: str, dtype: str) -> tuple[bool, str]:
+    """(known, what `auto` runs for packed attention on `device` in `dtype`), for
+    `areno check`; known is False for a varlen_attn of an unknown signature."""
+    impl = auto_impl(device, dtype)
+    if impl == "flash_attention_2":
+        import flash_attn
+
+        return True, f"flash-attn {flash_attn.__version__}'s varlen kernel (flash_attention_2)"
+    if impl == "varlen":
+        from torch.nn.attention.varlen import varlen_attn
+
+        known = varlen_known(varlen_attn)
+        return known, (f"torch {torch.__version__}'s varlen_attn (flash)"
+                       + ("" if known else ": a signature areno was not tested with"))
+    if impl == "flex":
+        compiled = " (compiled)" if device == "cuda" else ""
+        return True, f"FlexAttention with a document-causal block mask{compiled}"
+    return True, "one causal sdpa call per sequence length"
 
 
 _HALF = (torch.float16, torch.bfloat16)

@@ -153,12 +153,15 @@ class BackendConfig:
     """spawn launcher: rendezvous port; None = a free port."""
     cpu_threads: int | None = None
     """torch threads per rank on CPU; None = `rank_cpu_threads` of this host."""
-    startup_timeout_s: float = 600.0
-    """Seconds for all ranks to load the model and report ready."""
+    startup_timeout_s: float = 1800.0
+    """Seconds for all ranks to load the model and report ready (--startup-timeout: a
+    cold GPU start compiles vLLM and captures CUDA graphs in every rank)."""
     command_timeout_s: float = 3600.0
-    """Seconds one train/export/save call may take before the backend is torn down."""
-    collective_timeout_s: float = 600.0
-    """torch.distributed process-group timeout (a stuck collective errors after this)."""
+    """Seconds one train/export/save call may take before the backend is torn down
+    (--command-timeout)."""
+    collective_timeout_s: float = 1800.0
+    """torch.distributed process-group timeout (a stuck collective errors after this;
+    --collective-timeout: rank 0 writes a checkpoint while the others wait)."""
     heartbeat_timeout_s: float = 0.0
     """Seconds a spawned rank may send no heartbeat (stopped, frozen) before the run
     stops; 0 = max(30 s, 3 x the longest gap between its beats so far)."""

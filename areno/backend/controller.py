@@ -34,7 +34,7 @@ from areno.backend.handoff import PackWriter, ShmSegment
 from areno.backend.heartbeat import HeartbeatWatch, stuck_rank_error
 from areno.backend.launch import EarlyPeers, PeerShape, accept_ranks, early_peers_for, free_port  # noqa: F401 (re-exported)
 from areno.backend.replies import Peers, ReplyStream
-from areno.backend.weight_sync import WeightLayout, WeightRegion
+from areno.backend.weight_sync import WeightLayout, WeightRegion, sync_line
 from areno.backend.weights import probe_ids
 from areno.rundir.fileperms import replace_dir
 from areno.perf import pack_train_perf
@@ -79,6 +79,7 @@ class TorchBackend:
         self.last_timings: dict[str, float] = {}
         self.last_perf: dict[str, float] = {}  # perf/train_tokens_per_s, perf/mfu of the last train()
         self.publishes = 0  # weight regions published (the probe runs when due)
+        self.syncs = 0  # weight syncs into the engines (each one a line in run.log)
         self.peers = Peers(self._conns, self._procs, self._abort, lambda: self._closed,
                            label=self._peer_name)
         # Every segment, unlinked on any exit; weight and rollout segments join it as made.
@@ -270,7 +271,7 @@ class TorchBackend:
         if probed:
             self.last_timings.update(probe_diff=max(r["probe_diff"] for r in probed),
                                      probe_tolerance=min(r["probe_tolerance"] for r in probed))
-        return self.last_timings
+        return self.log_sync(self.last_timings)
 
     def sync_engine_procs(self) -> dict[str, float]:
         """Split placement: publish the weights (rank 0 writes the region), then
@@ -281,7 +282,14 @@ class TorchBackend:
         publish_s = time.perf_counter() - t0
         self.last_timings = self.load_engine_procs(region) | {"sync_publish_s": publish_s,
                                                                "sync_s": time.perf_counter() - t0}
-        return self.last_timings
+        return self.log_sync(self.last_timings)
+
+    def log_sync(self, timings: dict[str, float]) -> dict[str, float]:
+        """A sync's figures, also as one line in run.log (weight_sync.sync_line)."""
+        self.syncs += 1
+        # fd 2, not sys.stderr: during a run fd 2 is run.log and sys.stderr the terminal (rundir/log.py)
+        os.write(2, (sync_line(self.syncs, timings) + "\n").encode())
+        return timings
 
     @property
     def engine_procs_fingerprinted(self) -> bool:

@@ -59,6 +59,7 @@ class EngineWorker:
     def hello(self) -> dict:
         return {"rank": self.peer, "pid": os.getpid(), "host": os.uname().nodename, "same_host": self.same_host,
                 "engine": self.engine_kind, "engine_max_model_len": getattr(self.engine, "max_model_len", None),
+                "engine_note": getattr(self.engine, "note", None),
                 "fingerprinted": self.sync_check.fingerprinted, "cpu_threads": torch.get_num_threads()}
 
     def close(self) -> None:

@@ -10,7 +10,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, Listener
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -197,6 +198,53 @@ def engine_gpu(cfg: PeerShape | BackendConfig, i: int, visible: str | None) -> s
     return names[index]
 
 
+def accept_connections(listener: Listener, n: int, key: bytes, timeout_s: float) -> list[Connection]:
+    """Up to n authenticated connections within timeout_s (fewer on timeout). Each
+    handshake runs in a thread of its own, so a connection that fails it (a port
+    scan, a health check, a node that hangs up: EOFError, a wrong key:
+    AuthenticationError) or stalls in it is rejected, logged with its address, and
+    accepting goes on. `listener` has no authkey (the handshake is done here); it
+    is closed on return."""
+    accepted: list[Connection] = []
+    lock, done = threading.Lock(), threading.Event()
+
+    def handshake(conn: Connection, addr: Any) -> None:
+        try:
+            deliver_challenge(conn, key)
+            answer_challenge(conn, key)
+        except (EOFError, OSError, AuthenticationError) as e:
+            conn.close()
+            print(f"areno: rejected a connection from {_address(addr)} ({type(e).__name__}: {e or 'closed'}); "
+                  "still waiting for ranks", file=sys.stderr, flush=True)
+            return
+        with lock:
+            if done.is_set():  # too late: the caller has what it takes
+                conn.close()
+                return
+            accepted.append(conn)
+            if len(accepted) >= n:
+                done.set()
+
+    def accept_all() -> None:
+        while not done.is_set():
+            try:
+                conn = listener.accept()
+            except OSError:  # the listener closed on timeout
+                return
+            threading.Thread(target=handshake, args=(conn, listener.last_accepted), daemon=True).start()
+
+    threading.Thread(target=accept_all, name="areno-accept-ranks", daemon=True).start()
+    done.wait(timeout_s)
+    listener.close()
+    with lock:
+        done.set()  # a handshake finishing after this is not taken
+        return accepted[:n]
+
+
+def _address(addr: Any) -> str:
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)
+
+
 def accept_ranks(cfg: BackendConfig, conns: list[Connection | None], marker: ShmSegment) -> None:
     """torchrun launcher: listen until world_size ranks dial in; fills conns[rank].
 
@@ -209,28 +257,16 @@ def accept_ranks(cfg: BackendConfig, conns: list[Connection | None], marker: Shm
     token = secrets.token_bytes(16)
     marker.ensure(len(token), headroom=0.0)
     marker.buf[: len(token)] = token
-    listener = Listener((cfg.listen_host, cfg.listen_port), authkey=bytes.fromhex(key_hex))
+    listener = Listener((cfg.listen_host, cfg.listen_port))  # authenticated per connection
     how = "" if given else (f"; start them with ARENO_BACKEND_AUTHKEY={key_hex} torchrun ... "
                             f"-m areno.backend.rank --connect <this-host>:{cfg.listen_port}")
     print(f"areno: waiting for {cfg.world_size} ranks on {cfg.listen_host}:{cfg.listen_port}{how}",
           file=sys.stderr, flush=True)
-    accepted: list[Connection] = []
-
-    def accept_all() -> None:
-        try:
-            while len(accepted) < cfg.world_size:
-                accepted.append(listener.accept())
-        except OSError:  # listener closed on timeout
-            pass
-
-    t = threading.Thread(target=accept_all, daemon=True)
-    t.start()
-    t.join(cfg.startup_timeout_s)
-    listener.close()
+    accepted = accept_connections(listener, cfg.world_size, bytes.fromhex(key_hex), cfg.startup_timeout_s)
     try:
         if len(accepted) < cfg.world_size:
             raise BackendError(f"startup: {len(accepted)} of {cfg.world_size} ranks connected "
-                               f"within {cfg.startup_timeout_s:g}s")
+                               f"within {cfg.startup_timeout_s:g}s (--startup-timeout)")
         for conn in accepted:
             if not conn.poll(cfg.startup_timeout_s):
                 raise BackendError("startup: a rank connected but never said hello")

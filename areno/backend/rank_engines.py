@@ -88,6 +88,7 @@ class RankEngines:
         self.num_engines = len(self.groups)
         self._group_of = {r: g for g, peers in enumerate(self.groups) for r in peers}
         self.kinds: list[str] = sorted({h["engine"] for h in hellos})
+        self.notes: list[str] = sorted({h["engine_note"] for h in hellos if h.get("engine_note")})
         self.max_model_len: int = min(int(h["engine_max_model_len"]) for h in hellos)
         self._remote = {r: not h["same_host"] for r, h in zip(sorted(self._group_of), hellos)}
         self.last_tokens: list[int] = []  # response tokens each engine wrote in the last call
@@ -283,6 +284,10 @@ class PendingRollout:
         loaded = [r["load_s"] for r in replies if "load_s" in r]
         if loaded:
             info["sync_load_s"] = max(loaded)
+            probed = [r for r in replies if "probe_diff" in r]
+            probe = {"probe_diff": max(r["probe_diff"] for r in probed),
+                     "probe_tolerance": min(r["probe_tolerance"] for r in probed)} if probed else {}
+            self.engines.backend.log_sync({"sync_load_s": info["sync_load_s"], **probe})
         return info
 
     def drop(self) -> None:

@@ -191,8 +191,9 @@ class Peers:
         if left <= 0:
             if late_ok:
                 return
+            flag = "--startup-timeout" if stream.what == "startup" else "--command-timeout"
             raise BackendError(f"{stream.what}: rank(s) {sorted(stream.pending)} did not answer "
-                               f"within {timeout_s:g}s")
+                               f"within {timeout_s:g}s ({flag})")
         what = stream.what
         readers = set(stream.pending).union(*(s.pending for s in self.streams.values() if s.background))
         readers -= self.stale  # still in a dropped command: what they send is nobody's

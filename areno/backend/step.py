@@ -121,6 +121,16 @@ def no_grad_logprobs(w: Wrapped, cfg: BackendConfig, micros: list[list[Micro]]) 
     return out
 
 
+def own_old_logprobs(cfg: BackendConfig, minibatches: int) -> bool:
+    """Whether the trainer's old log-probs are the update's own forward, detached
+    (TRL's shortcut): with one update per step the policy has not moved when the
+    ratio is taken, so a separate no-grad pass would compute the same values. Not
+    under LoRA dropout, whose masks the recomputed log-probs must not see."""
+    one_update = minibatches * cfg.ppo_epochs == 1
+    dropout = cfg.lora is not None and cfg.lora.dropout > 0
+    return cfg.recompute_logprobs and one_update and not dropout
+
+
 class RankTrainer:
     """Optimizer, schedule and the NaN streak of one rank; `train` runs one call."""
 
@@ -142,7 +152,8 @@ class RankTrainer:
         micros = [[to_device(local.micro(k, m), self.device) for m in range(M)] for k in range(K)]
         if hooks is not None:  # benchmarks (backend/hooks.py): probe the ranks, bound the compute
             micros = hooks.before_update(micros)
-        old = no_grad_logprobs(self.w, cfg, micros) if cfg.recompute_logprobs else None
+        own = own_old_logprobs(cfg, K)
+        old = no_grad_logprobs(self.w, cfg, micros) if cfg.recompute_logprobs and not own else None
         ref = no_grad_logprobs(self.ref, cfg, micros) if self.ref is not None else None
         if cfg.lora is not None and cfg.loss.kl_coef > 0:  # the base model: this one, adapters off
             with adapters_disabled(self.w.policy.hf):
@@ -152,13 +163,16 @@ class RankTrainer:
             for k in range(K):
                 t0 = time.perf_counter()
                 out = self._optimizer_step(
-                    micros[k], old[k] if old else None, ref[k] if ref else None
+                    micros[k], old[k] if old else None, ref[k] if ref else None, own
                 )
                 out.update(epoch=float(epoch), minibatch=float(k), step_time_s=time.perf_counter() - t0)
                 results.append(out)
         return results
 
-    def _optimizer_step(self, micros: list[Micro], old, ref) -> dict[str, float]:
+    def _optimizer_step(self, micros: list[Micro], old, ref, own: bool = False) -> dict[str, float]:
+        """One optimizer step over a mini-batch's micro-batches. old: the recomputed
+        old log-probs per micro-batch, or None: the sampler's, or with `own` the
+        update's own log-probs, detached (the policy before its only update)."""
         cfg, dev = self.cfg, self.device
         acc = {k: torch.zeros((), device=dev) for k in ACCUMULATED}
         self.optimizer.zero_grad(set_to_none=True)
@@ -166,12 +180,13 @@ class RankTrainer:
             with self._grad_sync(last=m == len(micros) - 1):
                 with dropout_active(self.w.policy.hf, cfg.lora is not None and cfg.lora.dropout > 0):
                     lp, ent = forward_logprobs(self.w, cfg, mb)
+                trainer_old = lp.detach() if own else (old[m] if old is not None else None)
                 inp = LossInputs(
                     logprobs=lp,
-                    old_logprobs=old[m] if old is not None else mb.rollout_logprobs,
+                    old_logprobs=trainer_old if trainer_old is not None else mb.rollout_logprobs,
                     advantages=mb.advantages, loss_mask=mb.loss_mask, seq_weights=mb.seq_weights,
                     seq_index=mb.seq_index,
-                    rollout_logprobs=mb.rollout_logprobs if old is not None else None,
+                    rollout_logprobs=mb.rollout_logprobs if trainer_old is not None else None,
                     ref_logprobs=ref[m] if ref is not None else None,
                     entropy=ent,
                 )

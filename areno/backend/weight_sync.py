@@ -20,7 +20,7 @@ tolerance of rollout/probe.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Mapping, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -213,6 +213,18 @@ class WeightStream:
             return Fingerprint({}, {})
         values = torch.stack([s for _, s, _ in self._sums]).cpu().tolist()
         return Fingerprint.of((n, v, k) for (n, _, k), v in zip(self._sums, values))
+
+
+def sync_line(index: int, timings: Mapping[str, float]) -> str:
+    """One run.log line per weight sync (the controller's): the probe's diff against
+    its tolerance when it ran (the first sync, then when due: rollout/probe.py),
+    the bytes one engine loaded and every phase's seconds. A first GPU run's bf16
+    kernels meet the calibrated tolerance here for the first time."""
+    probe = (f"probe_diff {timings['probe_diff']:.4g} (tolerance {timings['probe_tolerance']:.4g})"
+             if "probe_diff" in timings else "probe not due (fingerprint checked)")
+    size = f", {timings['sync_mb']:.1f} MiB" if "sync_mb" in timings else ""
+    times = ", ".join(f"{k} {v:.3f}" for k, v in timings.items() if k.endswith("_s"))
+    return f"areno: weight sync {index}: {probe}{size}; {times}"
 
 
 def reports_fingerprint(engine: Any) -> bool:

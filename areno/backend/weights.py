@@ -55,15 +55,19 @@ def state_meta(hf: nn.Module, dtype: str) -> list[tuple[str, str, tuple[int, ...
     return [(name, dtype, tuple(t.shape)) for name, t in tensor_table(hf).items()]
 
 
-def iter_full_state(hf: nn.Module, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_state(hf: nn.Module, names: list[str],
+                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor on the param's device), one at a time. Every rank must
-    iterate to the end (FSDP2 gathers are collectives)."""
+    iterate to the end (FSDP2 gathers are collectives). dtype: a sharded tensor is
+    cast to it before its gather (a weight sync into bf16 engines moves half the
+    bytes of the fp32 masters; the cast is elementwise, so the result is the
+    gathered tensor cast, bit for bit); None gathers as stored (checkpoints)."""
     table = tensor_table(hf)
     with torch.no_grad():
         for name in names:
             t = table[name].detach()
             if hasattr(t, "full_tensor"):
-                t = t.full_tensor()
+                t = (t if dtype is None or t.dtype == dtype else t.to(dtype)).full_tensor()
             yield name, t
 
 

@@ -85,6 +85,7 @@ class RankWorker:
             "vocab_size": self.vocab_size, "weights": self.export_meta if self.rank == 0 else None,
             "strategy": self.wrapped.strategy, "engine": self.engine_kind,
             "engine_max_model_len": getattr(self.engine, "max_model_len", None),
+            "engine_note": getattr(self.engine, "note", None),  # vLLM's release and model runner
             # for perf/mfu in the controller, which never touches CUDA
             "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
             "flop_shape": self.flop_shape, "cpu_threads": torch.get_num_threads(),
@@ -142,7 +143,8 @@ class RankWorker:
                                       self.hf.areno_peft.peft_config[ADAPTER], check.syncs + 1)
             held, nbytes = (self.engine.adapter_fingerprint() if check.fingerprinted else None), info["adapter_bytes"]
         else:
-            stream = WeightStream(self.full_state(), self._engine_dtype, fingerprint=check.fingerprinted)
+            stream = WeightStream(self.full_state(self._engine_dtype), self._engine_dtype,
+                                  fingerprint=check.fingerprinted)
             self.engine.load_weights(stream)
             sent, held, nbytes = (stream.fingerprint() if check.fingerprinted else None), None, stream.nbytes
         t1 = time.perf_counter()
@@ -159,7 +161,7 @@ class RankWorker:
         given), gather_s, probe_s} (+ payload, the region's bytes, when segment is
         None: a controller on another host)."""
         t0 = time.perf_counter()
-        stream = WeightStream(self.full_state(), self._engine_dtype, fingerprint=self.rank == 0)
+        stream = WeightStream(self.full_state(self._engine_dtype), self._engine_dtype, fingerprint=self.rank == 0)
         mem = None
         if self.rank == 0:
             mem = map_region(segment, 0, layout.nbytes, writable=True) if segment else bytearray(layout.nbytes)
@@ -198,13 +200,14 @@ class RankWorker:
         unit = rounding_unit(self.cfg.dtype, scale, reduction_length(self.hf_config))
         return ProbeRef(np.ascontiguousarray(probe_ids, dtype=np.int32), ref, unit, scale)
 
-    def full_state(self):
+    def full_state(self, dtype: torch.dtype | None = None):
         """(HF name, full tensor) of the full model: the weights, or under LoRA the
         merged base + adapter weights (lora.merged_state: --save-merged; a LoRA
-        engine gets only the adapter, cmd_sync_weights)."""
+        engine gets only the adapter, cmd_sync_weights). dtype: what the caller
+        converts to anyway (the engines'): shards are cast before their gather."""
         if self.cfg.lora is not None:
             return merged_state(self.hf, self.export_names)
-        return iter_full_state(self.hf, self.export_names)
+        return iter_full_state(self.hf, self.export_names, dtype)
 
     def cmd_save_pretrained(self, path: str) -> None:
         """The model in HF format; under LoRA the adapter in peft's format instead (and,

@@ -31,6 +31,8 @@ REWARD = "def reward_fn(r):\n    s = r.completion\n    return sum(ord(c) % 2 == 
 # How a failed sync check shows in the run's output (the error's type; the command's name).
 SYNC_FAILURES = ("WeightSyncError", "sync_weights: rank")
 PHASES = ("rollout", "reward", "materialize", "train", "weight_sync", "step")
+# Step 1's K = 0 ratio, taken before any update: kernel noise only (docs/PERFORMANCE.md).
+RATIO_KEYS = ("train/clip_frac", "train/ratio_std", "train/ratio_max", "train/logprob_diff", "train/tis_weight")
 
 
 def build(out: Path, smoke: bool) -> None:
@@ -44,6 +46,10 @@ def build(out: Path, smoke: bool) -> None:
         for i in range(64):
             f.write(json.dumps({"prompt": " ".join(rng.choice(words, 12)), "answer": str(i)}) + "\n")
     (out / "reward.py").write_text(REWARD)
+    # The demo's eval set (its task's own rows), and the config that takes the sampler's old log-probs.
+    (out / "demo_eval.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
+                                                 for a, b in ((1, 2), (3, 4), (0, 5), (2, 2), (6, 1))))
+    (out / "sampler_logprobs.yaml").write_text("recompute_logprobs: false\n")
 
 
 def summary(run_dir: Path, title: str, log: Path | None = None, want_steps: int | None = None,
@@ -73,7 +79,15 @@ def summary(run_dir: Path, title: str, log: Path | None = None, want_steps: int 
     rewards = [r["reward/mean"] for r in steps]
     k = min(20, max(1, len(rewards) // 2))
     print(f"   reward: first {k} steps {np.mean(rewards[:k]):.3f}, last {k} steps {np.mean(rewards[-k:]):.3f}")
-    ok = bool(steps) and all(np.isfinite(r.get("train/loss", 0.0)) for r in steps)
+    out["step1"] = {k: steps[0][k] for k in RATIO_KEYS if k in steps[0]}
+    print("   step 1 before any update: " + ", ".join(f"{k[6:]} {v:.4g}" for k, v in out["step1"].items()))
+    evals = {k: v for r in rows for k, v in r.items() if k.startswith("eval/")}
+    if evals:
+        out["eval"] = evals
+        print("   eval: " + ", ".join(f"{k} {v:.3g}" for k, v in evals.items()))
+    numbers = [r["step"] for r in steps]
+    ok = numbers == list(range(1, len(steps) + 1))  # a resumed run goes on where it stopped
+    ok &= all(np.isfinite(r.get("train/loss", 0.0)) for r in steps)
     sync = sync_check(steps, log, want_steps)
     out["weight_sync_check"] = sync
     print(f"   weight sync check: {sync['verdict']}")
@@ -114,7 +128,8 @@ def table(out_dir: Path, out: Path) -> bool:
                  _num(med.get("step")), _num(med.get("train")), _num(med.get("weight_sync")), _num(peak),
                  run.get("weight_sync_check", {}).get("verdict", "")]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    lines += ["", grad_checkpointing_line(runs.get("cli_qwen3"), runs.get("cli_qwen3_ckpt"))]
+    lines += ["", grad_checkpointing_line(runs.get("cli_qwen3"), runs.get("cli_qwen3_ckpt")),
+              ratio_line(runs.get("cli_qwen3"), runs.get("cli_qwen3_ckpt"))]
     total = sum(s["seconds"] for s in steps)
     ok = all(s["rc"] == 0 for s in steps) and all(r.get("ok") for r in runs.values())
     lines.append(f"{len(steps)} steps in {total} s; {'ALL PASS' if ok else 'FAILED'}")
@@ -131,6 +146,17 @@ def grad_checkpointing_line(plain: dict | None, ckpt: dict | None) -> str:
         return "grad checkpointing: no GPU peak memory (CPU)"
     a, b = max(plain["peak_gpu_mem_gb"]), max(ckpt["peak_gpu_mem_gb"])
     return f"grad checkpointing: peak {b:.2f} GiB against {a:.2f} GiB without ({b / a:.2f}x)"
+
+
+def ratio_line(trainer: dict | None, sampler: dict | None) -> str:
+    """Step 1's K = 0 ratio with the trainer's old log-probs (the bf16 default) against
+    the sampler's, on the same model, seed and prompts (docs/PERFORMANCE.md)."""
+    if not trainer or not sampler:
+        return "K = 0 ratio at step 1: a run is missing"
+
+    def fmt(run: dict) -> str:
+        return ", ".join(f"{k[6:]} {run['step1'][k]:.4g}" for k in RATIO_KEYS if k in run.get("step1", {}))
+    return f"K = 0 ratio at step 1: trainer's old log-probs {fmt(trainer)}; sampler's {fmt(sampler)}"
 
 
 def _num(v: float | None) -> str:

@@ -25,7 +25,12 @@ def collect() -> list[tuple[str, str, str]]:
     except Exception as e:  # noqa: BLE001
         return rows + [("FAIL", "torch", f"cannot import: {e}")]
     rows.append(("OK", "torch", torch.__version__))
-    if torch.cuda.is_available():
+    from areno.runtime.placement import cuda_runtime_problem, visible_gpus
+
+    gpus = visible_gpus()  # as `areno train` counts them (NVML)
+    if gpus and (problem := cuda_runtime_problem(gpus)):
+        rows.append(("FAIL", "cuda", problem))
+    elif gpus:
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         rows.append(("OK", "cuda", f"{torch.version.cuda}; {len(names)} GPU(s): {', '.join(names)}"))
         nccl = torch.distributed.is_nccl_available()
@@ -40,7 +45,7 @@ def collect() -> list[tuple[str, str, str]]:
             try:
                 import vllm  # noqa: F401
 
-                rows.append(("OK", "vllm", f"{dist} {v}"))
+                rows.append(vllm_row(dist, v))
             except Exception as e:  # noqa: BLE001
                 rows.append(("FAIL", "vllm", f"{dist} {v} installed but import fails: "
                              f"{' '.join(str(e).split())[:200]}"))
@@ -48,13 +53,37 @@ def collect() -> list[tuple[str, str, str]]:
     else:
         rows.append(("WARN", "vllm", "not installed: rollouts use transformers (--rollout-engine hf)"))
     fa = _version("flash-attn") or _version("flash_attn")
-    rows.append(("OK", "flash-attn", fa) if fa else
-                ("WARN", "flash-attn", "not installed: packed attention uses SDPA"))
+    rows.append(("OK", "flash-attn", fa if fa else "not installed (optional)"))
+    rows.append(attention_row("cuda" if gpus else "cpu"))
     for dist in ("transformers", "datasets", "math-verify"):
         v = _version(dist)
         rows.append(("OK", dist, v) if v else ("FAIL", dist, "not installed"))
     rows.append(("OK", "cpus", str(os.cpu_count())))
     return rows
+
+
+def vllm_row(dist: str, version: str) -> tuple[str, str, str]:
+    """The installed vLLM against the release areno runs (the engine refuses another)
+    and the model runner it will be asked for."""
+    from areno.errors import UserError
+    from areno.rollout.factory import VLLM_RUNNER_ENV, check_vllm_version
+
+    try:
+        check_vllm_version(version)
+    except UserError as e:
+        return "FAIL", "vllm", str(e)
+    runner = "V1" if os.environ.get(VLLM_RUNNER_ENV, "0").strip() == "0" else "V2"
+    return "OK", "vllm", f"{dist} {version}, {runner} model runner"
+
+
+def attention_row(device: str) -> tuple[str, str, str]:
+    """What --attn-implementation auto runs for packed attention here (at --dtype
+    auto: bf16 on a GPU, fp32 on CPU)."""
+    from areno.backend.attention import describe_auto
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    known, what = describe_auto(device, dtype)
+    return ("OK" if known else "WARN", "attention", f"{device}, {dtype}: {what}")
 
 
 def run_checks() -> int:

@@ -44,7 +44,7 @@ MAY_CHANGE: frozenset[str] = frozenset({
     "rollout_engine", "tensor_parallel_size", "gpu_memory_utilization", "kv_cache_gb",
     "max_tokens_per_micro", "grad_checkpointing", "world_size", "rollout_world_size", "cpu_threads",
     "max_nan_steps",
-    "rank_heartbeat_timeout",
+    "rank_heartbeat_timeout", "startup_timeout", "command_timeout", "collective_timeout",
     # how rewards run (a fixed plugin or a longer timeout, say)
     "reward_fn_path", "reward_workers", "reward_timeout", "overlap_rewards", "on_reward_error",
 })

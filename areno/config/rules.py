@@ -67,7 +67,7 @@ def check_rules(cfg: TrainConfig) -> None:
         check_off_policy(cfg)
     check_correction_options(cfg)
     check_env_options(cfg)
-    if cfg.tis_cap is not None and not cfg.recompute_logprobs:
+    if cfg.tis_cap is not None and cfg.recompute_logprobs is False:
         raise UserError("--tis-cap needs --recompute-logprobs (it weights the trainer/sampler "
                         "log-prob ratio)")
     if cfg.mini_batches > cfg.batch_size * cfg.n_samples:

@@ -27,6 +27,36 @@ def resolved_dtype(cfg: TrainConfig, device: str) -> str:
     return cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
 
 
+# Dtypes whose sampler and trainer kernels disagree enough to clip at K = 0:
+# SmolLM2 in bf16 on CPU (vLLM against torch), step 1 before any update, 0.46% of
+# tokens clipped, ratio std 0.052; in fp32 the ratio stays within 3e-5 of 1
+# (docs/PERFORMANCE.md, scripts/bench_ratio_noise.py).
+NOISY_DTYPES = ("bfloat16", "float16")
+
+
+def old_logprobs(cfg: TrainConfig, device: str) -> tuple[bool, float | None]:
+    """(the trainer's old log-probs?, --tis-cap): --recompute-logprobs unset is on
+    in a half dtype (or with --tis-cap given), and then weighs the sampler's
+    mismatch with truncated IS at OFF_POLICY_TIS_CAP unless --tis-cap says otherwise."""
+    from areno.config.offpolicy import OFF_POLICY_TIS_CAP
+
+    if cfg.recompute_logprobs is not None:
+        return cfg.recompute_logprobs, cfg.tis_cap
+    on = resolved_dtype(cfg, device) in NOISY_DTYPES or cfg.tis_cap is not None
+    return on, cfg.tis_cap if cfg.tis_cap is not None or not on else OFF_POLICY_TIS_CAP
+
+
+def old_logprobs_note(cfg: TrainConfig, device: str) -> str:
+    """The start line's note when old log-probs default to the trainer's, else ''."""
+    on, cap = old_logprobs(cfg, device)
+    if cfg.recompute_logprobs is not None or not on:
+        return ""
+    one = cfg.mini_batches * cfg.ppo_epochs == 1
+    when = "its own, detached" if one else "recomputed before the first update"
+    return (f"; old log-probs: the trainer's ({when}), the sampler's mismatch a truncated-IS weight "
+            f"(--tis-cap {cap:g})")
+
+
 def sampling(cfg: TrainConfig) -> SamplingConfig:
     """How responses are sampled; each step and each evaluation sets its own seed."""
     return SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
@@ -66,8 +96,9 @@ def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_siz
     run (the LR schedule counts optimizer steps); lora: lora_spec's (under LoRA
     model_path is the base model, the adapter is lora.adapter_path)."""
     low, high = cfg.loss_eps()
+    recompute, tis_cap = old_logprobs(cfg, device)
     loss = LossConfig(algo=cfg.algo, clip_eps_low=low, clip_eps_high=high, kl_coef=cfg.kl_coef,
-                      kl_type=cfg.kl_type, entropy_coef=cfg.entropy_coef, tis_cap=cfg.tis_cap,
+                      kl_type=cfg.kl_type, entropy_coef=cfg.entropy_coef, tis_cap=tis_cap,
                       clip_ratio_c=cfg.clip_ratio_c, is_level=cfg.is_level, is_mode=cfg.is_mode,
                       is_mask_low=cfg.is_mask_low)
     return BackendConfig(
@@ -77,10 +108,12 @@ def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_siz
         total_steps=total_steps * cfg.mini_batches * cfg.ppo_epochs,
         min_lr_ratio=cfg.min_lr_ratio, max_grad_norm=cfg.max_grad_norm or None,
         grad_checkpointing=cfg.grad_checkpointing, ppo_epochs=cfg.ppo_epochs,
-        recompute_logprobs=cfg.recompute_logprobs, loss=loss, temperature=cfg.temperature,
+        recompute_logprobs=recompute, loss=loss, temperature=cfg.temperature,
         max_nan_steps=cfg.max_nan_steps,
         seed=cfg.seed, ref_model_path=base_model, engine=engine, cpu_threads=cfg.cpu_threads,
-        heartbeat_timeout_s=cfg.rank_heartbeat_timeout, lora=lora, rollout_world_size=cfg.rollout_world_size,
+        heartbeat_timeout_s=cfg.rank_heartbeat_timeout, startup_timeout_s=cfg.startup_timeout,
+        command_timeout_s=cfg.command_timeout, collective_timeout_s=cfg.collective_timeout, lora=lora,
+        rollout_world_size=cfg.rollout_world_size,
         engine_gpus=engine_gpus(cfg, device), run_log=os.environ.get(RUN_LOG_ENV, ""),
     )
 

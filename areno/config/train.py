@@ -136,8 +136,9 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient (0 = off).", "Algorithm", ge=0.0)
     tis_cap: float | None = opt(
         None, "Truncated importance-sampling cap C: each token's policy loss is weighted by "
-        "min(trainer/sampler probability ratio, C) (needs --recompute-logprobs).", "Algorithm",
-        gt=0.0, shown=f"off; {OFF_POLICY_TIS_CAP:g} with --off-policy-steps >= 1")
+        "min(trainer/sampler probability ratio, C) (takes the trainer's old log-probs, "
+        "--recompute-logprobs).", "Algorithm",
+        gt=0.0, shown=f"off in fp32; {OFF_POLICY_TIS_CAP:g} in bf16/fp16 or with --off-policy-steps >= 1")
     is_level: ISLevel = opt(
         "token", "Level of the --tis-cap importance weight: token (each token's own ratio), "
         "sequence (the product over the completion: unbiased, high variance; verl's "
@@ -183,9 +184,14 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
     mini_batches: int = opt(1, "Optimizer steps per rollout batch (mini-batches).",
                             "Optimization", ge=1)
     ppo_epochs: int = opt(1, "Passes over each rollout batch.", "Optimization", ge=1)
-    recompute_logprobs: bool = opt(
-        False, "Take old log-probs from the trainer before the first update instead of the "
-        "sampler's.", "Optimization", shown="off; on with --off-policy-steps >= 1")
+    recompute_logprobs: bool | None = opt(
+        None, "Take the PPO ratio's old log-probs from the trainer (its own, detached, when a "
+        "step makes one update; recomputed before the first update otherwise) instead of the "
+        "sampler's, whose kernels differ in bf16 (docs/PERFORMANCE.md: at K = 0 they clip "
+        "tokens before any update); unset, the sampler's mismatch is then a truncated-IS "
+        f"weight (--tis-cap {OFF_POLICY_TIS_CAP:g}); recompute_logprobs: false in --config takes the "
+        "sampler's.", "Optimization",
+        shown="auto: on in bf16/fp16 or with --off-policy-steps >= 1, off in fp32")
     grad_checkpointing: bool = opt(False, "Activation checkpointing.", "Optimization")
     max_tokens_per_micro: int | None = opt(
         None, "Token budget of one micro-batch per rank, measured per device "
@@ -196,6 +202,18 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
         0.0, "Seconds a training rank may go without a heartbeat (stopped, frozen) before the run "
         "stops naming it; 0 = max(30, 3 x the longest gap between its heartbeats so far).",
         "Optimization", ge=0.0)
+    # A cold GPU start compiles vLLM and captures CUDA graphs in every rank, and
+    # rank 0 alone writes a checkpoint while the others wait in a collective.
+    startup_timeout: float = opt(
+        1800.0, "Seconds every rank gets to load the model, build its engine and report ready.",
+        "Optimization", gt=0.0)
+    command_timeout: float = opt(
+        3600.0, "Seconds one command to the ranks (a training step, a rollout, a save) may take.",
+        "Optimization", gt=0.0)
+    collective_timeout: float = opt(
+        1800.0, "Seconds a collective may wait for every rank (torch.distributed's timeout: "
+        "a rank saving a checkpoint keeps the others waiting this long at most).",
+        "Optimization", gt=0.0)
     # -- LoRA --------------------------------------------------------------------
     lora_rank: int = opt(
         0, "Train LoRA adapters of this rank on the frozen model instead of all its weights "

@@ -39,6 +39,35 @@ class Weights:
     nbytes: int
 
 
+def local_model_dir(model: str | Path) -> Path | None:
+    """Where `model`'s files are on this host: the directory itself, or for a hub id
+    (org/name) its snapshot in the HF cache (the revision `main` names); None when
+    neither exists (nothing is downloaded here)."""
+    d = Path(model).expanduser()
+    if d.is_dir():
+        return d
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(str(model), "config.json")
+    except ValueError:  # not a valid hub id (HFValidationError is a ValueError)
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def cached_weights(model: str) -> Weights | None:
+    """What a hub id's snapshot in the HF cache holds, for estimates before anything
+    is downloaded (shared memory, checkpoint room); None when it is not cached
+    whole (the loaders fetch what is missing, and report a bad file themselves)."""
+    d = local_model_dir(model)
+    if d is None:
+        return None
+    try:
+        return _check_weights(d, model, "")
+    except UserError:
+        return None
+
+
 def check_model_dir(path: str | Path, flag: str, instead: str) -> Weights | None:
     """UserError naming `flag` and what is wrong with local model directory `path`
     (a hub id, not a directory, is left alone: None); instead: what to pass instead.

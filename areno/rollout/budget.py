@@ -13,8 +13,9 @@ So each rank budgets before it builds its engine, from what it holds:
     need     = trainer + engine + RESERVE <= total
 
 Gradients are freed before rollouts (zero_grad(set_to_none=True)) and the
-engine frees all its memory while the trainer runs (level-2 sleep), so neither
-phase's transient memory is counted against the other.
+engine frees all its memory while the trainer runs (level-2 sleep; under LoRA
+its KV cache only, the base staying on the device), so neither phase's
+transient memory is counted against the other.
 """
 
 from __future__ import annotations

@@ -18,6 +18,14 @@ EngineKind = Literal["vllm", "hf"]
 GPU_MEMORY_COLOCATED = 0.5
 GPU_MEMORY_DEDICATED = 0.9
 ENGINE_KINDS: tuple[str, ...] = typing.get_args(EngineKind)
+# The vLLM releases areno runs against: the one the suite runs (pyproject's
+# `vllm` and `cpu` extras pin it; tests/test_install_pins.py). Older ones lack
+# LLM.enqueue and reload_weights(weights_iterator=), which areno calls without a
+# fallback; newer ones pull a torch and transformers no test has run.
+VLLM_SUPPORTED = ("0.32.0", "0.33")  # >= first, < second
+# vLLM 0.32+ picks its V2 model runner on a GPU (wherever Triton imports); the
+# suite runs V1 only (no Triton on CPU), so areno asks for V1 unless this is set.
+VLLM_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,23 @@ def _vllm(spec: EngineSpec, model_path: str, on_gpu: bool, in_rank: bool) -> Any
     from areno.rollout.vllm import VLLMEngine
 
     return VLLMEngine(model_path, **kw)
+
+
+def check_vllm_version(version: str) -> None:
+    """UserError unless `version` (vllm.__version__) is in VLLM_SUPPORTED."""
+    from packaging.version import Version
+
+    low, high = VLLM_SUPPORTED
+    if not Version(low) <= Version(Version(version).base_version) < Version(high):
+        raise UserError(f"vLLM {version} is installed; areno runs vLLM >= {low}, < {high} "
+                        f"(pip install -e '.[vllm]' on GPU, '.[cpu]' on CPU, installs vllm=={low})")
+
+
+def select_vllm_runner() -> str:
+    """Ask vLLM for its V1 model runner unless VLLM_USE_V2_MODEL_RUNNER is set
+    (vLLM reads it when the engine is built) -> "V1" | "V2", what was asked."""
+    os.environ.setdefault(VLLM_RUNNER_ENV, "0")
+    return "V1" if os.environ[VLLM_RUNNER_ENV].strip() == "0" else "V2"
 
 
 # Whether an engine's sampled-token log-probs are those of the distribution it

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,8 @@ import vllm  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths  # noqa: E402
+from areno.models.directory import local_model_dir  # noqa: E402
+from areno.rollout.factory import check_vllm_version, select_vllm_runner  # noqa: E402
 from areno.rollout.engine import (  # noqa: E402
     SamplingConfig,
     prompt_seeds,
@@ -89,6 +91,8 @@ class VLLMEngine:
     ) -> None:
         from vllm.platforms import current_platform
 
+        check_vllm_version(vllm.__version__)
+        select_vllm_runner()  # read by vLLM when LLM() builds its config
         on_cpu = current_platform.is_cpu()
         if on_cpu and kv_cache_memory_bytes is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
@@ -111,6 +115,10 @@ class VLLMEngine:
             kwargs.update(lora_llm_kwargs(max_lora_rank))
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
+        # What vLLM chose from VLLM_USE_V2_MODEL_RUNNER (rollout.factory.select_vllm_runner).
+        self.runner = "V2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
+        self.note = f"vLLM {vllm.__version__}, {self.runner} model runner"
+        print(f"areno: engine {self.note}", file=sys.stderr, flush=True)  # run.log
         mc = self.llm.llm_engine.model_config
         self.adapters = VLLMAdapters(self.llm, max_lora_rank, mc.dtype) if max_lora_rank > 0 else None
         self.max_model_len: int = int(mc.max_model_len)
@@ -275,21 +283,29 @@ class VLLMEngine:
         """Free the KV cache and the weights (vLLM level 2) while the trainer
         runs. Level 1 would copy the weights to host memory and back every step,
         though the sync after training overwrites them all (reload_weights).
-        Serving LoRA, level 1: the base is never sent again (rollout.vllm_lora).
-        A no-op where sleep mode is unsupported (CPU); see `supports_sleep`."""
+        Serving LoRA the base never changes and is never sent again, so it stays
+        on the device with the adapter's slots: scheduling paused (level 0) and
+        only the KV cache released (vLLM's release_kv_cache_memory), not level 1's
+        copy of the base out and back every step. A no-op where sleep mode is
+        unsupported (CPU); see `supports_sleep`."""
         if self.supports_sleep and not self._asleep:
-            lora = self.adapters is not None
-            self.llm.sleep(level=1 if lora else SLEEP_LEVEL)
-            self._asleep, self._discarded = True, not lora
+            if self.adapters is not None:
+                self.llm.sleep(level=0)
+                self.llm.release_kv_cache_memory()
+            else:
+                self.llm.sleep(level=SLEEP_LEVEL)
+            self._asleep, self._discarded = True, self.adapters is None
 
     def wake_up(self) -> None:
         """Reallocate the weights only (uninitialised); the next full load fills
         them, then wakes the KV cache (`_finish_wake`): vLLM's order for updates.
-        Serving LoRA: weights and KV cache back, the adapter re-added to its slot."""
+        Serving LoRA: the KV cache back, then scheduling; base and adapter never left."""
         if self.supports_sleep and self._asleep:
-            self.llm.wake_up(tags=None if self.adapters is not None else ["weights"])
-            self._asleep = False
-            self._restore_adapter()
+            if self.adapters is not None:
+                self.llm.wake_up(tags=["kv_cache"])
+                self.llm.wake_up(tags=["scheduling"])
+            else:
+                self.llm.wake_up(tags=["weights"])
         self._asleep = False
 
     def _finish_wake(self) -> None:
@@ -320,11 +336,13 @@ class VLLMEngine:
 
 def _checkpoint_names(model_config: Any) -> tuple[set[str] | None, set[str]]:
     """Tensor names of the checkpoint vLLM loaded (read from the safetensors
-    headers), used to check weight pushes by name; None if not a local dir."""
-    path = Path(str(model_config.model))
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    headers), used to check weight pushes by name: a local dir, or a hub id's
+    snapshot in the HF cache, where vLLM has just loaded it from; None if neither."""
+    path = local_model_dir(str(model_config.model))
+    files = sorted(path.glob("*.safetensors")) if path is not None else []
     if not files:
-        log.warning("areno: cannot list the checkpoint's tensors in %s; weight pushes are not name-checked", path)
+        log.warning("areno: cannot list the checkpoint's tensors in %s; weight pushes are not name-checked",
+                    model_config.model)
         return None, set()
     from safetensors import safe_open
 

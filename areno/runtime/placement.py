@@ -20,10 +20,46 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def driver_cuda_version() -> tuple[int, int] | None:
+    """(major, minor) of the newest CUDA the NVIDIA driver supports, read through
+    NVML (no CUDA context), or None where NVML cannot say."""
+    import ctypes
+
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int()
+    try:
+        if nvml.nvmlInit_v2() != 0:
+            return None
+        rc = nvml.nvmlSystemGetCudaDriverVersion_v2(ctypes.byref(version))
+        nvml.nvmlShutdown()
+    except AttributeError:  # an NVML too old to have these calls
+        return None
+    return (version.value // 1000, version.value % 1000 // 10) if rc == 0 else None
+
+
+def cuda_runtime_problem(gpus: int) -> str | None:
+    """Why the ranks could not start CUDA although NVML counts `gpus` GPUs: a torch
+    built for a CUDA major version newer than the driver supports (CUDA's minor
+    version compatibility covers a newer minor). None when they can, or no GPU."""
+    import torch
+
+    built, driver = torch.version.cuda, driver_cuda_version() if gpus else None
+    if not built or driver is None or int(built.split(".")[0]) <= driver[0]:
+        return None
+    return (f"{gpus} GPU(s) visible, but torch {torch.__version__} is built for CUDA {built} and the "
+            f"NVIDIA driver supports CUDA {driver[0]}.{driver[1]} at most: upgrade the driver, or "
+            f"install a torch built for CUDA {driver[0]}.x (--device cpu trains on the CPU)")
+
+
 def resolve_device(cfg: TrainConfig) -> str:
     gpus = visible_gpus() if cfg.device != "cpu" else 0
     if cfg.device == "cuda" and not gpus:
         raise UserError("--device cuda: no CUDA GPU is visible")
+    if gpus and (problem := cuda_runtime_problem(gpus)):
+        raise UserError(problem)  # the ranks would die in set_device, where `areno check` says so too
     return "cuda" if gpus else "cpu"
 
 
@@ -66,8 +102,9 @@ def check_tensor_parallel(tp: int, nproc: int, world_size: int, device: str) -> 
         raise UserError(f"{flag} must divide the {nproc} rank(s) per node (an engine's ranks share "
                         "a node); pick a divisor")
     gpus = visible_gpus() if device == "cuda" else 0
-    if device == "cuda" and tp > gpus:
-        raise UserError(f"{flag}: only {gpus} GPU(s) visible; lower it to {gpus} or less")
+    if device == "cuda" and nproc > gpus:  # one GPU per rank: the rest would die in set_device
+        raise UserError(f"{nproc} rank(s) on this node (--world-size / --nproc-per-node) but only "
+                        f"{gpus} GPU(s) visible; lower it to {gpus} or less (one rank per GPU)")
 
 
 def ranks_for(cfg: TrainConfig, device: str) -> tuple[int, int]:
