@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from areno.backend.errors import BackendError
 from areno.data.prompts import select
 from areno.metrics import policy_lag_metrics, wait_metrics
 from areno.rewards import RewardResult
@@ -230,7 +231,7 @@ class RolloutsAhead:
                 if cur.pending is not None and not cur.pending.wait(until):
                     break
                 self.collect(cur)
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, BackendError):  # a second interrupt, or the backend it aborted
                 break
             kept += 1
         dropped, self.inflight = self.inflight[kept:], self.inflight[:kept]

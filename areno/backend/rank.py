@@ -19,7 +19,6 @@ import argparse
 import functools
 import os
 import queue
-import signal
 import socket
 import sys
 import threading
@@ -32,16 +31,18 @@ from typing import Any
 from areno.backend.config import BackendConfig, rank_cpu_threads
 from areno.backend.heartbeat import start_beating
 from areno.runtime.procs import die_with_parent
+from areno.runtime.signals import peer_ignores
 from areno.rundir.log import move_child_output, redirect_child_output
 from areno.timing import startup_mark
 
 
 # -- process hygiene ---------------------------------------------------------
 def _quiet() -> None:
-    # Ctrl-C reaches the whole process group; the controller owns shutdown. Library
-    # output (weight-loading bars, engine logs) goes to RUN_DIR/run.log, or to the
+    # Ctrl-C, a scheduler's SIGTERM, a closed terminal's SIGHUP reach the whole
+    # job; the controller owns shutdown (runtime/signals.py). Library output
+    # (weight-loading bars, engine logs) goes to RUN_DIR/run.log, or to the
     # terminal with --verbose (areno/rundir/log.py), so it is not silenced here.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    peer_ignores()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -52,11 +53,11 @@ def spawn_main(conn: Connection, env: dict[str, str], parent_pid: int, use_pdeat
     imports first, then the BackendConfig from the pipe (the controller may still
     be loading its tokenizer and data meanwhile); beats: heartbeat slots."""
     os.environ.update(env)  # first: an engine process's CUDA_VISIBLE_DEVICES (launch.peer_env)
+    _quiet()  # before any thread starts: they inherit the signal mask
     die_with_parent(parent_pid, use_pdeathsig)
     if beats is not None:
         start_beating(beats, int(env.get("ARENO_PEER_INDEX", env.get("RANK"))))
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/rundir/log.py)
-    _quiet()
     startup_mark("peer imports")
     worker_class("ARENO_PEER_INDEX" in env)  # torch, transformers, the worker: while the controller works
     startup_mark("peer imported")

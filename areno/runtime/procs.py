@@ -8,6 +8,8 @@ import sys
 import threading
 import time
 
+from areno.runtime.signals import STOP_SIGNAL
+
 
 def die_with_parent(parent_pid: int, use_pdeathsig: bool = True) -> None:
     """Exit if the process that started us goes away: PR_SET_PDEATHSIG (immediate;
@@ -44,20 +46,16 @@ def exit_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def stop_processes(procs: list, conns: list, segments: list, grace_s: float) -> None:
-    """Stop every process (SIGTERM, then SIGKILL after up to `grace_s`, at most 3 s),
-    close and forget their pipes, then unlink `segments` (shared memory). Idempotent."""
+def stop_processes(procs: list, conns: list, segments: list) -> None:
+    """Stop every process (STOP_SIGNAL: they ignore SIGTERM, runtime/signals.py),
+    close and forget their pipes, then unlink `segments` (shared memory). Idempotent.
+    A caller that can first asks them to exit (a "shutdown" message) and waits."""
     try:
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.terminate()
-        deadline = time.monotonic() + min(grace_s, 3.0)
-        for p in alive:
-            p.join(max(0.0, deadline - time.monotonic()))
         for p in procs:
             if p.is_alive():
-                p.kill()
-                p.join(5.0)
+                os.kill(p.pid, STOP_SIGNAL)
+        for p in procs:
+            p.join(5.0)
         for i, c in enumerate(conns):
             if c is not None:
                 try:
