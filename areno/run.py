@@ -134,11 +134,12 @@ def make_output_dir(cfg: TrainConfig, resume: Resume | None = None, out: Path | 
 
 
 def lock_run_dirs(cfg: TrainConfig, out: Path) -> contextlib.AbstractContextManager:
-    """One run per directory: the run directory, and --save-path where it is elsewhere
-    (runlock.py), held until the run's last process has stopped."""
+    """One run per directory: the run directory and the one its checkpoints go to,
+    the default <output-dir>/checkpoints too (another run's --save-path may name
+    it), held until the run's last process has stopped (rundir/lock.py)."""
     dirs = [(out, "--output-dir")]
-    if cfg.save_path and not cfg.no_save:
-        dirs.append((checkpoint_root(cfg, out), "--save-path"))
+    if not (cfg.no_save or cfg.eval_only):
+        dirs.append((checkpoint_root(cfg, out), "--save-path" if cfg.save_path else "--output-dir"))
     return runlock.hold(dirs)
 
 
