@@ -27,7 +27,7 @@ from areno.runtime.interrupt import interrupted, interrupted_at_startup, made_ru
 from areno.runtime.signals import interrupts_raise, raise_held, step_window
 from areno.metrics import train_metrics
 from areno.split import build_split_pack
-from areno.rewards import RewardResult
+from areno.rewards import RewardError, RewardResult
 from areno.rollout.batch import FINISH_LENGTH, RolloutBatch, overlong_mask
 from areno.rollout.engine import SamplingConfig
 from areno.rollout.probe import WeightSyncError
@@ -286,6 +286,8 @@ def train_loop(run: Run) -> None:
                 run.evaluate(step)
     except (BackendError, WeightSyncError) as e:  # every process is stopped on the way out
         stopped(run, e)
+    except RewardError as e:  # the plugin's failure (exit 2); the steps before it are saved
+        raise RewardError(f"{e}{resume_note(run)}") from None
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM, or the backend's watchdog (a rank died)
         if run.backend is not None and run.backend.dead is not None:
             stopped(run, run.backend.dead)
@@ -340,16 +342,20 @@ def stopped(run: Run, e: BackendError | WeightSyncError) -> None:
     # The backend's watchdog may also have seen the death and be about to interrupt
     # this thread (SIGINT); from here on the run is stopping anyway.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    last = latest_checkpoint(checkpoint_root(run.cfg, run.output_dir))
     tb = getattr(e, "remote_traceback", None)
     log = run.output_dir / "run.log"
     if tb:
         with open(log, "a") as f:
             f.write(tb)
     message = getattr(e, "remote_message", None) or str(e)
-    print(f"areno: error: training stopped in step {run.step + 1}: {message}"
-          + (f"; continue from the last complete checkpoint with --resume {last}" if last
-             else "; no checkpoint was written yet")
+    print(f"areno: error: training stopped in step {run.step + 1}: {message}{resume_note(run)}"
           + (f" (rank traceback in {log})" if tb else ""),
           file=sys.stderr, flush=True)
     raise SystemExit(1)
+
+
+def resume_note(run: Run) -> str:
+    """How a failed run continues: "; continue from ... --resume CKPT", or that none was written."""
+    last = latest_checkpoint(checkpoint_root(run.cfg, run.output_dir))
+    return (f"; continue from the last complete checkpoint with --resume {last}" if last
+            else "; no checkpoint was written yet")

@@ -172,6 +172,26 @@ def test_a_plugins_own_keyboard_interrupt_is_its_error_not_a_ctrl_c(b_cmd, areno
     assert_clean(res, 2, ["sample 3", "raised KeyboardInterrupt: plugin gave up"])
 
 
+FAILS_IN_STEP_3 = """
+calls = [0]
+
+
+def reward_fn(record):
+    calls[0] += 1
+    if calls[0] > 32:  # 16 samples a step
+        raise ValueError("judge unreachable")
+    return 0.5
+"""
+
+
+def test_a_failing_reward_plugin_names_the_checkpoint_to_resume_from(b_cmd, areno_cache):
+    """As a backend failure does; it used to say only what failed."""
+    args, out = b_cmd(FAILS_IN_STEP_3, "--reward-workers", "0", "--max-steps", "4", "--save-interval", "1")
+    res = run_train(args, areno_cache, out)
+    assert_clean(res, 2, ["judge unreachable",
+                          f"continue from the last complete checkpoint with --resume {out / 'checkpoints' / 'step_000002'}"])
+
+
 def test_sighup_saves_the_last_step_and_prints_the_resume_command(b_cmd, areno_cache):
     """A closed terminal (SIGHUP) used to end the run with no save."""
     args, out = b_cmd(FIRST_DIGIT, "--max-steps", "500", "--save-interval", "100")
