@@ -28,6 +28,7 @@ import pytest
 
 from areno.rundir.checkpoint import latest_checkpoint, list_checkpoints, read_state
 from areno.rundir.lock import LOCK_FILE
+from faults import is_peer
 from test_resume import (
     HF1,
     REPO,
@@ -80,7 +81,7 @@ def rank_pids(controller: int) -> list[int]:
             cmd = (d / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if ppid == controller and "spawn_main" in cmd and session != int(d.name):
+        if ppid == controller and is_peer(cmd) and session != int(d.name):
             pids.append(int(d.name))
     return pids
 

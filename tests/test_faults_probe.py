@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from faults import B, Run, assert_clean, run_train, write_arith_data, write_plugin
+from faults import B, Run, assert_clean, is_peer, run_train, write_arith_data, write_plugin
 
 pytestmark = pytest.mark.faults
 
@@ -136,7 +136,7 @@ def test_a_timeout_that_in_process_scoring_cannot_enforce_is_one_line(b_cmd, are
 # -- item 7: a stuck rank is detected ---------------------------------------------------
 def _rank_pids(run: Run) -> list[int]:
     """The training ranks: the controller's spawned children (rewards in-process here)."""
-    return [p for p, cmd in run.children().items() if "spawn_main" in cmd]
+    return [p for p, cmd in run.children().items() if is_peer(cmd)]
 
 
 def test_a_stopped_rank_stops_the_run_within_seconds_of_the_heartbeat_bound(b_cmd, areno_cache):

@@ -56,3 +56,33 @@ def test_waiting_on_a_backend_a_second_interrupt_aborted_is_a_backend_error():
     stream = ReplyStream(peers, "rollout", 0.0, [0], lane="rollout", detach=True, background=True)
     with pytest.raises(BackendError, match="backend is closed"):
         stream.wait(time.monotonic() + 1.0)
+
+
+def test_ranks_and_engine_processes_are_named_in_ps():
+    """`areno: rank i of run PID` / `areno: engine j of run PID` (the command line,
+    through setproctitle where installed) and areno-rank{i} / areno-engine{j} (comm)."""
+    early = spawn_peers(PeerShape(world_size=1, rollout_world_size=1))
+    try:
+        want = {early.procs[0].pid: ("areno-rank0", f"areno: rank 0 of run {os.getpid()}"),
+                early.procs[1].pid: ("areno-engine0", f"areno: engine 0 of run {os.getpid()}")}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(_comm(p) != c for p, (c, _) in want.items()):
+            time.sleep(0.05)
+        assert {p: _comm(p) for p in want} == {p: c for p, (c, _) in want.items()}
+        try:
+            import setproctitle  # noqa: F401
+        except ImportError:
+            return
+        assert {p: _cmdline(p) for p in want} == {p: t for p, (_, t) in want.items()}
+    finally:
+        early.close()
+
+
+def _comm(pid: int) -> str:
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode().strip()

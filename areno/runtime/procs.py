@@ -34,6 +34,26 @@ def die_with_parent(parent_pid: int, use_pdeathsig: bool = True) -> None:
     threading.Thread(target=watch, name="areno-parent-watch", daemon=True).start()
 
 
+def set_title(title: str, comm: str) -> None:
+    """Name this process: `title` where ps and top show the command line, when
+    setproctitle is installed (vLLM brings it; areno does not need it otherwise),
+    and always `comm` (at most 15 bytes: ps -o comm, top, pgrep) through prctl
+    PR_SET_NAME, which needs no package."""
+    try:
+        import setproctitle
+    except ImportError:
+        pass
+    else:
+        setproctitle.setproctitle(title)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(15, comm.encode()[:15])  # PR_SET_NAME = 15
+        except (OSError, AttributeError):
+            pass
+
+
 def exit_text(code: int | None) -> str:
     """A process's exit code as words: 'exit code 1', 'killed by SIGKILL'."""
     if code is None:
