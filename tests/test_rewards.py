@@ -440,3 +440,23 @@ def test_a_users_plugin_on_the_demo_keeps_workers_and_an_unenforceable_timeout_i
     assert TrainConfig.from_sources(None, {"reward_fn_path": plugin, "reward_workers": 0}).reward_workers == 0
     with pytest.raises(UserError, match=r"--reward-timeout 2.0 cannot be enforced with --reward-workers 0"):
         TrainConfig.from_sources(None, {"reward_workers": 0, "reward_timeout": 2.0})
+
+
+def test_a_plugin_whose_import_blocks_is_bounded_and_named(tmp_path, monkeypatch):
+    """Start-up used to hang on it with no word, whatever --reward-workers."""
+    import areno.rewards.pool
+
+    release = tmp_path / "release"
+    plugin = tmp_path / "waits.py"
+    plugin.write_text(f"import os, time\nwhile not os.path.exists({str(release)!r}):\n    time.sleep(0.02)\n"
+                      "def reward_fn(record):\n    return 0.0\n")
+    monkeypatch.setattr(areno.rewards.pool, "STARTUP_TIMEOUT_S", 0.5)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RewardError) as e:
+            RewardScorer(str(plugin), workers=0)
+        assert time.monotonic() - t0 < 5
+        assert str(e.value) == (f"reward plugin {plugin}: its import did not finish within 0.5 s "
+                                "(does it wait on something at import time?)")
+    finally:
+        release.write_text("")  # the abandoned import thread ends

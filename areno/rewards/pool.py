@@ -80,6 +80,30 @@ def _close_all() -> None:
         scorer.close()
 
 
+def load_bounded(kind: Any, path: str) -> Any:
+    """kind.load(path) (the plugin's import and checks), bounded by STARTUP_TIMEOUT_S,
+    as a worker's own import is: a plugin that waits on something at import (a
+    server, a lock, input()) is a RewardError naming it, not a silent hang. The
+    import runs in a thread the process leaves behind if it never returns."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["plugin"] = kind.load(path)
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="areno-plugin-import", daemon=True)
+    t.start()
+    t.join(STARTUP_TIMEOUT_S)
+    if t.is_alive():
+        raise RewardError(f"{kind.what} {path}: its import did not finish within {STARTUP_TIMEOUT_S:g} s "
+                          "(does it wait on something at import time?)")
+    if "error" in box:
+        raise box["error"]
+    return box["plugin"]
+
+
 class RewardScorer:
     """Scores RewardRecords with a plugin in `workers` processes (see module doc).
 
@@ -102,7 +126,7 @@ class RewardScorer:
         if workers < 0 or timeout <= 0:
             raise UserError(f"RewardScorer: workers must be >= 0 and timeout > 0; got {workers} and {timeout}")
         self.kind_name, self.kind = kind, plugin_kind(kind)  # rewards, or environments (areno/envs)
-        self.plugin = self.kind.load(plugin_path)  # validated here, before any worker starts
+        self.plugin = load_bounded(self.kind, plugin_path)  # validated here, before any worker starts
         self.path = str(plugin_path)
         self.workers = int(workers)
         self.timeout = float(timeout)
