@@ -27,13 +27,13 @@ Under workers, the plugin runs in each worker's main thread, so libraries
 that time out with signals (math-verify's SIGALRM) work there.
 
 Workers never outlive the scorer: close() (also on `with` exit and at
-interpreter exit) ends them, they are daemon processes, and on Linux each
-asks the kernel to SIGKILL it when the trainer dies (PR_SET_PDEATHSIG), even
-by SIGKILL. Each worker leads a process group (a session) of its own, and a
-timeout, a crash or close() SIGKILLs the whole group, so what the plugin
-started (a compiler, a test binary, a fork) goes with it; a child that starts
-a session of its own, or one left when the trainer itself is SIGKILLed, is
-out of reach. As with any 'spawn' pool, workers import the main script: a
+interpreter exit) ends them, they are daemon processes, and each leads a
+process group (a session) of its own: a timeout, a crash or close() SIGKILLs
+the whole group, so what the plugin started (a compiler, a test binary, a
+fork) goes with it, and a worker whose trainer died, even by SIGKILL, kills
+its group within 0.5 s (runtime/procs.die_with_parent). At workers=0, close()
+kills what the plugin started in-process. A child that starts a session of
+its own is out of reach. As with any 'spawn' pool, workers import the main script: a
 script that builds a RewardScorer needs an `if __name__ == "__main__":` guard.
 """
 
@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from areno.errors import UserError, one_line
-from areno.runtime.procs import exit_text
+from areno.runtime.procs import descendants, exit_text, kill_new_descendants
 from areno.rewards.jobs import JobBook, Chunk
 from areno.rewards.plugin import (
     STATUS_ERROR,
@@ -139,6 +139,8 @@ class RewardScorer:
         self._closed = False
         self._startup_failures = 0  # workers in a row that died before importing the plugin
         self._loop = asyncio.new_event_loop() if self.plugin.is_async and not workers else None
+        # In-process scoring: what the plugin starts is this process's child; close() ends it.
+        self._before = descendants() if not workers else set()
         if self.workers:
             self._ctx = mp.get_context("spawn")
             self._wake_r, self._wake_w = os.pipe()
@@ -202,6 +204,8 @@ class RewardScorer:
             self._thread.join(timeout=10.0)
             os.close(self._wake_r)
             os.close(self._wake_w)
+        else:
+            kill_new_descendants(self._before)
         with self._lock:
             self._book.abort_all(self._fatal or RewardError(f"reward scorer for {self.path} was closed"))
 

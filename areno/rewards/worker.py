@@ -30,12 +30,13 @@ if TYPE_CHECKING:
 def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, parent_pid: int,
                  kind_name: str = "reward") -> None:
     peer_ignores()  # a stop of the whole job is the controller's (runtime/signals.py)
-    die_with_parent(parent_pid)
-    set_title(f"areno: {kind_name} worker of run {parent_pid}", f"areno-{kind_name}")
     # A session (and process group) of its own, before the plugin runs: every
     # process the plugin starts (a compiler, a test binary, a fork) joins it,
-    # and Worker.stop kills the whole group with the worker.
+    # and Worker.stop kills the whole group with the worker, as does this
+    # process when the controller dies, even by SIGKILL (die_with_parent).
     os.setsid()
+    die_with_parent(parent_pid, group=True)
+    set_title(f"areno: {kind_name} worker of run {parent_pid}", f"areno-{kind_name}")
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/rundir/log.py)
     # The controller starts workers as daemons (ended with it); inside, let the
     # plugin start processes of its own (multiprocessing refuses in a daemon).

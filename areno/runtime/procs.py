@@ -11,11 +11,14 @@ import time
 from areno.runtime.signals import STOP_SIGNAL
 
 
-def die_with_parent(parent_pid: int, use_pdeathsig: bool = True) -> None:
+def die_with_parent(parent_pid: int, use_pdeathsig: bool = True, group: bool = False) -> None:
     """Exit if the process that started us goes away: PR_SET_PDEATHSIG (immediate;
     it fires when the spawning *thread* exits, so only safe when that was the main
-    thread) and a watchdog thread polling the parent pid (within 0.5 s)."""
-    if use_pdeathsig and sys.platform.startswith("linux"):
+    thread) and a watchdog thread polling the parent pid (within 0.5 s). group: a
+    process that leads a process group of its own by then (a reward worker) takes
+    its group with it (SIGKILL), so what a plugin started dies too; the watchdog
+    alone does it, since PR_SET_PDEATHSIG would kill this process first."""
+    if use_pdeathsig and not group and sys.platform.startswith("linux"):
         try:
             import ctypes
 
@@ -29,9 +32,50 @@ def die_with_parent(parent_pid: int, use_pdeathsig: bool = True) -> None:
         while True:
             time.sleep(0.5)
             if os.getppid() != parent_pid:
+                if group and os.getpgrp() == os.getpid():  # never the group it was started in
+                    os.killpg(os.getpid(), signal.SIGKILL)
                 os._exit(3)
 
     threading.Thread(target=watch, name="areno-parent-watch", daemon=True).start()
+
+
+def descendants(pid: int | None = None) -> set[int]:
+    """The live descendants of `pid` (this process when None), through
+    /proc/PID/task/TID/children (Linux; empty elsewhere)."""
+    out: set[int] = set()
+    todo = [os.getpid() if pid is None else pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            todo += [k for k in kids if k not in out]
+            out.update(kids)
+    return out
+
+
+def kill_new_descendants(before: set[int]) -> None:
+    """SIGKILL this process's descendants that are not in `before` (what code run
+    in-process started meanwhile: an in-process plugin's children), and reap the
+    direct children among them."""
+    new = descendants() - before
+    for pid in new:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for pid in new:
+        try:
+            os.waitpid(pid, 0)
+        except OSError:  # not our child (a grandchild: init reaps it), or reaped already
+            pass
 
 
 def set_title(title: str, comm: str) -> None:
