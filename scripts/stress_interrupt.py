@@ -222,9 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     signals = tuple(signal.Signals["SIG" + n.strip().upper().removeprefix("SIG")] for n in args.signals.split(","))
     ks = [int(k) for k in args.split.split(",") if k.strip()]
-    # Started in the background (`cmd &`, nohup), this process ignores SIGINT and so
-    # would every try until areno installs its own handler: restore the default.
+    # Started in the background (`cmd &`, nohup), this process ignores SIGINT (and
+    # SIGHUP), and so would every try: areno keeps an inherited SIGHUP ignore (nohup's).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     rng = random.Random(args.seed)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "500"}
     tally: collections.Counter[str] = collections.Counter()
