@@ -9,6 +9,7 @@ session of its own and signals that session with os.killpg."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -71,14 +72,8 @@ def test_a_signal_to_the_whole_group_saves_the_last_finished_step(group_run, sig
     assert_clean(res, 130, [f"interrupted ({sig.name})", "continue with: areno train", "--resume"])
     ckpt = latest_checkpoint(out / "checkpoints")
     assert ckpt is not None and str(ckpt) in res.message
-    last = max(r["step"] for r in res_metrics(out))
+    last = max(json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip())
     assert int(read_state(ckpt)["step"]) == last  # the last finished step, saved
-
-
-def res_metrics(out: Path) -> list[dict]:
-    import json
-
-    return [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
 
 
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)

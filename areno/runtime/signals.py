@@ -54,6 +54,8 @@ _KEPT_IGNORED = frozenset(s for s in (signal.SIGHUP,) if signal.getsignal(s) is 
 def handled() -> tuple[signal.Signals, ...]:
     """The HELD signals areno installs handlers for: all but an inherited ignore."""
     return tuple(s for s in HELD if s not in _KEPT_IGNORED)
+
+
 _received: list[str] = []  # the names of the signals the run has seen, newest last
 
 
