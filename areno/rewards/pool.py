@@ -44,6 +44,7 @@ import atexit
 import math
 import multiprocessing as mp
 import multiprocessing.connection
+from multiprocessing import resource_tracker
 import os
 import threading
 import time
@@ -139,7 +140,10 @@ class RewardScorer:
         self._closed = False
         self._startup_failures = 0  # workers in a row that died before importing the plugin
         self._loop = asyncio.new_event_loop() if self.plugin.is_async and not workers else None
-        # In-process scoring: what the plugin starts is this process's child; close() ends it.
+        # In-process scoring: what the plugin starts is this process's child; close() ends
+        # it. multiprocessing's resource tracker, started here if not yet, is not the plugin's.
+        if not workers:
+            resource_tracker.ensure_running()
         self._before = descendants() if not workers else set()
         if self.workers:
             self._ctx = mp.get_context("spawn")
