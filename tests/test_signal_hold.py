@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -74,6 +75,8 @@ def test_ranks_and_engine_processes_are_named_in_ps():
         except ImportError:
             return
         assert {p: _cmdline(p) for p in want} == {p: t for p, (_, t) in want.items()}
+        for p in want:  # the title did not overwrite the environment (the fault harness reads it)
+            assert b"ARENO_TEST_TAG=" in Path(f"/proc/{p}/environ").read_bytes(), p
     finally:
         early.close()
 

@@ -82,7 +82,10 @@ def set_title(title: str, comm: str) -> None:
     """Name this process: `title` where ps and top show the command line, when
     setproctitle is installed (vLLM brings it; areno does not need it otherwise),
     and always `comm` (at most 15 bytes: ps -o comm, top, pgrep) through prctl
-    PR_SET_NAME, which needs no package."""
+    PR_SET_NAME, which needs no package. SPT_NOENV: the title is kept within the
+    command line's own bytes, so /proc/PID/environ stays readable (tools and the
+    fault harness find a run's processes by their environment)."""
+    os.environ.setdefault("SPT_NOENV", "1")
     try:
         import setproctitle
     except ImportError:
