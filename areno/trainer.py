@@ -258,8 +258,8 @@ def run_training(cfg: TrainConfig, engine: Any = None, early: EarlyPeers | None 
                 started = run.step
                 train_loop(run)
         except KeyboardInterrupt:  # the loop handles its own: this one came before its first step
-            if run is not None and run.step > started:
-                raise
+            if run is not None and run.step > started:  # or once the run was done, as it closed
+                interrupted(run)
             if run is not None and run.backend.dead is not None:  # a rank died, not a Ctrl-C
                 stopped(run, run.backend.dead)
             interrupted_at_startup(cfg)
@@ -294,13 +294,21 @@ def train_loop(run: Run) -> None:
         settle_interrupted_step(run, before)
         interrupted(run)
     # The end: the last step is evaluated and saved, unless the loop just did (or --no-save).
+    # An interrupt here ends as one in the loop does, and the save, as there, ends whole.
     try:
         if not due(run.step, cfg.eval_interval):
             run.evaluate(run.step)
         if not cfg.no_save and not due(run.step, cfg.save_interval):
-            run.save(run.step)
+            with step_window() as save_starts:
+                save_starts()
+                run.save(run.step)
     except (BackendError, WeightSyncError) as e:
         stopped(run, e)
+    except KeyboardInterrupt:
+        if run.backend is not None and run.backend.dead is not None:
+            stopped(run, run.backend.dead)
+        settle_interrupted_step(run, None)
+        interrupted(run)
     run.logger.info(f"done: {steps_text(run.step)}; metrics in {run.logger.metrics_path}")
 
 

@@ -37,7 +37,7 @@ def group_run(tiny_arith_path, tmp_path, areno_cache):
     out = tmp_path / "run"
 
     def start(*extra: str) -> tuple[Run, Path]:
-        args = B(tiny_arith_path, data, plugin, out, "--max-steps", "500", *extra)
+        args = B(tiny_arith_path, data, plugin, out, "--max-steps", "500", "--epochs", "200", *extra)
         return Run(args, areno_cache, out), out
 
     return start
@@ -89,3 +89,14 @@ def test_two_interrupts_10ms_apart_under_split_placement_end_in_one_line(group_r
     assert_clean(res, 130, [f"interrupted ({second.name})"])
     ckpt = latest_checkpoint(out / "checkpoints")
     assert ckpt is not None and f"checkpoint {ckpt}; continue with: " in res.message, res.message
+
+
+def test_a_signal_during_the_final_save_ends_with_it_saved_and_the_resume_line(group_run):
+    """After the loop, the last step's save used to be outside the interrupt's
+    handling: a bare "areno: interrupted" and no resume line."""
+    run, out = group_run("--max-steps", "3", "--save-interval", "100")
+    run.wait_for(lambda: saving(out), every=0.002)  # the only save: the final one
+    os.killpg(run.proc.pid, signal.SIGTERM)
+    res = run.finish(timeout=120)
+    ckpt = out / "checkpoints" / "step_000003"
+    assert_clean(res, 130, ["interrupted (SIGTERM) after step 3 of 3", f"checkpoint {ckpt}; continue with: "])
