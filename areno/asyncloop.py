@@ -44,16 +44,20 @@ from __future__ import annotations
 
 import json
 import time
+import zipfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from areno.backend.errors import BackendError
 from areno.data.prompts import select
+from areno.errors import UserError, one_line
 from areno.metrics import policy_lag_metrics, wait_metrics
 from areno.rewards import RewardResult
 from areno.rollout.batch import RolloutBatch
+from areno.rundir.checkpoint import STATE_FILE
 from areno.scoring import PartScorer, score
 from areno.timing import PhaseTimer
 
@@ -230,7 +234,7 @@ class RolloutsAhead:
                 if cur.pending is not None and not cur.pending.wait(until):
                     break
                 self.collect(cur)
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, BackendError):  # a second interrupt, or the backend it aborted
                 break
             kept += 1
         dropped, self.inflight = self.inflight[kept:], self.inflight[:kept]
@@ -265,17 +269,52 @@ class RolloutsAhead:
         return self.run.sampler.state_dict()
 
 
-def load_inflight(ckpt: Path | None) -> list[Inflight]:
-    """The rollouts a checkpoint saved in flight (checkpoint_state), oldest first.
-    A checkpoint of the one-rollout loop (one unprefixed rollout) reads too."""
-    if ckpt is None or not (ckpt / INFLIGHT_FILE).is_file():
+def load_inflight(ckpt: Path | None, expected: int | None = None, instead: str = "") -> list[Inflight]:
+    """The rollouts a checkpoint saved in flight (checkpoint_state), oldest first,
+    read whole before anything starts: without them the resumed run would train on
+    other prompts than the saved one (the sampler's cursor is past theirs), so a
+    missing, truncated or short file is a UserError naming it (instead: what to
+    pass then). expected: the count the trainer state records (None: a checkpoint
+    from before it did; then the files are read when there). A checkpoint of the
+    one-rollout loop (one unprefixed rollout) reads too."""
+    if ckpt is None:
         return []
-    meta = json.loads((ckpt / INFLIGHT_META).read_text())
-    rollouts, prefix = (meta["rollouts"], "{}/") if "rollouts" in meta else ([meta], "")
+    npz, meta_path = ckpt / INFLIGHT_FILE, ckpt / INFLIGHT_META
+    if not expected and not npz.exists() and not meta_path.exists():
+        return []
+    try:
+        return _read_inflight(npz, meta_path, expected)
+    except _Damaged as e:
+        name, problem = e.args
+        raise UserError(f"--resume {ckpt}: {name} (the rollouts in flight when it was saved) {problem}; "
+                        f"{instead or 'resume from another checkpoint'}") from None
+
+
+class _Damaged(Exception):
+    """An in-flight file's name and what is wrong with it."""
+
+
+def _read_inflight(npz: Path, meta_path: Path, expected: int | None) -> list[Inflight]:
+    for f in (meta_path, npz):
+        if not f.is_file():
+            raise _Damaged(f.name, "is missing")
+    try:
+        meta = json.loads(meta_path.read_text())
+        rollouts, prefix = (meta["rollouts"], "{}/") if "rollouts" in meta else ([meta], "")
+        for m in rollouts:
+            m["step"], m["version"], m["sampler_before"]  # noqa: B018  (each one whole)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _Damaged(meta_path.name, f"is truncated or unreadable ({one_line(e)})") from None
+    if expected is not None and len(rollouts) != expected:
+        raise _Damaged(meta_path.name, f"lists {len(rollouts)} rollouts, {STATE_FILE} {expected}")
     out = []
-    with np.load(ckpt / INFLIGHT_FILE) as z:
-        for i, m in enumerate(rollouts):
-            p = prefix.format(i)
-            batch = RolloutBatch(**{f.name: z[p + f.name] for f in fields(RolloutBatch) if p + f.name in z})
-            out.append(Inflight(m["step"], z[p + "prompt_idx"], m["sampler_before"], m["version"], batch=batch))
+    try:
+        with np.load(npz) as z:
+            for i, m in enumerate(rollouts):
+                p = prefix.format(i)
+                # Indexing reads and CRC-checks each array: a cut file fails here.
+                batch = RolloutBatch(**{f.name: z[p + f.name] for f in fields(RolloutBatch) if p + f.name in z})
+                out.append(Inflight(m["step"], z[p + "prompt_idx"], m["sampler_before"], m["version"], batch=batch))
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
+        raise _Damaged(npz.name, f"is truncated or unreadable ({one_line(e)})") from None
     return out

@@ -212,3 +212,24 @@ def sampling_metrics(rounds: int, kept: int, generated_groups: int, gen_tokens: 
     values = (rounds, kept, generated_groups - kept, gen_tokens / kept if kept else gen_tokens,
               bound_hit, generated_reward)
     return {k: float(v) for k, v in zip(SAMPLING_METRICS, values, strict=True)}
+
+
+# -- multi-turn environments (--env-path), once per step, on the controller --------
+ENV_METRICS: dict[str, str] = {
+    "env/turns_mean": "completions per trajectory, mean",
+    "env/turn_limit": "trajectories ended by --max-turns",
+    "env/token_limit": "trajectories ended by the token budget (--max-trajectory-tokens or the "
+                       "context): an observation that would leave no room for one more sampled token",
+    "env/long_observations": "of those, observations longer than all the room left, refused before "
+                             "they were tokenized (a huge observation costs no time)",
+    "env/engine_idle_s": "seconds the engines had nothing to generate (every trajectory at its env)",
+    "env/generate_s": "seconds inside the engines' generate calls",
+    "env/rounds": "generate calls",
+}
+
+
+def env_metrics(turns_mean: float, turn_limit: int, token_limit: int, long_observations: int,
+                engine_idle_s: float, generate_s: float, rounds: int) -> dict[str, float]:
+    """The ENV_METRICS of one multi-turn rollout, in the table's order."""
+    values = (turns_mean, turn_limit, token_limit, long_observations, engine_idle_s, generate_s, rounds)
+    return {k: float(v) for k, v in zip(ENV_METRICS, values, strict=True)}

@@ -25,7 +25,8 @@ from areno.config import settings
 from areno.backend.launch import EarlyPeers
 from areno.backend.rank_engines import EngineView, RankEngines
 from areno.rundir import lock as runlock
-from areno.rundir.checkpoint import Resume, check_free_space, checkpoint_bytes, checkpoint_root, save_checkpoint
+from areno.rundir.checkpoint import (Resume, check_free_space, checkpoint_bytes, checkpoint_root, instead_of,
+                                    save_checkpoint)
 from areno.config.train import TrainConfig
 from areno.data.prompts import PromptSet, tokenize_prompts
 from areno.data.rows import RowSet, load_rows, normalize_rows
@@ -137,11 +138,12 @@ def make_output_dir(cfg: TrainConfig, resume: Resume | None = None, out: Path | 
 
 
 def lock_run_dirs(cfg: TrainConfig, out: Path) -> contextlib.AbstractContextManager:
-    """One run per directory: the run directory, and --save-path where it is elsewhere
-    (runlock.py), held until the run's last process has stopped."""
+    """One run per directory: the run directory and the one its checkpoints go to,
+    the default <output-dir>/checkpoints too (another run's --save-path may name
+    it), held until the run's last process has stopped (rundir/lock.py)."""
     dirs = [(out, "--output-dir")]
-    if cfg.save_path and not cfg.no_save:
-        dirs.append((checkpoint_root(cfg, out), "--save-path"))
+    if not (cfg.no_save or cfg.eval_only):
+        dirs.append((checkpoint_root(cfg, out), "--save-path" if cfg.save_path else "--output-dir"))
     return runlock.hold(dirs)
 
 
@@ -260,6 +262,8 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
     nproc, world_size = ranks_for(cfg, device)
     check_placement(cfg, nproc, world_size, device)
     resume = Resume.find(cfg)  # a bad checkpoint is one line here (checkpoint.check_checkpoint)
+    inflight = load_inflight(resume.ckpt, resume.state.get("inflight"),  # its rollouts in flight too
+                             instead_of(resume.ckpt) if resume.ckpt else "")
     model_path, base_model, weights, lora, params = model_for(cfg, resume)
     out = output_dir_for(cfg, resume)
     logs.enter_context(lock_run_dirs(cfg, out))  # before anything in it is changed
@@ -303,7 +307,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
                   logger=logger, world_size=world_size, total_steps=total, step=resume.step, evalset=evalset,
                   max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
         logger.info(start_line(run, resume, device))
-        resume_rollouts(run, resume)
+        resume_rollouts(run, resume, inflight)
         if lora is not None:
             logger.info(lora_line(lora, params))
             if lora.adapter_path is not None:  # the engines hold the base model: give them the trained one
@@ -322,10 +326,10 @@ def scorer_for(cfg: TrainConfig) -> RewardScorer | EnvPool:
                         timeout=cfg.reward_timeout, on_error=cfg.on_reward_error)
 
 
-def resume_rollouts(run: Run, resume: Resume) -> None:
-    """A K >= 1 checkpoint's rollouts in flight: kept for the loop of the engine
-    processes (asyncloop.py), or, at K = 0, sampled again from these weights."""
-    saved = load_inflight(resume.ckpt)
+def resume_rollouts(run: Run, resume: Resume, saved: list) -> None:
+    """A K >= 1 checkpoint's rollouts in flight (`saved`, asyncloop.load_inflight):
+    kept for the loop of the engine processes (asyncloop.py), or, at K = 0,
+    sampled again from these weights."""
     if saved and not run.cfg.off_policy_steps:
         run.sampler.load_state_dict(saved[0].sampler_before)
         saved = []

@@ -27,7 +27,7 @@ from areno.runtime.interrupt import interrupted, interrupted_at_startup, made_ru
 from areno.runtime.signals import interrupts_raise, raise_held, step_window
 from areno.metrics import train_metrics
 from areno.split import build_split_pack
-from areno.rewards import RewardResult
+from areno.rewards import RewardError, RewardResult
 from areno.rollout.batch import FINISH_LENGTH, RolloutBatch, overlong_mask
 from areno.rollout.engine import SamplingConfig
 from areno.rollout.probe import WeightSyncError
@@ -258,8 +258,8 @@ def run_training(cfg: TrainConfig, engine: Any = None, early: EarlyPeers | None 
                 started = run.step
                 train_loop(run)
         except KeyboardInterrupt:  # the loop handles its own: this one came before its first step
-            if run is not None and run.step > started:
-                raise
+            if run is not None and run.step > started:  # or once the run was done, as it closed
+                interrupted(run)
             if run is not None and run.backend.dead is not None:  # a rank died, not a Ctrl-C
                 stopped(run, run.backend.dead)
             interrupted_at_startup(cfg)
@@ -286,19 +286,29 @@ def train_loop(run: Run) -> None:
                 run.evaluate(step)
     except (BackendError, WeightSyncError) as e:  # every process is stopped on the way out
         stopped(run, e)
+    except RewardError as e:  # the plugin's failure (exit 2); the steps before it are saved
+        raise RewardError(f"{e}{resume_note(run)}") from None
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM, or the backend's watchdog (a rank died)
         if run.backend is not None and run.backend.dead is not None:
             stopped(run, run.backend.dead)
         settle_interrupted_step(run, before)
         interrupted(run)
     # The end: the last step is evaluated and saved, unless the loop just did (or --no-save).
+    # An interrupt here ends as one in the loop does, and the save, as there, ends whole.
     try:
         if not due(run.step, cfg.eval_interval):
             run.evaluate(run.step)
         if not cfg.no_save and not due(run.step, cfg.save_interval):
-            run.save(run.step)
+            with step_window() as save_starts:
+                save_starts()
+                run.save(run.step)
     except (BackendError, WeightSyncError) as e:
         stopped(run, e)
+    except KeyboardInterrupt:
+        if run.backend is not None and run.backend.dead is not None:
+            stopped(run, run.backend.dead)
+        settle_interrupted_step(run, None)
+        interrupted(run)
     run.logger.info(f"done: {steps_text(run.step)}; metrics in {run.logger.metrics_path}")
 
 
@@ -340,16 +350,20 @@ def stopped(run: Run, e: BackendError | WeightSyncError) -> None:
     # The backend's watchdog may also have seen the death and be about to interrupt
     # this thread (SIGINT); from here on the run is stopping anyway.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    last = latest_checkpoint(checkpoint_root(run.cfg, run.output_dir))
     tb = getattr(e, "remote_traceback", None)
     log = run.output_dir / "run.log"
     if tb:
         with open(log, "a") as f:
             f.write(tb)
     message = getattr(e, "remote_message", None) or str(e)
-    print(f"areno: error: training stopped in step {run.step + 1}: {message}"
-          + (f"; continue from the last complete checkpoint with --resume {last}" if last
-             else "; no checkpoint was written yet")
+    print(f"areno: error: training stopped in step {run.step + 1}: {message}{resume_note(run)}"
           + (f" (rank traceback in {log})" if tb else ""),
           file=sys.stderr, flush=True)
     raise SystemExit(1)
+
+
+def resume_note(run: Run) -> str:
+    """How a failed run continues: "; continue from ... --resume CKPT", or that none was written."""
+    last = latest_checkpoint(checkpoint_root(run.cfg, run.output_dir))
+    return (f"; continue from the last complete checkpoint with --resume {last}" if last
+            else "; no checkpoint was written yet")

@@ -72,6 +72,13 @@ def B(model: Path, data: Path, plugin: Path, out: Path, *extra: str) -> list[str
 
 
 # -- processes ------------------------------------------------------------------
+def is_peer(cmdline: str) -> bool:
+    """A rank or engine process: its title (runtime/procs.set_title, where
+    setproctitle is installed), or multiprocessing's spawn command line before
+    it sets one (or without setproctitle)."""
+    return cmdline.startswith(("areno: rank ", "areno: engine ")) or "spawn_main" in cmdline
+
+
 def tagged_pids(tag: str) -> dict[int, str]:
     """pid -> cmdline of every live (non-zombie) process whose environment holds
     TAG_VAR=tag."""

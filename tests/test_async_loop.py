@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from areno.asyncloop import INFLIGHT_FILE, admitted
+from areno.asyncloop import INFLIGHT_FILE, INFLIGHT_META, admitted, load_inflight
+from areno.errors import UserError
 from areno.backend.rank_engines import Parts
 from areno.rundir.checkpoint import latest_checkpoint, read_state
 from test_backend_units import make_split
@@ -48,6 +50,42 @@ def collected(pending):
     """-> (a pending rollout's batch, its collect info)."""
     info = pending.collect()
     return pending.sink.merge()[0], info
+
+
+def write_inflight(ckpt: Path, steps: list[int]) -> None:
+    """inflight.npz/.json as checkpoint_state writes them, one small rollout per step."""
+    arrays = {}
+    for i in range(len(steps)):
+        arrays |= {f"{i}/prompt_ids": np.arange(3, dtype=np.int32), f"{i}/prompt_offsets": np.array([0, 3]),
+                   f"{i}/response_ids": np.arange(4, dtype=np.int32), f"{i}/response_offsets": np.array([0, 2, 4]),
+                   f"{i}/response_logprobs": np.zeros(4, np.float32), f"{i}/group_index": np.zeros(2, np.int64),
+                   f"{i}/finish_reason": np.zeros(2, np.uint8), f"{i}/prompt_idx": np.array([i])}
+    np.savez(ckpt / INFLIGHT_FILE, **arrays)
+    (ckpt / INFLIGHT_META).write_text(json.dumps({"rollouts": [
+        {"step": s, "version": s - 1, "sampler_before": {"epoch": 0, "pos": s}} for s in steps]}))
+
+
+@pytest.mark.parametrize("damage,why", [
+    ("no npz", "inflight.npz is missing"), ("no json", "inflight.json is missing"),
+    ("cut npz", "inflight.npz is truncated or unreadable ("), ("cut json", "inflight.json is truncated or unreadable ("),
+    ("short", "inflight.json lists 1 rollouts, trainer_state.json 2"), ("none", "inflight.json is missing")])
+def test_a_checkpoints_damaged_in_flight_files_are_refused_in_one_line_naming_the_file(tmp_path, damage, why):
+    write_inflight(tmp_path, [4, 5])
+    assert [r.step for r in load_inflight(tmp_path, 2)] == [4, 5]  # whole: read back
+    npz, meta = tmp_path / INFLIGHT_FILE, tmp_path / INFLIGHT_META
+    if damage == "short":
+        write_inflight(tmp_path, [4])
+    for f, cut in ((npz, "npz"), (meta, "json")):
+        if damage in (f"no {cut}", "none"):
+            f.unlink()
+        elif damage == f"cut {cut}":
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(UserError) as e:
+        load_inflight(tmp_path, 2, "resume from another checkpoint (--resume X)")
+    name, problem = why.split(" ", 1)
+    assert str(e.value).startswith(f"--resume {tmp_path}: {name} (the rollouts in flight when it was saved) "
+                                   f"{problem}"), str(e.value)
+    assert str(e.value).endswith("; resume from another checkpoint (--resume X)") and "\n" not in str(e.value)
 
 
 def test_a_rollout_runs_beside_a_train_command_and_loads_the_published_weights_first(tiny_chat_path):
@@ -167,10 +205,31 @@ def test_k2_lags_0_1_2_2_and_resumes_exactly_from_a_checkpoint_with_three_rollou
     assert all(full[s]["offpolicy/kl"] > 0 for s in range(2, 7))
     ckpt = tmp_path / "full" / "checkpoints" / "step_000003"
     assert saved_steps(ckpt) == [4, 5, 6]  # K + 1 in flight after step 3's update
+    for damage in ("missing", "truncated"):  # refused in one line naming the file, before any change
+        assert_damaged_inflight_refused(ckpt, tmp_path / damage, damage, areno_cache)
     resumed = k1_run(tmp_path / "resumed", areno_cache, "--resume", str(ckpt), k=K2)
     assert sorted(resumed) == [4, 5, 6]
     assert_same_steps(full, resumed, [4, 5, 6])  # lag, log-probs, rewards, losses: all the same
     assert {s: full[s]["data/prompt_hash"] for s in full} == expected_prompt_hashes(range(1, 7), 4)
+
+
+def assert_damaged_inflight_refused(ckpt: Path, where: Path, damage: str, areno_cache: Path) -> None:
+    """A copy of `ckpt` whose inflight.npz is missing or cut in half: --resume is
+    exit 2, one line naming the file (once it resumed silently on other prompts,
+    or failed with a traceback)."""
+    copy = where / "checkpoints" / ckpt.name
+    shutil.copytree(ckpt, copy)
+    npz = copy / INFLIGHT_FILE
+    if damage == "missing":
+        npz.unlink()
+    else:
+        npz.write_bytes(npz.read_bytes()[: npz.stat().st_size // 2])
+    res = cli(["train", *HF1, *K2, "--max-steps", "6", "--seed", "0", "--output-dir", str(where / "run"),
+               "--resume", str(copy)], areno_cache)
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("areno:")]
+    assert res.returncode == 2 and "Traceback" not in res.stderr and len(lines) == 1, res.stderr[-3000:]
+    assert f"--resume {copy}: {INFLIGHT_FILE} (the rollouts in flight when it was saved) is {damage}" \
+        in lines[0], lines[0]
 
 
 @pytest.mark.faults

@@ -10,6 +10,7 @@ from areno.envs.driver import EnvBounds, rollout_multiturn
 from areno.envs.plugin import EnvState
 from areno.envs.pool import EnvPool
 from areno.envs.trajectory import ObservationFormat
+from areno.metrics import ENV_METRICS
 from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP
 from areno.rollout.engine import SamplingConfig
 from tests.env_trace import TracingEngine, assert_token_in_token_out
@@ -93,6 +94,42 @@ def test_turn_and_token_bounds_end_trajectories_with_the_reward_counted(hf_engin
                                 SamplingConfig(max_tokens=4, seed=2), EnvBounds(max_turns=9, max_tokens=20))
     assert out.token_limit == 2 and (out.batch.response_lengths <= 20).all()
     assert (out.batch.finish_reason == FINISH_LENGTH).all() and (out.scored.rewards > 0).all()
+
+
+HUGE_OBSERVATION = '''
+def step(state, completion):
+    return "x" * 1_000_000, 0.5, False  # one 1 MB word
+'''
+
+
+class CountingFormat(ObservationFormat):
+    """The real format; records the length of every text it tokenizes."""
+
+    def __init__(self, *a) -> None:
+        super().__init__(*a)
+        self.tokenized: list[int] = []
+
+    def tokens(self, observation: str, last_token: int) -> np.ndarray:
+        self.tokenized.append(len(observation))
+        return super().tokens(observation, last_token)
+
+
+def test_an_observation_longer_than_the_room_left_ends_its_trajectory_untokenized(hf_engine, tok, tmp_path):
+    """A 1 MB observation used to be tokenized first (minutes of BPE on a real
+    vocabulary, no output) and only then found too long."""
+    _, ids, off, states = _setup(tok, tmp_path, [{}], n=2)
+    env = tmp_path / "huge.py"
+    env.write_text(HUGE_OBSERVATION)
+    fmt = CountingFormat(tok, True, hf_engine.eos_token_ids)
+    with EnvPool(str(env), workers=0) as pool:
+        out = rollout_multiturn(hf_engine, pool, tok, fmt, ids, off, states, 2,
+                                SamplingConfig(max_tokens=4, seed=2), EnvBounds(max_turns=3))
+    assert fmt.tokenized == []  # refused from its length alone
+    assert out.turns.tolist() == [1, 1] and (out.batch.finish_reason == FINISH_LENGTH).all()
+    assert out.scored.rewards.tolist() == [0.5, 0.5]  # the env's reward still counts
+    m = out.metrics()
+    assert (m["env/token_limit"], m["env/long_observations"]) == (2.0, 2.0)
+    assert list(m) == list(ENV_METRICS)
 
 
 def test_others_advance_while_one_trajectory_waits_on_its_env(hf_engine, tok, tmp_path):

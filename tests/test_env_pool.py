@@ -109,6 +109,21 @@ def test_a_raising_env_fails_in_one_line_or_is_counted(env_file, workers):
         assert "not (observation: str, reward: float, done: bool)" in out.messages[0]
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_unpicklable_state_data_is_the_plugins_error_in_one_line(tmp_path, workers):
+    """It used to kill the worker on the way back: "worker process died (exit code 1)"."""
+    (tmp_path / "env.py").write_text("import threading\n"
+                                     "def step(state, completion):\n"
+                                     "    state.data['lock'] = threading.Lock()\n"
+                                     "    return 'o', 1.0, False\n")
+    with EnvPool(str(tmp_path / "env.py"), workers=workers, timeout=5, on_error="fail") as pool:
+        with pytest.raises(RewardError) as e:
+            _call(pool, _state(2), "c")
+    msg = str(e.value)
+    assert "sample 2" in msg and "step left state.data that cannot be pickled" in msg, msg
+    assert "cannot pickle '_thread.lock' object" in msg and "died" not in msg, msg
+
+
 def test_an_env_without_step_or_file_is_a_user_error(tmp_path):
     (tmp_path / "nostep.py").write_text("def reset(state):\n    pass\n")
     with pytest.raises(UserError, match="defines no step"):

@@ -28,6 +28,7 @@ import pytest
 
 from areno.rundir.checkpoint import latest_checkpoint, list_checkpoints, read_state
 from areno.rundir.lock import LOCK_FILE
+from faults import is_peer
 from test_resume import (
     HF1,
     REPO,
@@ -80,7 +81,7 @@ def rank_pids(controller: int) -> list[int]:
             cmd = (d / "cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if ppid == controller and "spawn_main" in cmd and session != int(d.name):
+        if ppid == controller and is_peer(cmd) and session != int(d.name):
             pids.append(int(d.name))
     return pids
 
@@ -138,7 +139,8 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_and_no_visible_par
 
     res = ok(cli(["train", *flags, "--resume", "latest"], areno_cache))
     assert "resumed at step 1" in res.stdout
-    assert sorted(os.listdir(root)) == ["step_000001", "step_000002"]  # leftovers cleaned up
+    # leftovers cleaned up; the lock file is the run's (rundir/lock.py: the save path is locked)
+    assert sorted(os.listdir(root)) == [LOCK_FILE, "step_000001", "step_000002"]
     assert_complete(root / "step_000002")
     expected = expected_prompt_hashes(range(1, 3), batch_size=4)
     assert {s: r["data/prompt_hash"] for s, r in train_steps(out).items()} == expected

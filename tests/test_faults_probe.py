@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from faults import B, Run, assert_clean, run_train, write_arith_data, write_plugin
+from faults import B, Run, assert_clean, is_peer, run_train, write_arith_data, write_plugin
 
 pytestmark = pytest.mark.faults
 
@@ -136,7 +136,7 @@ def test_a_timeout_that_in_process_scoring_cannot_enforce_is_one_line(b_cmd, are
 # -- item 7: a stuck rank is detected ---------------------------------------------------
 def _rank_pids(run: Run) -> list[int]:
     """The training ranks: the controller's spawned children (rewards in-process here)."""
-    return [p for p, cmd in run.children().items() if "spawn_main" in cmd]
+    return [p for p, cmd in run.children().items() if is_peer(cmd)]
 
 
 def test_a_stopped_rank_stops_the_run_within_seconds_of_the_heartbeat_bound(b_cmd, areno_cache):
@@ -170,6 +170,26 @@ def test_a_plugins_own_keyboard_interrupt_is_its_error_not_a_ctrl_c(b_cmd, areno
     args, out = b_cmd(OWN_KEYBOARD_INTERRUPT, "--reward-workers", "0")
     res = run_train(args, areno_cache, out)
     assert_clean(res, 2, ["sample 3", "raised KeyboardInterrupt: plugin gave up"])
+
+
+FAILS_IN_STEP_3 = """
+calls = [0]
+
+
+def reward_fn(record):
+    calls[0] += 1
+    if calls[0] > 32:  # 16 samples a step
+        raise ValueError("judge unreachable")
+    return 0.5
+"""
+
+
+def test_a_failing_reward_plugin_names_the_checkpoint_to_resume_from(b_cmd, areno_cache):
+    """As a backend failure does; it used to say only what failed."""
+    args, out = b_cmd(FAILS_IN_STEP_3, "--reward-workers", "0", "--max-steps", "4", "--save-interval", "1")
+    res = run_train(args, areno_cache, out)
+    assert_clean(res, 2, ["judge unreachable",
+                          f"continue from the last complete checkpoint with --resume {out / 'checkpoints' / 'step_000002'}"])
 
 
 def test_sighup_saves_the_last_step_and_prints_the_resume_command(b_cmd, areno_cache):

@@ -73,7 +73,7 @@ def copy_run(saved_run: tuple[Path, Path], dest: Path) -> tuple[Path, Path]:
 # -- 1. one run per directory -------------------------------------------------
 
 
-def test_a_second_run_or_a_resume_while_the_first_lives_is_refused_naming_its_pid(
+def test_a_second_run_a_resume_or_a_save_path_in_its_checkpoints_is_refused_naming_its_pid(
         tiny_arith_path, files, areno_cache, tmp_path):
     out = tmp_path / "run"
     args = B(tiny_arith_path, files["data"], files["plugin"], out, "--max-steps", "2000", "--epochs",
@@ -88,6 +88,14 @@ def test_a_second_run_or_a_resume_while_the_first_lives_is_refused_naming_its_pi
             assert f"--output-dir {out} is in use by another areno run (pid {first.proc.pid})" \
                 in res.message
             assert_no_leftovers(res)
+        # A run elsewhere whose --save-path is the first run's default checkpoints
+        # directory: both would write and prune it, and a resume of either would
+        # continue from the other's steps.
+        ckpts = out / "checkpoints"
+        res = train(tiny_arith_path, files, tmp_path / "other", areno_cache, "--save-path", str(ckpts))
+        assert "Traceback" not in res.stderr and res.returncode == 2, res.tail()
+        assert f"--save-path {ckpts} is in use by another areno run (pid {first.proc.pid})" in res.message
+        assert_no_leftovers(res)
         assert first.proc.poll() is None  # the first run goes on
         first.proc.send_signal(signal.SIGTERM)  # and stops as a SIGTERM stops a run: saved, clean
         assert_clean(first.finish(), 130, ["interrupted (SIGTERM)"])

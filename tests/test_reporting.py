@@ -53,6 +53,16 @@ def test_failed_rewards_show_and_a_step_with_no_valid_reward_warns_and_shows_no_
     assert " lr " not in line and "gnorm" not in line
 
 
+def test_a_dynamic_sampling_step_that_kept_no_group_says_why_it_made_no_update():
+    m = {**STEP, "train/lr": 0.0, "sampling/rounds": 4.0, "sampling/groups_kept": 0.0}
+    line = format_step_line(1, 2, m)
+    assert " no update: no informative group in 4 rounds " in line, line
+    wide = {**WIDE, "train/lr": 0.0, "sampling/rounds": 99.0, "sampling/groups_kept": 0.0}
+    assert "no informative group in 99 rounds" in format_step_line(10000, 10000, wide)
+    assert len(format_step_line(10000, 10000, wide)) <= LINE_LIMIT
+    assert "no update:" not in format_step_line(1, 2, {**m, "sampling/groups_kept": 3.0})
+
+
 def test_step_line_is_not_wrapped_on_a_narrow_non_terminal_console(tmp_path):
     out = io.StringIO()
     console = Console(file=out, width=80, force_terminal=False)

@@ -378,6 +378,75 @@ def test_workers_die_with_a_killed_trainer(multi, tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+STARTS_A_CHILD = """
+import os, subprocess, sys, time
+def reward_fn(record):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    with open(os.environ["CHILD_PID_FILE"], "a") as f:
+        f.write(f"{child.pid}\\n")
+    if record.completion == "hang":
+        time.sleep(1000)
+    return 0.0
+"""
+
+
+def _children_started(path) -> list[int]:
+    return [int(x) for x in path.read_text().split()] if path.is_file() else []
+
+
+def _wait_gone(pids: list[int], seconds: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def test_what_an_in_process_plugin_starts_dies_when_the_scorer_closes(tmp_path, monkeypatch):
+    """--reward-workers 0: such children used to outlive every run."""
+    monkeypatch.setenv("CHILD_PID_FILE", str(tmp_path / "pids"))
+    plugin = write(tmp_path, "starts.py", STARTS_A_CHILD)
+    with RewardScorer(plugin, workers=0) as s:
+        s.score(recs(["ok"]))
+        children = _children_started(tmp_path / "pids")
+        assert len(children) == 1 and _alive(children[0])
+    assert _wait_gone(children) == []
+
+
+def test_what_a_worker_plugin_starts_dies_with_a_killed_trainer(tmp_path):
+    """The worker died (PR_SET_PDEATHSIG) and left its plugin's children behind."""
+    plugin = write(tmp_path, "starts.py", STARTS_A_CHILD)
+    script = write(tmp_path, "trainer.py", f"""
+        import time
+        from areno.rewards import RewardScorer, RewardRecord
+        if __name__ == "__main__":  # spawned workers import this file too
+            s = RewardScorer({plugin!r}, workers=1, timeout=1000)
+            s.submit([RewardRecord("p", "hang", None, None, {{}}, 1, "stop", 0)])
+            while not (s._pool and all(w.ready and w.chunk for w in s._pool)):
+                time.sleep(0.05)
+            print(s._pool[0].proc.pid, flush=True)
+            time.sleep(1000)
+    """)
+    pid_file = tmp_path / "pids"
+    proc = subprocess.Popen([sys.executable, script], stdout=subprocess.PIPE, text=True,
+                            env=child_env(CHILD_PID_FILE=str(pid_file)))
+    pids: list[int] = []
+    try:
+        pids = [int(proc.stdout.readline())]
+        deadline = time.monotonic() + 30
+        while not _children_started(pid_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids += _children_started(pid_file)
+        assert len(pids) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert _wait_gone(pids) == []
+    finally:
+        proc.kill()
+        for pid in pids:  # only if the test failed: do not leak them
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -440,3 +509,23 @@ def test_a_users_plugin_on_the_demo_keeps_workers_and_an_unenforceable_timeout_i
     assert TrainConfig.from_sources(None, {"reward_fn_path": plugin, "reward_workers": 0}).reward_workers == 0
     with pytest.raises(UserError, match=r"--reward-timeout 2.0 cannot be enforced with --reward-workers 0"):
         TrainConfig.from_sources(None, {"reward_workers": 0, "reward_timeout": 2.0})
+
+
+def test_a_plugin_whose_import_blocks_is_bounded_and_named(tmp_path, monkeypatch):
+    """Start-up used to hang on it with no word, whatever --reward-workers."""
+    import areno.rewards.pool
+
+    release = tmp_path / "release"
+    plugin = tmp_path / "waits.py"
+    plugin.write_text(f"import os, time\nwhile not os.path.exists({str(release)!r}):\n    time.sleep(0.02)\n"
+                      "def reward_fn(record):\n    return 0.0\n")
+    monkeypatch.setattr(areno.rewards.pool, "STARTUP_TIMEOUT_S", 0.5)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RewardError) as e:
+            RewardScorer(str(plugin), workers=0)
+        assert time.monotonic() - t0 < 5
+        assert str(e.value) == (f"reward plugin {plugin}: its import did not finish within 0.5 s "
+                                "(does it wait on something at import time?)")
+    finally:
+        release.write_text("")  # the abandoned import thread ends

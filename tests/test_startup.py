@@ -8,11 +8,12 @@ from __future__ import annotations
 import psutil
 
 import areno.run
+from faults import is_peer
 from areno.cli import main
 
 
 def spawned_children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+    return [p for p in psutil.Process().children(recursive=True) if is_peer(" ".join(p.cmdline()))]
 
 
 def test_ranks_start_before_the_data_loads_and_a_data_mistake_stops_them(tmp_path, monkeypatch, capsys,

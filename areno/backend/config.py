@@ -166,7 +166,7 @@ class BackendConfig:
     """Seconds a spawned rank may send no heartbeat (stopped, frozen) before the run
     stops; 0 = max(30 s, 3 x the longest gap between its beats so far)."""
     shutdown_grace_s: float = 5.0
-    """Seconds a rank gets to exit after shutdown/SIGTERM before SIGKILL."""
+    """Seconds a rank gets to exit after the "shutdown" message before SIGKILL."""
     run_log: str = ""
     """The run's run.log ("": the terminal, --verbose): a rank started before the
     run directory existed moves its output there (runtime/early.py)."""

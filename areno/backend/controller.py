@@ -7,7 +7,7 @@ a few hundred bytes of metadata, and waits for replies with
 sentinels, in slices of at most a second: a rank that raises is reported with
 its traceback, a rank that is SIGKILLed is noticed at once, one whose heartbeat
 stops (SIGSTOP: backend/heartbeat.py) within its bound, and either way
-every rank is then stopped (SIGTERM, SIGKILL after a grace period) and every
+every rank is then stopped ("shutdown", SIGKILL after a grace period) and every
 shared-memory segment unlinked (the pipes, waits and reply streams are
 backend/replies.py's). Nothing blocks forever on a recv.
 """
@@ -85,8 +85,7 @@ class TorchBackend:
         # Every segment, unlinked on any exit; weight and rollout segments join it as made.
         self._segments = [self._pack.segment, *self._weights, self._marker, self.rollout_segment]
         self._finalizer = weakref.finalize(
-            self, stop_processes, self._procs, self._conns, self._segments, config.shutdown_grace_s,
-        )
+            self, stop_processes, self._procs, self._conns, self._segments)
         beats = None  # watched once every rank said hello (heartbeat.py)
         try:
             if config.launcher == "spawn":
@@ -135,7 +134,7 @@ class TorchBackend:
             with contextlib.suppress(OSError, ValueError):
                 c.send(("shutdown", {}))
         for r in self.peers.stale:  # busy with an abandoned rollout: it would read "shutdown" after it
-            self._procs[r].terminate()
+            self._procs[r].kill()  # SIGKILL: ranks ignore SIGTERM (runtime/signals.py)
         deadline = time.monotonic() + self.config.shutdown_grace_s
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from areno.backend.errors import BackendError
 from areno.backend.heartbeat import HeartbeatWatch
 from areno.runtime.procs import stop_processes
+from areno.runtime.signals import spawning
 
 if TYPE_CHECKING:  # light at run time: runtime/early.py spawns ranks before torch is imported
     from areno.backend.config import BackendConfig
@@ -111,7 +112,7 @@ class EarlyPeers:
 
     def close(self) -> None:
         if not self.adopted:
-            stop_processes(self.procs, self.conns, [], grace_s=3.0)
+            stop_processes(self.procs, self.conns, [])
             if self.temp_log:  # an adopted peer moves it into run.log itself
                 with contextlib.suppress(OSError):
                     os.unlink(self.temp_log)
@@ -148,7 +149,8 @@ def spawn_peers(shape: PeerShape, master_port: int | None = None, heartbeat_time
                 target=_spawn_main, args=(child, env, os.getpid(), pdeathsig, beats.slots),
                 name=f"areno-rank{r}" if r < world_size else f"areno-engine{r - world_size}", daemon=True,
             )
-            p.start()
+            with spawning():  # the child ignores HELD before it unblocks them
+                p.start()
             child.close()
             procs.append(p)
             conns.append(parent)

@@ -19,7 +19,6 @@ import argparse
 import functools
 import os
 import queue
-import signal
 import socket
 import sys
 import threading
@@ -31,17 +30,19 @@ from typing import Any
 
 from areno.backend.config import BackendConfig, rank_cpu_threads
 from areno.backend.heartbeat import start_beating
-from areno.runtime.procs import die_with_parent
+from areno.runtime.procs import die_with_parent, set_title
+from areno.runtime.signals import peer_ignores
 from areno.rundir.log import move_child_output, redirect_child_output
 from areno.timing import startup_mark
 
 
 # -- process hygiene ---------------------------------------------------------
 def _quiet() -> None:
-    # Ctrl-C reaches the whole process group; the controller owns shutdown. Library
-    # output (weight-loading bars, engine logs) goes to RUN_DIR/run.log, or to the
+    # Ctrl-C, a scheduler's SIGTERM, a closed terminal's SIGHUP reach the whole
+    # job; the controller owns shutdown (runtime/signals.py). Library output
+    # (weight-loading bars, engine logs) goes to RUN_DIR/run.log, or to the
     # terminal with --verbose (areno/rundir/log.py), so it is not silenced here.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    peer_ignores()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -52,11 +53,12 @@ def spawn_main(conn: Connection, env: dict[str, str], parent_pid: int, use_pdeat
     imports first, then the BackendConfig from the pipe (the controller may still
     be loading its tokenizer and data meanwhile); beats: heartbeat slots."""
     os.environ.update(env)  # first: an engine process's CUDA_VISIBLE_DEVICES (launch.peer_env)
+    _quiet()  # before any thread starts: they inherit the signal mask
     die_with_parent(parent_pid, use_pdeathsig)
+    _name_process(env, parent_pid)
     if beats is not None:
         start_beating(beats, int(env.get("ARENO_PEER_INDEX", env.get("RANK"))))
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/rundir/log.py)
-    _quiet()
     startup_mark("peer imports")
     worker_class("ARENO_PEER_INDEX" in env)  # torch, transformers, the worker: while the controller works
     startup_mark("peer imported")
@@ -66,6 +68,15 @@ def spawn_main(conn: Connection, env: dict[str, str], parent_pid: int, use_pdeat
         os._exit(4)
     move_child_output(cfg.run_log)  # started before the run dir existed (runtime/early.py)
     serve(cfg, conn, same_host=True)
+
+
+def _name_process(env: dict[str, str], parent_pid: int) -> None:
+    """`areno: rank i of run PID` / `areno: engine j of run PID` in ps (procs.set_title)."""
+    import multiprocessing
+
+    name = multiprocessing.current_process().name  # launch.spawn_peers: areno-rank{i}, areno-engine{j}
+    role = "engine " + name.removeprefix("areno-engine") if "ARENO_PEER_INDEX" in env else "rank " + env["RANK"]
+    set_title(f"areno: {role} of run {parent_pid}", name)
 
 
 def worker_class(engine_proc: bool) -> type:

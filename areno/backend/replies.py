@@ -186,7 +186,10 @@ class Peers:
         same held block as the read. Then the streams that got messages and have
         an on_message hook (a rollout in flight: it takes its own) run it.
         Raises BackendError for a peer's error, death or the deadline (late_ok:
-        return instead)."""
+        return instead). A torn-down owner (a second interrupt aborted it) has no
+        pipes left to wait on: BackendError."""
+        if self.is_closed():
+            raise BackendError(f"{stream.what}: backend is closed (a rank failed or close() was called)")
         left = deadline - time.monotonic()
         if left <= 0:
             if late_ok:

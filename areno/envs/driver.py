@@ -18,6 +18,7 @@ import numpy as np
 from areno.envs.plugin import EnvState
 from areno.envs.pool import EnvPool, Outcome
 from areno.envs.trajectory import ObservationFormat, Trajectories
+from areno.metrics import env_metrics
 from areno.rewards.plugin import RewardCounts, RewardResult
 from areno.rollout.batch import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutBatch, csr_take,
                                  decode_completions)
@@ -46,6 +47,7 @@ class EnvRollout:
     turns: np.ndarray  # [N] int64 completions per trajectory
     turn_limit: int = 0  # trajectories ended by max_turns
     token_limit: int = 0  # trajectories ended by the token budget
+    long_observations: int = 0  # of those, by an observation longer than the whole room left
     engine_idle_s: float = 0.0  # waiting on environments with nothing to generate
     generate_s: float = 0.0  # inside the engines' generate calls
     rounds: int = 0  # generate calls
@@ -53,10 +55,9 @@ class EnvRollout:
     observations: list[list[str]] = field(default_factory=list)  # [N] each observation's text
 
     def metrics(self) -> dict[str, float]:
-        return {"env/turns_mean": float(self.turns.mean()) if self.turns.size else 0.0,
-                "env/turn_limit": float(self.turn_limit), "env/token_limit": float(self.token_limit),
-                "env/engine_idle_s": self.engine_idle_s, "env/generate_s": self.generate_s,
-                "env/rounds": float(self.rounds)}
+        return env_metrics(float(self.turns.mean()) if self.turns.size else 0.0, self.turn_limit,
+                           self.token_limit, self.long_observations, self.engine_idle_s, self.generate_s,
+                           self.rounds)
 
 
 class _Driver:
@@ -152,15 +153,25 @@ class _Driver:
             self.out.turn_limit += 1
             return
         if is_step:
+            # Room for the observation and one more sampled token, in the budget and the context.
+            room = min(self.budget[i] - self.traj.length[i],
+                       self.engine.max_model_len - self.traj.prompt(i).size - self.traj.length[i]) - 1
+            if self.fmt.min_tokens(o.reply.observation) > room:  # refused before it is tokenized
+                self.out.long_observations += 1
+                self._too_long(i)
+                return
             obs = self.fmt.tokens(o.reply.observation, int(self.last_token[i]))
-            context = self.traj.prompt(i).size + self.traj.length[i] + obs.size
-            if self.traj.length[i] + obs.size + 1 > self.budget[i] or context + 1 > self.engine.max_model_len:
-                self.finish[i] = FINISH_LENGTH
-                self.out.token_limit += 1
+            if obs.size > room:
+                self._too_long(i)
                 return
             self.traj.add_observation(i, obs)
             self.out.observations[i].append(o.reply.observation)
         self.ready.append(i)
+
+    def _too_long(self, i: int) -> None:
+        """The observation does not fit: the trajectory ends `length`, its env reward counted."""
+        self.finish[i] = FINISH_LENGTH
+        self.out.token_limit += 1
 
 
 def rollout_multiturn(engine: Any, pool: EnvPool, tokenizer: Any, fmt: ObservationFormat,

@@ -21,6 +21,7 @@ import asyncio
 import inspect
 import math
 import numbers
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -100,7 +101,7 @@ def call_env(plugin: EnvPlugin, call: EnvCall, loop: Any) -> tuple[int, float, s
         if call.completion is None:
             if plugin.reset is not None:
                 _run(plugin.reset, (state,), loop)
-            return STATUS_OK, 0.0, "", EnvReply("", False, state.data)
+            return _carried(STATUS_OK, 0.0, "", EnvReply("", False, state.data), "reset")
         out = _run(plugin.step, (state, call.completion), loop)
     except BaseException as e:  # noqa: BLE001 - SystemExit is the plugin's error too
         if is_signal_interrupt(e):
@@ -112,7 +113,19 @@ def call_env(plugin: EnvPlugin, call: EnvCall, loop: Any) -> tuple[int, float, s
     if not ok:
         return (STATUS_ERROR, math.nan, f"step returned {short_repr(out)}, not (observation: str, "
                 "reward: float, done: bool)", None)
-    return STATUS_OK, float(out[1]), "", EnvReply(out[0] or "", bool(out[2]), state.data)
+    return _carried(STATUS_OK, float(out[1]), "", EnvReply(out[0] or "", bool(out[2]), state.data), "step")
+
+
+def _carried(status: int, reward: float, msg: str, reply: EnvReply, what: str) -> tuple[int, float, str, Any]:
+    """The call's result, unless state.data cannot travel to the next call's worker
+    (pickled, even in-process, so a run behaves the same at any --reward-workers):
+    then the call fails, saying so, instead of its worker dying on the way back."""
+    try:
+        pickle.dumps(reply.data)
+    except Exception as e:  # noqa: BLE001 - whatever the plugin put there
+        return (STATUS_ERROR, math.nan, f"{what} left state.data that cannot be pickled "
+                f"(it travels between workers): {one_line(e)}", None)
+    return status, reward, msg, reply
 
 
 KIND = PluginKind("environment", load_env_plugin, call_env)

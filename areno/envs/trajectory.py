@@ -35,6 +35,7 @@ class ObservationFormat:
         self.chat = bool(use_chat_template and getattr(tokenizer, "chat_template", None))
         self.eos_ids = frozenset(int(e) for e in eos_token_ids)
         self.between, self.after, self.eos_text = "", "", ""
+        self._max_token_bytes: int | None = None  # min_tokens's divisor, read from the vocabulary once
         if self.chat:
             conv = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _ASSISTANT},
                     {"role": "user", "content": _OBSERVATION}]
@@ -54,6 +55,16 @@ class ObservationFormat:
             return observation
         between = self.between[len(self.eos_text):] if stopped and self.eos_text else self.between
         return between + observation + self.after
+
+    def min_tokens(self, observation: str) -> int:
+        """A lower bound on the observation's tokens, from its UTF-8 bytes over the
+        most bytes any vocabulary entry spells (its text as stored, which never
+        decodes to more): a 1 MB observation is refused without tokenizing it
+        (BPE over one long word is quadratic: minutes)."""
+        if self._max_token_bytes is None:
+            vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._max_token_bytes = max((len(t.encode()) for t in vocab), default=0) or 1 << 30
+        return -(-len(observation.encode()) // self._max_token_bytes)
 
     def tokens(self, observation: str, last_token: int) -> np.ndarray:
         """[k] int32: the observation tokenized once (last_token: the turn's last sampled token)."""

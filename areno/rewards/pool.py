@@ -27,13 +27,13 @@ Under workers, the plugin runs in each worker's main thread, so libraries
 that time out with signals (math-verify's SIGALRM) work there.
 
 Workers never outlive the scorer: close() (also on `with` exit and at
-interpreter exit) ends them, they are daemon processes, and on Linux each
-asks the kernel to SIGKILL it when the trainer dies (PR_SET_PDEATHSIG), even
-by SIGKILL. Each worker leads a process group (a session) of its own, and a
-timeout, a crash or close() SIGKILLs the whole group, so what the plugin
-started (a compiler, a test binary, a fork) goes with it; a child that starts
-a session of its own, or one left when the trainer itself is SIGKILLed, is
-out of reach. As with any 'spawn' pool, workers import the main script: a
+interpreter exit) ends them, they are daemon processes, and each leads a
+process group (a session) of its own: a timeout, a crash or close() SIGKILLs
+the whole group, so what the plugin started (a compiler, a test binary, a
+fork) goes with it, and a worker whose trainer died, even by SIGKILL, kills
+its group within 0.5 s (runtime/procs.die_with_parent). At workers=0, close()
+kills what the plugin started in-process. A child that starts a session of
+its own is out of reach. As with any 'spawn' pool, workers import the main script: a
 script that builds a RewardScorer needs an `if __name__ == "__main__":` guard.
 """
 
@@ -44,6 +44,7 @@ import atexit
 import math
 import multiprocessing as mp
 import multiprocessing.connection
+from multiprocessing import resource_tracker
 import os
 import threading
 import time
@@ -53,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from areno.errors import UserError, one_line
-from areno.runtime.procs import exit_text
+from areno.runtime.procs import descendants, exit_text, kill_new_descendants
 from areno.rewards.jobs import JobBook, Chunk
 from areno.rewards.plugin import (
     STATUS_ERROR,
@@ -80,6 +81,30 @@ def _close_all() -> None:
         scorer.close()
 
 
+def load_bounded(kind: Any, path: str) -> Any:
+    """kind.load(path) (the plugin's import and checks), bounded by STARTUP_TIMEOUT_S,
+    as a worker's own import is: a plugin that waits on something at import (a
+    server, a lock, input()) is a RewardError naming it, not a silent hang. The
+    import runs in a thread the process leaves behind if it never returns."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["plugin"] = kind.load(path)
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="areno-plugin-import", daemon=True)
+    t.start()
+    t.join(STARTUP_TIMEOUT_S)
+    if t.is_alive():
+        raise RewardError(f"{kind.what} {path}: its import did not finish within {STARTUP_TIMEOUT_S:g} s "
+                          "(does it wait on something at import time?)")
+    if "error" in box:
+        raise box["error"]
+    return box["plugin"]
+
+
 class RewardScorer:
     """Scores RewardRecords with a plugin in `workers` processes (see module doc).
 
@@ -102,7 +127,7 @@ class RewardScorer:
         if workers < 0 or timeout <= 0:
             raise UserError(f"RewardScorer: workers must be >= 0 and timeout > 0; got {workers} and {timeout}")
         self.kind_name, self.kind = kind, plugin_kind(kind)  # rewards, or environments (areno/envs)
-        self.plugin = self.kind.load(plugin_path)  # validated here, before any worker starts
+        self.plugin = load_bounded(self.kind, plugin_path)  # validated here, before any worker starts
         self.path = str(plugin_path)
         self.workers = int(workers)
         self.timeout = float(timeout)
@@ -115,6 +140,11 @@ class RewardScorer:
         self._closed = False
         self._startup_failures = 0  # workers in a row that died before importing the plugin
         self._loop = asyncio.new_event_loop() if self.plugin.is_async and not workers else None
+        # In-process scoring: what the plugin starts is this process's child; close() ends
+        # it. multiprocessing's resource tracker, started here if not yet, is not the plugin's.
+        if not workers:
+            resource_tracker.ensure_running()
+        self._before = descendants() if not workers else set()
         if self.workers:
             self._ctx = mp.get_context("spawn")
             self._wake_r, self._wake_w = os.pipe()
@@ -178,6 +208,8 @@ class RewardScorer:
             self._thread.join(timeout=10.0)
             os.close(self._wake_r)
             os.close(self._wake_w)
+        else:
+            kill_new_descendants(self._before)
         with self._lock:
             self._book.abort_all(self._fatal or RewardError(f"reward scorer for {self.path} was closed"))
 

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from areno.errors import UserError, one_line
-from areno.runtime.procs import die_with_parent
+from areno.runtime.procs import die_with_parent, set_title
+from areno.runtime.signals import peer_ignores, spawning
 from areno.rewards.plugin import STATUS_ERROR, plugin_kind, score_batch
 from areno.rundir.log import redirect_child_output
 
@@ -28,13 +29,15 @@ if TYPE_CHECKING:
 
 def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, parent_pid: int,
                  kind_name: str = "reward") -> None:
-    die_with_parent(parent_pid)
+    peer_ignores()  # a stop of the whole job is the controller's (runtime/signals.py)
     # A session (and process group) of its own, before the plugin runs: every
     # process the plugin starts (a compiler, a test binary, a fork) joins it,
-    # and Worker.stop kills the whole group with the worker.
+    # and Worker.stop kills the whole group with the worker, as does this
+    # process when the controller dies, even by SIGKILL (die_with_parent).
     os.setsid()
+    die_with_parent(parent_pid, group=True)
+    set_title(f"areno: {kind_name} worker of run {parent_pid}", f"areno-{kind_name}")
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/rundir/log.py)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the controller's to handle
     # The controller starts workers as daemons (ended with it); inside, let the
     # plugin start processes of its own (multiprocessing refuses in a daemon).
     mp.current_process()._config["daemon"] = False
@@ -100,7 +103,8 @@ class Worker:
             daemon=True,
             name="areno-reward-worker",
         )
-        self.proc.start()
+        with spawning():
+            self.proc.start()
         child.close()
         self.started = time.monotonic()
         self.ready = False

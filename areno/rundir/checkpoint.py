@@ -126,7 +126,9 @@ def save_checkpoint(run: Checkpointed, step: int) -> Path:
         state = {
             "step": step,
             "sampler": ahead.checkpoint_state(tmp) if ahead else run.sampler.state_dict(),
-            **({"weight_version": ahead.updates} if ahead else {}),
+            # How many rollouts in flight it holds: a resume refuses the checkpoint
+            # when their files (asyncloop.py) are missing or cut short.
+            **({"weight_version": ahead.updates, "inflight": len(ahead.inflight)} if ahead else {}),
             "model_path": run.model_path,
             "config": run.cfg.to_dict(),
         }
@@ -274,9 +276,7 @@ def check_checkpoint(ckpt: Path) -> dict:
     files whole (modeldir.py) and the optimizer state of backend/. UserError naming
     what is missing or cut short, and the checkpoint to pass instead."""
     state = read_state(ckpt)
-    others = [p for p in list_checkpoints(ckpt.parent) if p != ckpt]
-    instead = (f"resume from another checkpoint (--resume {others[-1]})" if others else
-               "start the run again without --resume (no other checkpoint is there)")
+    instead = instead_of(ckpt)
     check_model_dir(ckpt, "--resume", instead)
     backend = ckpt / "backend"
     for need, what in ((backend / "optim" / ".metadata", "the optimizer state (backend/optim)"),
@@ -284,6 +284,13 @@ def check_checkpoint(ckpt: Path) -> dict:
         if not need.is_file():
             raise UserError(f"--resume {ckpt}: {what} is missing; {instead}")
     return state
+
+
+def instead_of(ckpt: Path) -> str:
+    """What to do when checkpoint `ckpt` cannot be resumed: the newest other one beside it, or start again."""
+    others = [p for p in list_checkpoints(ckpt.parent) if p != ckpt]
+    return (f"resume from another checkpoint (--resume {others[-1]})" if others else
+            "start the run again without --resume (no other checkpoint is there)")
 
 
 class Resume:

@@ -1,5 +1,7 @@
-"""One run per directory: an advisory lock on --output-dir (and on --save-path when
-it is elsewhere), held by the controller for the run's whole life.
+"""One run per directory: an advisory lock on --output-dir and on the directory
+its checkpoints go to (--save-path, or the default <output-dir>/checkpoints,
+which another run's --save-path may name), held by the controller for the
+run's whole life.
 
 The lock is `fcntl.flock` on `DIR/.areno.lock`, which also names the holder's pid.
 The kernel releases a flock when its holder dies, however it dies, so a second

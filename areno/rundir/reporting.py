@@ -62,7 +62,7 @@ def format_step_line(step: int, total: int, m: dict[str, float], show_kl: bool =
         parts += [f"{label} {_fmt(fmt, m[key])}" for key, label, fmt in TRAIN_COLUMNS
                   if key in m and (show_kl or key != "train/kl")]
     else:
-        parts.append("no update")
+        parts.append(_no_update(m))
     # Least telling last: dropped, in this order, while the line is too long.
     extra = []
     if "time/step" in m:
@@ -78,6 +78,14 @@ def format_step_line(step: int, total: int, m: dict[str, float], show_kl: bool =
         extra.pop()
         line = " ".join(parts + extra)
     return line
+
+
+def _no_update(m: dict[str, float]) -> str:
+    """"no update", and why when dynamic sampling kept no group."""
+    if m.get("sampling/groups_kept") == 0 and "sampling/rounds" in m:
+        n = int(m["sampling/rounds"])
+        return f"no update: no informative group in {n} round{'s' * (n != 1)}"  # equal rewards in each
+    return "no update"
 
 
 SAMPLE_EVERY = 10  # a completion on the terminal at steps 1, 11, 21, ... (--log-completions)

@@ -55,10 +55,8 @@ def start_local_ranks(nnodes: int, node_rank: int, nproc: int, master_addr: str,
 
 
 def stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    """Terminate what is still running (SIGTERM, then SIGKILL after grace_s)."""
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
+    """Stop what is still running: the ranks exit on the controller's "shutdown"
+    within grace_s, else SIGKILL (they ignore SIGTERM, runtime/signals.py)."""
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:

@@ -8,12 +8,17 @@ import sys
 import threading
 import time
 
+from areno.runtime.signals import STOP_SIGNAL
 
-def die_with_parent(parent_pid: int, use_pdeathsig: bool = True) -> None:
+
+def die_with_parent(parent_pid: int, use_pdeathsig: bool = True, group: bool = False) -> None:
     """Exit if the process that started us goes away: PR_SET_PDEATHSIG (immediate;
     it fires when the spawning *thread* exits, so only safe when that was the main
-    thread) and a watchdog thread polling the parent pid (within 0.5 s)."""
-    if use_pdeathsig and sys.platform.startswith("linux"):
+    thread) and a watchdog thread polling the parent pid (within 0.5 s). group: a
+    process that leads a process group of its own by then (a reward worker) takes
+    its group with it (SIGKILL), so what a plugin started dies too; the watchdog
+    alone does it, since PR_SET_PDEATHSIG would kill this process first."""
+    if use_pdeathsig and not group and sys.platform.startswith("linux"):
         try:
             import ctypes
 
@@ -27,9 +32,73 @@ def die_with_parent(parent_pid: int, use_pdeathsig: bool = True) -> None:
         while True:
             time.sleep(0.5)
             if os.getppid() != parent_pid:
+                if group and os.getpgrp() == os.getpid():  # never the group it was started in
+                    os.killpg(os.getpid(), signal.SIGKILL)
                 os._exit(3)
 
     threading.Thread(target=watch, name="areno-parent-watch", daemon=True).start()
+
+
+def descendants(pid: int | None = None) -> set[int]:
+    """The live descendants of `pid` (this process when None), through
+    /proc/PID/task/TID/children (Linux; empty elsewhere)."""
+    out: set[int] = set()
+    todo = [os.getpid() if pid is None else pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+            except OSError:
+                continue
+            todo += [k for k in kids if k not in out]
+            out.update(kids)
+    return out
+
+
+def kill_new_descendants(before: set[int]) -> None:
+    """SIGKILL this process's descendants that are not in `before` (what code run
+    in-process started meanwhile: an in-process plugin's children), and reap the
+    direct children among them."""
+    new = descendants() - before
+    for pid in new:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for pid in new:
+        try:
+            os.waitpid(pid, 0)
+        except OSError:  # not our child (a grandchild: init reaps it), or reaped already
+            pass
+
+
+def set_title(title: str, comm: str) -> None:
+    """Name this process: `title` where ps and top show the command line, when
+    setproctitle is installed (vLLM brings it; areno does not need it otherwise),
+    and always `comm` (at most 15 bytes: ps -o comm, top, pgrep) through prctl
+    PR_SET_NAME, which needs no package. SPT_NOENV: the title is kept within the
+    command line's own bytes, so /proc/PID/environ stays readable (tools and the
+    fault harness find a run's processes by their environment)."""
+    os.environ.setdefault("SPT_NOENV", "1")
+    try:
+        import setproctitle
+    except ImportError:
+        pass
+    else:
+        setproctitle.setproctitle(title)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(15, comm.encode()[:15])  # PR_SET_NAME = 15
+        except (OSError, AttributeError):
+            pass
 
 
 def exit_text(code: int | None) -> str:
@@ -44,20 +113,16 @@ def exit_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def stop_processes(procs: list, conns: list, segments: list, grace_s: float) -> None:
-    """Stop every process (SIGTERM, then SIGKILL after up to `grace_s`, at most 3 s),
-    close and forget their pipes, then unlink `segments` (shared memory). Idempotent."""
+def stop_processes(procs: list, conns: list, segments: list) -> None:
+    """Stop every process (STOP_SIGNAL: they ignore SIGTERM, runtime/signals.py),
+    close and forget their pipes, then unlink `segments` (shared memory). Idempotent.
+    A caller that can first asks them to exit (a "shutdown" message) and waits."""
     try:
-        alive = [p for p in procs if p.is_alive()]
-        for p in alive:
-            p.terminate()
-        deadline = time.monotonic() + min(grace_s, 3.0)
-        for p in alive:
-            p.join(max(0.0, deadline - time.monotonic()))
         for p in procs:
             if p.is_alive():
-                p.kill()
-                p.join(5.0)
+                os.kill(p.pid, STOP_SIGNAL)
+        for p in procs:
+            p.join(5.0)
         for i, c in enumerate(conns):
             if c is not None:
                 try:

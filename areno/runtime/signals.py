@@ -1,5 +1,5 @@
 """Ctrl-C, SIGTERM and SIGHUP: every handler areno installs, over ONE list of
-signals (HELD), and the three ways it holds them.
+signals (HELD), and the four ways it holds them.
 
 1. Start-up (`held`, `take`, `release`). Start-up imports take seconds (torch,
    numpy, transformers), and a KeyboardInterrupt raised inside one leaves the
@@ -16,7 +16,15 @@ signals (HELD), and the three ways it holds them.
    once a step's update has started the first one only marks the step, which
    then ends whole (areno/runtime/interrupt.py says what the run does next).
 3. A pipe message (`signals_held`): held across one write or read of the
-   command pipes, so that an interrupt can never split one (issue 17).
+   command pipes, so that an interrupt can never split one.
+4. The run's other processes (`spawning`, `peer_ignores`): a scheduler stops a
+   job by signalling all of it (`timeout`, a Slurm time limit or scancel,
+   `systemctl stop`, a closed terminal: the process group or the cgroup), so
+   ranks, engine processes and reward/env workers ignore every HELD signal and
+   leave the stop to the controller, which saves through them first and then
+   ends them (a "shutdown" message, then SIGKILL: STOP_SIGNAL). They start
+   with HELD blocked (`spawning`, the mask crosses fork and exec) until they
+   ignore them, so one that comes while they start is dropped, not fatal.
 
 Standard library only (and areno.errors): areno.cli imports it before anything
 heavy, so the start-up hold begins at once.
@@ -35,6 +43,19 @@ from typing import Any
 from areno.errors import SignalInterrupt
 
 HELD = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# How the controller ends a rank, engine process or worker that did not exit on
+# its "shutdown" message: they ignore HELD (section 4), so SIGTERM would not.
+STOP_SIGNAL = signal.SIGKILL
+# `nohup areno train ...` starts areno with SIGHUP ignored so that a logout does
+# not stop it: an ignore inherited at start stays (areno.cli imports this first).
+_KEPT_IGNORED = frozenset(s for s in (signal.SIGHUP,) if signal.getsignal(s) is signal.SIG_IGN)
+
+
+def handled() -> tuple[signal.Signals, ...]:
+    """The HELD signals areno installs handlers for: all but an inherited ignore."""
+    return tuple(s for s in HELD if s not in _KEPT_IGNORED)
+
+
 _received: list[str] = []  # the names of the signals the run has seen, newest last
 
 
@@ -64,7 +85,7 @@ def held() -> Iterator[None]:
     if not _in_main_thread():
         yield
         return
-    old = {s: signal.signal(s, _record) for s in HELD}
+    old = {s: signal.signal(s, _record) for s in handled()}
     _pending.clear()
     _holding[0] = True
     try:
@@ -89,7 +110,7 @@ def release() -> None:
     if not _holding[0]:
         return
     got = take()
-    for s in HELD:
+    for s in handled():
         signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
     if got:
         raise KeyboardInterrupt
@@ -124,7 +145,7 @@ def interrupts_raise() -> Iterator[None]:
     if not _in_main_thread():
         yield
         return
-    old = {s: signal.signal(s, _raise) for s in HELD}
+    old = {s: signal.signal(s, _raise) for s in handled()}
     try:
         yield
     finally:
@@ -198,3 +219,32 @@ def signals_held() -> Iterator[None]:
             signal.signal(s, h)
         for signum, frame in seen:
             old[signum](signum, frame)
+
+
+# --- 4. the run's other processes -------------------------------------------------
+
+@contextlib.contextmanager
+def spawning() -> Iterator[None]:
+    """Start child processes in the block with HELD blocked (the calling thread's
+    mask, which a child inherits through fork and exec); the controller's own
+    signals that came meanwhile run their handlers at the end."""
+    from multiprocessing import resource_tracker
+
+    # Starting the resource tracker unblocks SIGINT and SIGTERM in this thread:
+    # a spawn's first start would do it inside the block.
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def peer_ignores() -> None:
+    """In a rank, engine process or worker, first thing: ignore HELD (a pending
+    one is dropped) and unblock them. A signal to the whole job then leaves the
+    controller to save and stop the run; SIGKILL (STOP_SIGNAL) and the parent's
+    death (runtime/procs.py) still end this process."""
+    for s in HELD:
+        signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)
