@@ -382,46 +382,6 @@ def format_report(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def against_ref(args: argparse.Namespace) -> int:
-    """--ref REV: REV's bench_materialize (a git worktree) and this checkout's, each
-    in its own process, in turn (ABBA) for --ref-rounds rounds; per workload the
-    median of areno's medians and the ratio this checkout / REV."""
-    import json
-    import subprocess
-    import tempfile
-
-    from areno.bench.refs import CURRENT, rev_id, worktrees
-
-    revs = [rev_id(args.ref), CURRENT]
-    got: dict[str, list[dict[str, Any]]] = {rev: [] for rev in revs}
-    with tempfile.TemporaryDirectory(prefix="areno-materialize-ref-") as d, worktrees(revs, Path(d)) as trees:
-        for i in range(args.ref_rounds):
-            for rev in revs if i % 2 == 0 else revs[::-1]:
-                out = Path(d) / f"round{i}-{len(got[rev])}-{rev.strip('.') or 'tree'}.json"
-                cmd = [sys.executable, str(trees[rev] / "scripts" / "bench_materialize.py"), "--repeats",
-                       str(args.repeats), "--out", str(out), *(["--quick"] if args.quick else [])]
-                res = subprocess.run(cmd, cwd=trees[rev], env={**os.environ, "PYTHONPATH": str(trees[rev])},
-                                     capture_output=True, text=True)
-                if not out.exists():
-                    raise SystemExit(f"{' '.join(cmd)} failed (rc {res.returncode}):\n{res.stderr[-2000:]}")
-                got[rev].append(json.loads(out.read_text())["workloads"])
-                print(f"  round {i + 1}: {'this checkout' if rev == CURRENT else rev} done", flush=True)
-    print(ref_table(got, revs[0]))
-    write_json(args.out, {"ref": revs[0], "runs": got})
-    print(f"wrote {args.out}")
-    return 0
-
-
-def ref_table(got: dict[str, list[dict[str, Any]]], ref: str) -> str:
-    """Per workload both trees run: median over rounds of areno's median, tree / ref."""
-    lines = [f"{'workload':<17} {ref + ' ms':>12} {'tree ms':>12} {'tree/' + ref:>14}"]
-    names = [n for n in got["."][0] if all(n in w for runs in got.values() for w in runs)]
-    for name in names:
-        m = {rev: median([w[name]["areno"]["median_s"] for w in runs]) for rev, runs in got.items()}
-        lines.append(f"{name:<17} {m[ref] * 1e3:>12.3f} {m['.'] * 1e3:>12.3f} {m['.'] / m[ref]:>13.2f}x")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -436,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ref-rounds", type=int, default=2, help="with --ref: runs of each tree (default 2)")
     args = ap.parse_args(argv)
     if args.ref:
+        from areno.bench.materialize_ref import against_ref
         return against_ref(args)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
