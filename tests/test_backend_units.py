@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -439,7 +440,8 @@ def test_cpu_ranks_spin_briefly_only_on_an_otherwise_idle_host(tmp_path: Path) -
     """An idle host gets a short spin before the passive sleep (waking sleepers
     at every barrier cost the idle demo's train phase ~1.7x); a runnable
     neighbour, or the user's own wait policy or spin count, keeps it passive."""
-    from areno.backend.launch import IDLE_SPIN_ENV, RANK_OMP_ENV, rank_omp_env, runnable_elsewhere
+    from areno.backend.launch import (IDLE_SPIN_ENV, RANK_OMP_ENV, own_tree_running, rank_omp_env,
+                                      runnable_elsewhere)
 
     assert rank_omp_env("cpu", {}, others=0) == {**RANK_OMP_ENV, **IDLE_SPIN_ENV} == {
         "OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0", "GOMP_SPINCOUNT": "30000"}
@@ -451,14 +453,24 @@ def test_cpu_ranks_spin_briefly_only_on_an_otherwise_idle_host(tmp_path: Path) -
     fake.write_text("2.10 1.40 0.30 3/96 4017\n")
     assert runnable_elsewhere(samples=3, interval_s=0, loadavg=str(fake)) == 2
     assert runnable_elsewhere(loadavg=str(tmp_path / "absent")) is None
-    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    # A busy child is the run's own (the resource tracker starting beside the
+    # early spawn): not a neighbour.
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)  # past its start-up: it is runnable from now on
+        assert own_tree_running() >= 2  # this thread and the child
+    finally:
+        child.kill()
+        child.wait()
+    # A neighbour outside this process tree (the shell exits; init adopts it).
+    pid = int(subprocess.run(["sh", "-c", f"{sys.executable} -c 'while True: pass' >/dev/null 2>&1 & echo $!"],
+                             capture_output=True, text=True, check=True).stdout)
+    try:
+        time.sleep(0.3)
         assert runnable_elsewhere() >= 1
         assert "GOMP_SPINCOUNT" not in rank_omp_env("cpu", {})  # the real count: a neighbour spins
     finally:
-        spin.kill()
-        spin.wait()
+        os.kill(pid, signal.SIGKILL)
 
 
 def test_probe_runs_every_sync_unless_a_fingerprint_checks_the_weights() -> None:

@@ -45,20 +45,57 @@ RANK_OMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 IDLE_SPIN_ENV = {"GOMP_SPINCOUNT": "30000"}
 
 
+def _stat_fields(path: str) -> list[str]:
+    """/proc/.../stat's fields after the command name: [state, ppid, ...]."""
+    with open(path) as f:
+        stat = f.read()
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def own_tree_running(root: int | None = None) -> int:
+    """Runnable threads of `root` (this process) and its descendants: a run's own
+    helpers (multiprocessing's resource tracker starting up, an early peer) are no
+    neighbour."""
+    root = os.getpid() if root is None else root
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                children.setdefault(int(_stat_fields(f"/proc/{name}/stat")[1]), []).append(int(name))
+            except (OSError, ValueError, IndexError):
+                pass  # exited meanwhile
+    running, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        stack += children.get(pid, [])
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                running += _stat_fields(f"/proc/{pid}/task/{tid}/stat")[0] == "R"
+            except (OSError, ValueError, IndexError):
+                pass
+    return running
+
+
 def runnable_elsewhere(samples: int = 8, interval_s: float = 0.002, loadavg: str = "/proc/loadavg") -> int | None:
-    """Tasks runnable on the host besides the caller: the median of `samples`
-    reads of the kernel's count of running tasks (/proc/loadavg's "running/total"),
-    less the reading thread. None where the count cannot be read (not Linux)."""
+    """Tasks runnable on the host outside this process and its descendants: the
+    median of `samples` reads of the kernel's count of running tasks
+    (/proc/loadavg's "running/total", the reading thread included), each less this
+    process tree's running threads. None where the count cannot be read (not Linux)."""
     counts = []
     try:
         for i in range(samples):
             if i:
                 time.sleep(interval_s)
             with open(loadavg) as f:
-                counts.append(int(f.read().split()[3].split("/")[0]))
+                total = int(f.read().split()[3].split("/")[0])
+            counts.append(total - max(own_tree_running(), 1))
     except (OSError, IndexError, ValueError):
         return None
-    return max(0, sorted(counts)[len(counts) // 2] - 1)
+    return max(0, sorted(counts)[len(counts) // 2])
 
 
 def rank_omp_env(device: str, environ: Mapping[str, str], others: int | None = -1) -> dict[str, str]:
