@@ -254,7 +254,8 @@ def test_one_device_to_host_readback_per_optimizer_step(tiny_chat_path, monkeypa
     assert all(s.keys() == set(REPORTED) for s in steps), steps[0].keys() ^ set(REPORTED)
 
 
-def _train_once(worker, split) -> list[dict]:
+def train_once(worker, split) -> list[dict]:
+    """One train command of `worker` on `split`, through a real shared-memory pack."""
     writer = PackWriter()
     try:
         (h,) = writer.write(split)
@@ -277,7 +278,7 @@ def test_one_update_takes_its_own_log_probs_detached_as_old_without_a_second_pas
     loss = LossConfig(tis_cap=2.0)
     with local_worker(tiny_chat_path, monkeypatch, lr=1e-3, recompute_logprobs=True, loss=loss) as worker:
         before = {n: p.detach().clone() for n, p in worker.hf.named_parameters()}
-        (own,) = _train_once(worker, make_split(1, num_minibatches=1))
+        (own,) = train_once(worker, make_split(1, num_minibatches=1))
         after_own = {n: p.detach().clone() for n, p in worker.hf.named_parameters()}
         assert passes == []
         assert (own["ratio_max"], own["ratio_mean"], own["clip_frac"]) == (1.0, 1.0, 0.0)
@@ -288,7 +289,7 @@ def test_one_update_takes_its_own_log_probs_detached_as_old_without_a_second_pas
         monkeypatch.setattr(step, "own_old_logprobs", lambda cfg, k: False)
         worker.trainer.optimizer.state.clear()
         worker.trainer.step = 0
-        (recomputed,) = _train_once(worker, make_split(1, num_minibatches=1))
+        (recomputed,) = train_once(worker, make_split(1, num_minibatches=1))
         assert passes == [1]
         assert recomputed["loss"] == pytest.approx(own["loss"], rel=1e-6, abs=1e-9)
         for n, p in worker.hf.named_parameters():

@@ -21,7 +21,7 @@ from areno.backend.model import PolicyModule, load_hf_model
 from areno.backend.step import no_grad_logprobs, to_device
 from areno.losses import LossConfig
 from rank_test_hooks import full_state_dict
-from test_backend_units import local_worker, make_split
+from test_backend_units import local_worker, make_split, train_once
 
 LORA = LoraSpec(rank=8, alpha=16.0)
 
@@ -43,15 +43,6 @@ def base_logprobs(path, micros, chunk: int = 4096) -> list[list[torch.Tensor]]:
     policy = PolicyModule(load_hf_model(path, "sdpa", torch.device("cpu")), chunk)
     cfg = BackendConfig(model_path=str(path))
     return no_grad_logprobs(Wrapped(policy, policy, "single"), cfg, micros)
-
-
-def train_once(worker, split) -> list[dict]:
-    writer = PackWriter()
-    try:
-        (h,) = writer.write(split)
-        return worker.cmd_train(h)["steps"]
-    finally:
-        writer.close()
 
 
 def test_zero_b_is_the_base_model_and_only_adapters_train(tiny_chat_path, monkeypatch) -> None:

@@ -10,8 +10,8 @@ import torch
 from areno.backend.config import LoraSpec
 from areno.backend.lora import dropout_active, lora_layers
 from areno.backend.step import no_grad_logprobs
-from test_backend_units import local_worker, make_split
-from test_lora import micros_of, train_once
+from test_backend_units import local_worker, make_split, train_once
+from test_lora import micros_of
 
 DROPOUT = LoraSpec(rank=8, alpha=16.0, dropout=0.1)
 
