@@ -17,10 +17,13 @@ from typing import Any, Iterator
 
 import torch
 
+from areno.advantages import overlong_penalty
 from areno.config.env import trajectory_tokens
+from areno.envs.driver import episode_spec
 from areno.envs.pool import EnvPool
 from areno import evaluate as evaluation
-from areno.asyncloop import RolloutsAhead, load_inflight
+from areno.producers import Data, Producer
+from areno.scheduler import Rollouts, load_inflight
 from areno.config import settings
 from areno.backend.launch import EarlyPeers
 from areno.backend.rank_engines import EngineView, RankEngines
@@ -71,7 +74,8 @@ class Run:
     prompts: PromptSet | None
     sampler: PromptSampler | None
     sampling: SamplingConfig
-    scorer: RewardScorer
+    scorer: RewardScorer | None  # the reward plugin's workers (None under --env-path)
+    envs: EnvPool | None         # the environment's workers (--env-path, engines in the ranks)
     backend: Any
     engine: EngineView
     logger: RunLogger
@@ -81,20 +85,20 @@ class Run:
     evalset: tuple[RowSet, PromptSet] | None = None
     workspace: Workspace = field(default_factory=Workspace)  # pack buffers reused every step
     max_tokens_per_micro: int = 8192  # --max-tokens-per-micro, or the device's default
-    ahead: RolloutsAhead | None = None  # the loop state of engine processes (--rollout-world-size)
+    rollouts: Rollouts = None  # type: ignore[assignment]  # the scheduler: set once the engines are up
 
     def evaluate(self, step: int) -> None:
-        """Score the eval set (--eval-dataset-path; nothing without one) and log it at `step`."""
+        """Score the eval set (--eval-dataset-path; nothing without one) through the
+        same producer as training rounds (multi-turn under --env-path), greedy,
+        and log it at `step`."""
         cfg = self.cfg
         if self.evalset is None:
             return
-        if self.ahead is not None:  # the engines free, with the weights of `step`
-            self.ahead.ready_for_eval()
+        self.rollouts.ready_for_eval()  # the engines free, with the weights of `step`
         # mean@k samples with a seed of its own per step, so a resumed run evaluates as
         # an uninterrupted one would (the engine's own stream is not checkpointed).
         sampling = replace(self.sampling, seed=EVAL_SEED_BASE + self.sampling_for(step).seed)
-        m = evaluation.evaluate(self.engine, self.tokenizer, self.scorer, *self.evalset, sampling,
-                                k=cfg.eval_n)
+        m = evaluation.evaluate(self.rollouts.run_round, Data(*self.evalset), sampling, k=cfg.eval_n)
         self.logger.log(step, m, advance=False)
         self.logger.info(f"eval step {step}: " + " ".join(
             f"{k.split('/', 1)[1]} {v:.3f}" for k, v in m.items() if k != "eval/prompts"))
@@ -103,6 +107,15 @@ class Run:
         """The sampling of step's rollout: its seed is the step's, so a resumed run
         samples as an uninterrupted one."""
         return replace(self.sampling, seed=self.cfg.seed * 1_000_003 + step)
+
+    def shaping(self, batch: Any) -> Any:
+        """[N] float32 added to the plugin's rewards before advantages: DAPO's soft
+        overlong punishment (--overlong-buffer; zeros when off). Under --env-path
+        it is defined on the trajectory: its length (sampled + observation tokens)
+        against its budget (--max-trajectory-tokens), where it is cut."""
+        cfg = self.cfg
+        return overlong_penalty(batch.response_lengths, trajectory_tokens(cfg), cfg.overlong_buffer,
+                                cfg.overlong_penalty)
 
     def save(self, step: int) -> Path:
         """Write a checkpoint of `step` (atomic; pruned to --keep-last)."""
@@ -286,7 +299,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
     longest = max(int(p.lengths.max()) for p in (prompts, evalset and evalset[1]) if p)
     check_model(model_path, longest, trajectory_tokens(cfg))  # before any engine or rank starts
     with contextlib.ExitStack() as stack:
-        scorer = stack.enter_context(scorer_for(cfg))
+        scorer, envs = scorer_for(cfg, stack)
         # The ranks hold the rollout engines, so an eval-only run starts them too.
         spec = None if engine is not None else settings.engine_spec(cfg, device, longest, lora.rank if lora else 0)
         bcfg = settings.backend_config(cfg, model_path, base_model, world_size, device, max(total, 1), spec,
@@ -303,11 +316,12 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
         logger = stack.enter_context(RunLogger(out, total, cfg.report_to, config=cfg.to_dict(),
                                                start_step=resume.step, completions=bool(cfg.log_completions)))
         run = Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows, prompts=prompts,
-                  sampler=sampler, sampling=settings.sampling(cfg), scorer=scorer, backend=backend, engine=engine,
+                  sampler=sampler, sampling=settings.sampling(cfg), scorer=scorer, envs=envs, backend=backend,
+                  engine=engine,
                   logger=logger, world_size=world_size, total_steps=total, step=resume.step, evalset=evalset,
                   max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
         logger.info(start_line(run, resume, device))
-        resume_rollouts(run, resume, inflight)
+        resume_rollouts(run, resume, inflight, model_path)
         if lora is not None:
             logger.info(lora_line(lora, params))
             if lora.adapter_path is not None:  # the engines hold the base model: give them the trained one
@@ -316,25 +330,29 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
         yield run
 
 
-def scorer_for(cfg: TrainConfig) -> RewardScorer | EnvPool:
-    """The reward plugin's scorer, or under --env-path the environment's calls, on
-    the same reward workers."""
+def scorer_for(cfg: TrainConfig, stack: contextlib.ExitStack) -> tuple[RewardScorer | None, EnvPool | None]:
+    """The reward plugin's workers, or under --env-path the environment's (on the
+    same reward workers: its calls, one job each). Engine processes run their own
+    environment workers (EngineWorker.cmd_episodes), so split placement starts none here."""
     if cfg.env_path:
-        return EnvPool(cfg.env_path, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
-                       on_error=cfg.on_reward_error)
-    return RewardScorer(resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,
-                        timeout=cfg.reward_timeout, on_error=cfg.on_reward_error)
+        if cfg.rollout_world_size:
+            return None, None
+        return None, stack.enter_context(EnvPool(cfg.env_path, workers=cfg.reward_workers,
+                                                 timeout=cfg.reward_timeout, on_error=cfg.on_reward_error))
+    return stack.enter_context(RewardScorer(resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,
+                                            timeout=cfg.reward_timeout, on_error=cfg.on_reward_error)), None
 
 
-def resume_rollouts(run: Run, resume: Resume, saved: list) -> None:
-    """A K >= 1 checkpoint's rollouts in flight (`saved`, asyncloop.load_inflight):
-    kept for the loop of the engine processes (asyncloop.py), or, at K = 0,
-    sampled again from these weights."""
-    if saved and not run.cfg.off_policy_steps:
+def resume_rollouts(run: Run, resume: Resume, saved: list, tokenizer_path: str) -> None:
+    """The run's scheduler (scheduler.Rollouts), with a checkpoint's rounds in
+    flight (`saved`, scheduler.load_inflight) kept for it, or, at K = 0 (the one
+    a K = 0 save holds was sampled with the checkpoint's weights), sampled again."""
+    cfg = run.cfg
+    producer = Producer(run, episode_spec(cfg, tokenizer_path) if cfg.env_path else None)
+    if saved and not cfg.off_policy_steps:  # at K = 0 they sample the same again: start afresh
         run.sampler.load_state_dict(saved[0].sampler_before)
         saved = []
-    if run.cfg.rollout_world_size:  # engine processes: their loop, any K
-        run.ahead = RolloutsAhead(run, int(resume.state.get("weight_version", resume.step)), saved)
+    run.rollouts = Rollouts(run, producer, int(resume.state.get("weight_version", resume.step)), saved)
 
 
 def model_for(cfg: TrainConfig, resume: Resume) -> tuple[str, str, Weights | None, Any, dict | None]:

@@ -34,8 +34,9 @@ def test_env_options_reach_the_config_and_replace_the_reward_plugin(env):
     (GOOD, ["--max-turns", "0"], "--max-turns"),
     (GOOD, ["--env-reward", "mean"], "--env-reward"),
     (GOOD, ["--max-trajectory-tokens", "1"], "below --max-new-tokens"),
-    (GOOD, ["--overlong-buffer", "1"], "not built"),
-    (GOOD, ["--rollout-world-size", "1"], "--rollout-world-size 1: not built"),
+    (GOOD, ["--max-turns", "2", "--max-new-tokens", "8", "--max-trajectory-tokens", "20",
+            "--overlong-buffer", "21"], "exceeds the trajectory budget (--max-trajectory-tokens) 20"),
+    (GOOD, ["--env-schedule", "soon"], "--env-schedule"),
 ])
 def test_env_mistakes_are_one_line(tmp_path, capsys, source, extra, message):
     p = tmp_path / "env.py"
@@ -47,6 +48,7 @@ def test_env_mistakes_are_one_line(tmp_path, capsys, source, extra, message):
 
 def test_env_options_without_env_and_with_a_reward_plugin_are_refused(env, tmp_path, capsys):
     assert "needs --env-path" in refused(["--max-turns", "3"], capsys)
+    assert "--env-schedule eager needs --env-path" in refused(["--env-schedule", "eager"], capsys)
     plugin = tmp_path / "r.py"
     plugin.write_text("def reward_fn(r):\n    return 1.0\n")
     assert "drop --reward-fn-path" in refused(["--env-path", env, "--reward-fn-path", str(plugin)], capsys)

@@ -70,7 +70,7 @@ class TorchBackend:
         self._pack = PackWriter("pack")
         # Weight regions by slot: the asynchronous loop publishes version v into slot
         # v % (K + 1) while the engine processes may still have to load the K before
-        # it (asyncloop.py); two to begin with, more made as a slot is first used.
+        # it (scheduler.py); two to begin with, more made as a slot is first used.
         self._weights = [ShmSegment("weights"), ShmSegment("weights1")]
         self._marker = ShmSegment("marker")
         self.rollout_segment = ShmSegment("rollout")  # engines' results (backend/rank_engines.py)

@@ -205,7 +205,7 @@ def command_of(worker: Any, cmd: str) -> Callable[..., Any]:
 def queued_commands(conn: Connection) -> Callable[[], tuple]:
     """An engine process's commands, read by a thread of their own as they come ->
     the call that takes the next: the controller queues rollouts here while one
-    runs (asyncloop.py), and a command bigger than the pipe's buffer must not
+    runs (scheduler.py), and a command bigger than the pipe's buffer must not
     hold the controller's send until this rollout ends (while its parts fill
     the other direction). Reading and sending on one pipe from two threads is
     safe: the two directions share no state."""

@@ -1,7 +1,7 @@
 """The options of asynchronous rollouts (--off-policy-steps, --rollout-world-size)
 and the rules between them and the loss: the defaults that K >= 1 turns on and
 the combinations it refuses. The objective itself is losses.py's (decoupled
-PPO); the loop that overlaps rollouts with training is asyncloop.py's.
+PPO); the loop that overlaps rollouts with training is scheduler.py's.
 
 No torch here: config.py (read before anything heavy) calls it.
 """
@@ -48,7 +48,7 @@ def check_off_policy(cfg: Any) -> None:
                         "(colocated engines, without --rollout-world-size, take --tensor-parallel-size)")
     if not k:
         return
-    flag = f"--off-policy-steps {k}"  # any K >= 1: K rollouts queue on the engines (asyncloop.py)
+    flag = f"--off-policy-steps {k}"  # any K >= 1: K rollouts queue on the engines (scheduler.py)
     if not m:
         raise UserError(f"{flag} needs --rollout-world-size >= 1: colocated engines share the "
                         "training GPUs and sleep while the ranks train, so rollouts cannot "

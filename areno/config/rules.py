@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from areno.config.fieldcheck import check_file, looks_local
 from areno.config.lora import check_lora_options
-from areno.config.env import check_env_options
+from areno.config.env import check_env_options, trajectory_tokens
 from areno.config.offpolicy import check_off_policy
 from areno.data.tasks.arith import DEMO_PRESET, demo_lora_preset
 from areno.errors import UserError
@@ -48,8 +48,8 @@ def check_rules(cfg: TrainConfig) -> None:
         check_model_dir(cfg.ckpt, "--ckpt", MODEL_DIR_FIX)
     if cfg.eval_only and cfg.eval_dataset_path is None:
         raise UserError("--eval-only needs --eval-dataset-path")
-    if cfg.eval_dataset_path is not None and cfg.reward_fn_path is None:
-        raise UserError("--reward-fn-path is required with --eval-dataset-path")
+    if cfg.eval_dataset_path is not None and cfg.reward_fn_path is None and cfg.env_path is None:
+        raise UserError("--eval-dataset-path needs what scores it: --reward-fn-path (or --env-path)")
     if cfg.resume is not None and cfg.resume != "latest" and not Path(cfg.resume).is_dir():
         raise UserError(f"--resume: no checkpoint directory at {cfg.resume} "
                         "(give a checkpoint path or 'latest')")
@@ -104,14 +104,11 @@ def check_correction_options(cfg: TrainConfig) -> None:
     if cfg.tis_cap is not None and cfg.is_mask_low >= cfg.tis_cap:
         raise UserError(f"--is-mask-low {cfg.is_mask_low:g} must be below --tis-cap "
                         f"{cfg.tis_cap:g} (the band would keep no token)")
-    if cfg.dynamic_sampling != "off" and cfg.off_policy_steps:
-        raise UserError(f"--dynamic-sampling {cfg.dynamic_sampling} with --off-policy-steps "
-                        f"{cfg.off_policy_steps}: refill rounds run only with K = 0 so far (with "
-                        "K >= 1 they would have to join the loop's admission); use "
-                        "--off-policy-steps 0")
-    if cfg.overlong_buffer > cfg.max_new_tokens:
-        raise UserError(f"--overlong-buffer {cfg.overlong_buffer} exceeds --max-new-tokens "
-                        f"{cfg.max_new_tokens}: every completion would be punished; lower it")
+    if cfg.overlong_buffer > trajectory_tokens(cfg):
+        what = ("--max-new-tokens", "completion") if cfg.env_path is None else \
+            ("the trajectory budget (--max-trajectory-tokens)", "trajectory")
+        raise UserError(f"--overlong-buffer {cfg.overlong_buffer} exceeds {what[0]} "
+                        f"{trajectory_tokens(cfg)}: every {what[1]} would be punished; lower it")
 
 
 def check_reward_timeout(given: dict[str, Any]) -> None:
