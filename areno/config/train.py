@@ -162,8 +162,10 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
     max_sampling_rounds: int = opt(
         4, "Rounds a --dynamic-sampling step may generate; at the bound it trains on the groups "
         "it kept (sampling/bound_hit).", "Algorithm", ge=1)
-    mask_overlong: bool = opt(False, "Drop completions cut by --max-new-tokens from the update.",
-                              "Algorithm")
+    mask_overlong: bool = opt(
+        False, "Drop completions cut by --max-new-tokens from the update; under --env-path, "
+        "trajectories whose last turn was cut at its token cap (--max-new-tokens or the trajectory "
+        "budget), not those --max-turns or the budget ended after a turn that stopped.", "Algorithm")
     overlong_buffer: int = opt(
         0, "DAPO's soft overlong punishment: a completion longer than --max-new-tokens minus this "
         "many tokens loses reward linearly, down to -(--overlong-penalty) at --max-new-tokens; "
