@@ -115,20 +115,3 @@ def select_vllm_runner() -> str:
     (vLLM reads it when the engine is built) -> "V1" | "V2", what was asked."""
     os.environ.setdefault(VLLM_RUNNER_ENV, "0")
     return "V1" if os.environ[VLLM_RUNNER_ENV].strip() == "0" else "V2"
-
-
-# Whether an engine's sampled-token log-probs are those of the distribution it
-# samples from, after temperature, top-k and top-p (the "processed" one): the
-# behaviour policy of decoupled PPO (losses.py). vLLM is started with
-# logprobs_mode="processed_logprobs" (rollout/vllm.py); transformers' are
-# recorded by the last logits processor, after areno's own warpers
-# (rollout/hf_logprobs.py). An engine reporting the raw distribution's under
-# top-p / top-k would make the weight pi_prox / pi_behav wrong: areno/config/offpolicy.py
-# then refuses --off-policy-steps.
-LOGPROBS_PROCESSED: dict[str, bool] = {"vllm": True, "hf": True}
-
-
-def engines_for(kind: str | None) -> tuple[str, ...]:
-    """The engines --rollout-engine kind may run: the one given, or unset vLLM and
-    transformers where vLLM does not import (make_engine's fallback)."""
-    return (kind,) if kind is not None else ("vllm", "hf")
