@@ -81,7 +81,8 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
     top_k: int = opt(-1, "Top-k sampling (-1 = off).", "Rollout", ge=-1)
     n_samples: int = opt(8, "Completions per prompt (the GRPO group size).", "Rollout", ge=1)
     max_new_tokens: int = opt(1024, "Maximum tokens generated per completion.", "Rollout", ge=1)
-    tensor_parallel_size: int = opt(1, "vLLM tensor-parallel size.", "Rollout", ge=1)
+    tensor_parallel_size: int = opt(1, "vLLM tensor-parallel size (the transformers engine has "
+                                    "none: > 1 needs vLLM).", "Rollout", ge=1)
     gpu_memory_utilization: float | None = opt(
         None, "Fraction of its GPU's memory vLLM may take.", "Rollout", gt=0.0, le=1.0,
         shown="0.5 colocated with training, 0.9 in an engine process of its own (--rollout-world-size)")
