@@ -120,7 +120,9 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
     loss_agg: LossAgg | None = opt(
         None, "Loss aggregation. Default follows --algo: token-mean for grpo, "
         "seq-mean-token-mean for gspo (the GSPO paper's per-sequence objective, as verl). "
-        "seq-mean-token-sum-norm is Dr. GRPO's (normalised by --max-new-tokens).", "Algorithm",
+        "seq-mean-token-sum-norm is Dr. GRPO's (normalised by --max-new-tokens; under --env-path "
+        "by a trajectory's sampled-token room, min(--max-turns x --max-new-tokens, its budget)).",
+        "Algorithm",
         shown="token-mean (grpo), seq-mean-token-mean (gspo)")
     clip_eps_low: float | None = opt(
         None, "Lower clip epsilon.", "Algorithm", ge=0.0, lt=1.0, shown="0.2 (grpo), 3e-4 (gspo)")
