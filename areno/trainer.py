@@ -22,6 +22,7 @@ from areno.backend.launch import EarlyPeers
 from areno.dynsample import Filled
 from areno.rundir.completions import completion_records
 from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
+from areno.config.env import max_policy_tokens
 from areno.config.train import TrainConfig
 from areno.runtime.interrupt import interrupted, interrupted_at_startup, made_run_dir
 from areno.runtime.signals import interrupts_raise, raise_held, step_window
@@ -95,7 +96,7 @@ def learn(run: Run, step: int, filled: Filled, timer: PhaseTimer,
             split = build_split_pack(
                 batch, adv, world_size=run.world_size, max_tokens=run.max_tokens_per_micro,
                 num_minibatches=cfg.mini_batches, loss_agg=cfg.loss_agg,
-                norm_len=cfg.max_new_tokens, keep=keep, workspace=run.workspace,
+                norm_len=max_policy_tokens(cfg), keep=keep, workspace=run.workspace,
             )
     if cfg.log_completions:
         run.logger.stage_completions(completion_records(

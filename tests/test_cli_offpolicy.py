@@ -51,36 +51,15 @@ def test_recompute_turned_off_in_the_config_file_is_refused(tmp_path, capsys):
     assert "drop recompute_logprobs: false from --config" in line
 
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
-@pytest.mark.parametrize("flags", [["--top-p", "0.9"], ["--top-k", "20"]])
-def test_truncated_sampling_is_refused_with_an_engine_reporting_raw_logprobs(
-        engine, flags, monkeypatch, capsys):
-    # Today both engines report the processed distribution's log-probs: pretend one does not.
-    monkeypatch.setitem(offpolicy.LOGPROBS_PROCESSED, engine, False)
-    line = refused([*ASYNC, "--rollout-engine", engine, *flags], capsys)
-    assert f"--off-policy-steps 1 with {' '.join(flags)}: the {engine} engine reports log-probs " \
-        "of the untruncated distribution" in line
-    assert f"drop {flags[0]}" in line
-
-
-def test_the_default_engine_is_refused_when_its_fallback_reports_raw_logprobs(files, monkeypatch, capsys):
-    monkeypatch.setitem(offpolicy.LOGPROBS_PROCESSED, "hf", False)
-    data = ["--dataset-path", files["dataset_path"], "--reward-fn-path", files["reward_fn_path"]]
-    assert "the hf engine" in refused([*ASYNC, *data, "--top-p", "0.95"], capsys)
-    # given explicitly, vllm never falls back (rollout.factory.make_engine): nothing to refuse
-    cfg = TrainConfig.from_sources(None, {**files, "off_policy_steps": 1, "rollout_world_size": 2,
-                                          "rollout_engine": "vllm", "top_p": 0.95})
-    assert cfg.rollout_engine == "vllm"
-
-
-def test_both_engines_report_processed_logprobs_so_truncated_sampling_is_allowed(files, capsys):
-    assert offpolicy.LOGPROBS_PROCESSED == {"vllm": True, "hf": True}
-    for engine in ("vllm", "hf"):
+def test_truncated_sampling_is_taken_under_k_since_both_engines_report_processed_logprobs(files, capsys):
+    """The log-probs are those of the top-k / top-p distribution sampled from
+    (tests/test_engine_contract.py, test_logprobs_match_transformers_forward), so
+    decoupled PPO's behaviour policy is right with either engine."""
+    for engine in ("vllm", "hf", None):
         cfg = TrainConfig.from_sources(None, {**files, "off_policy_steps": 1, "rollout_world_size": 1,
                                               "rollout_engine": engine, "top_p": 0.9, "top_k": 20})
         assert (cfg.top_p, cfg.top_k) == (0.9, 20)
-    # the raw case does not depend on truncation: without top-p / top-k nothing is refused
-    offpolicy.check_off_policy(dataclasses.replace(cfg, top_p=1.0, top_k=-1))
+        offpolicy.check_off_policy(cfg)
 
 
 @pytest.mark.parametrize("k", [2, 4, 8])

@@ -11,7 +11,7 @@ from areno.envs.plugin import EnvState
 from areno.envs.pool import EnvPool
 from areno.envs.trajectory import ObservationFormat
 from areno.metrics import ENV_METRICS
-from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP
+from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP, overlong_mask
 from areno.rollout.engine import SamplingConfig
 from tests.env_trace import TracingEngine, assert_token_in_token_out
 
@@ -94,6 +94,27 @@ def test_turn_and_token_bounds_end_trajectories_with_the_reward_counted(hf_engin
                                 SamplingConfig(max_tokens=4, seed=2), EnvBounds(max_turns=9, max_tokens=20))
     assert out.token_limit == 2 and (out.batch.response_lengths <= 20).all()
     assert (out.batch.finish_reason == FINISH_LENGTH).all() and (out.scored.rewards > 0).all()
+
+
+def test_only_a_trajectory_whose_last_turn_was_cut_is_overlong(hf_engine, tok, tmp_path):
+    """--max-turns ends both rollouts (finish length); --mask-overlong drops only the
+    one whose turns ran into --max-new-tokens, not the one whose turns stopped."""
+    env, ids, off, states = _setup(tok, tmp_path, [{"moves": 9}], n=2)
+    fmt = ObservationFormat(tok, True, hf_engine.eos_token_ids)
+    every_token = tuple(range(len(tok)))  # each turn stops at its first token
+    outs = []
+    with EnvPool(str(env), workers=0) as pool:
+        for stop in (every_token, ()):
+            for s in states:
+                s.data = {}
+            outs.append(rollout_multiturn(hf_engine, pool, tok, fmt, ids, off, states, 2, SamplingConfig(
+                max_tokens=4, seed=2, stop_token_ids=stop, ignore_eos=True), EnvBounds(max_turns=2)))
+    stopped, cut = outs
+    assert stopped.turn_limit == cut.turn_limit == 2
+    assert (stopped.batch.finish_reason == FINISH_LENGTH).all() and (cut.batch.finish_reason == FINISH_LENGTH).all()
+    assert (stopped.batch.policy_lengths == 2).all() and (cut.batch.policy_lengths == 8).all()
+    assert overlong_mask(stopped.batch).tolist() == [False, False]
+    assert overlong_mask(cut.batch).tolist() == [True, True]
 
 
 HUGE_OBSERVATION = '''

@@ -52,6 +52,15 @@ def trajectory_tokens(cfg: Any) -> int:
     return cfg.max_trajectory_tokens or DEFAULT_OBSERVATION_SHARE * cfg.max_turns * cfg.max_new_tokens
 
 
+def max_policy_tokens(cfg: Any) -> int:
+    """Sampled tokens one sample may hold, seq-mean-token-sum-norm's constant (Dr.
+    GRPO's generation budget): --max-new-tokens, or a trajectory's --max-turns x
+    --max-new-tokens bounded by its budget (observation tokens never train)."""
+    if cfg.env_path is None:
+        return cfg.max_new_tokens
+    return min(cfg.max_turns * cfg.max_new_tokens, trajectory_tokens(cfg))
+
+
 def check_env_options(cfg: Any) -> None:
     """--env-path against the options it cannot go with: UserError (one line)."""
     if cfg.env_path is None:

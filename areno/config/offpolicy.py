@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from areno.errors import UserError
-from areno.rollout.factory import LOGPROBS_PROCESSED, engines_for
 
 # Default --tis-cap under --off-policy-steps >= 1: Yao et al.'s truncated IS uses
 # C = 2 and so does verl's token-level TIS threshold; AReaL's 5 is a mask (a token
@@ -59,12 +58,3 @@ def check_off_policy(cfg: Any) -> None:
                         "from --config")
     if cfg.tis_cap is None:
         raise UserError(f"{flag} needs --tis-cap (the importance weight of a stale sample)")
-    truncated = [s for s, on in ((f"--top-p {cfg.top_p:g}", cfg.top_p < 1),
-                                 (f"--top-k {cfg.top_k}", cfg.top_k > 0)) if on]
-    raw = [e for e in engines_for(cfg.rollout_engine) if not LOGPROBS_PROCESSED[e]]
-    if truncated and raw:
-        raise UserError(f"{flag} with {' and '.join(truncated)}: the {raw[0]} engine reports "
-                        "log-probs of the untruncated distribution, not of the one it samples "
-                        "from, so the importance weights would be wrong; drop "
-                        f"{' and '.join(s.split()[0] for s in truncated)} or use another "
-                        "--rollout-engine")

@@ -15,6 +15,7 @@ from areno.config.env import check_env_options, trajectory_tokens
 from areno.config.offpolicy import check_off_policy
 from areno.data.tasks.arith import DEMO_PRESET, demo_lora_preset
 from areno.errors import UserError
+from areno.rollout.factory import resolved_engine
 from areno.models.directory import MODEL_DIR_FIX, check_model_dir
 from areno.runtime.multinode import check_authkey
 
@@ -66,6 +67,7 @@ def check_rules(cfg: TrainConfig) -> None:
     if cfg.resume is None:  # resuming: on the config in effect, by resume.resume_config
         check_off_policy(cfg)
     check_correction_options(cfg)
+    check_engine_tp(cfg)
     check_env_options(cfg)
     if cfg.tis_cap is not None and cfg.recompute_logprobs is False:
         raise UserError("--tis-cap needs --recompute-logprobs (it weights the trainer/sampler "
@@ -87,6 +89,21 @@ def check_rules(cfg: TrainConfig) -> None:
     if cfg.n_samples < 2:  # every mode's baseline is the group's own reward
         raise UserError(f"--n-samples must be >= 2 for --adv-mode {cfg.adv_mode} (a group "
                         "of one has no baseline: every advantage would be 0)")
+
+
+def check_engine_tp(cfg: TrainConfig) -> None:
+    """--tensor-parallel-size > 1 needs vLLM: each rank of a TP group would
+    otherwise run transformers' generate on the same prompts."""
+    tp = cfg.tensor_parallel_size
+    if tp <= 1 or resolved_engine(cfg.rollout_engine) != "hf":
+        return
+    if cfg.rollout_engine == "hf":
+        raise UserError(f"--rollout-engine hf with --tensor-parallel-size {tp}: the transformers "
+                        "engine has no tensor parallelism; drop --tensor-parallel-size or use "
+                        "--rollout-engine vllm")
+    raise UserError(f"--tensor-parallel-size {tp}: vLLM is not installed, and the transformers "
+                    "engine --rollout-engine falls back to has no tensor parallelism; install vLLM "
+                    "or drop --tensor-parallel-size")
 
 
 def check_correction_options(cfg: TrainConfig) -> None:

@@ -74,6 +74,7 @@ class _Driver:
         self.reward = np.zeros(n, np.float64)
         self.valid = np.ones(n, bool)
         self.finish = np.full(n, FINISH_STOP, np.uint8)
+        self.cut = np.zeros(n, bool)  # the last turn hit its token cap (--mask-overlong)
         self.counts, self.messages = RewardCounts(), []
         self.pending: dict[int, tuple[int, bool]] = {}  # ticket -> (trajectory, is a step)
         self.last_token = np.zeros(n, np.int64)
@@ -93,7 +94,7 @@ class _Driver:
             if self.ready:
                 idx, self.ready = np.sort(np.array(self.ready, np.int64)), []
                 self.generate(idx)
-        self.out.batch = self.traj.to_batch(self.finish)
+        self.out.batch = self.traj.to_batch(self.finish, self.cut)
         self.out.scored = RewardResult(self.reward.astype(np.float32), self.valid, self.counts,
                                        tuple(self.messages[:5]))
         return self.out
@@ -123,6 +124,7 @@ class _Driver:
             a, b = part.response_offsets[j], part.response_offsets[j + 1]
             self.traj.add_turn(i, part.response_ids[a:b], part.response_logprobs[a:b])
             self.last_token[i] = part.response_ids[b - 1] if b > a else -1
+            self.cut[i] = part.finish_reason[j] == FINISH_LENGTH
             self.out.completions[i].append(texts[j])
             st = self.states[i]
             st.turn = int(self.traj.turns[i]) - 1
