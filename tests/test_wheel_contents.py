@@ -1,14 +1,19 @@
 """The wheel holds areno and nothing only the suite or the benchmarks use: the
 benchmarks' library and the real model's builder live in scripts/arenobench/,
-which the package discovery leaves out and no module of areno imports."""
+which the package discovery leaves out and no module of areno imports; the
+processes the benchmarks start still find it."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import subprocess
+import sys
 import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 
+import pytest
 from setuptools.config.expand import find_packages
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,3 +42,19 @@ def test_no_benchmark_code_is_in_or_imported_by_the_package():
                 names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             imports += [f"{path.relative_to(REPO)}: {n}" for n in names if n.startswith(MOVED)]
     assert not imports, imports
+
+
+@pytest.mark.parametrize("module", ["arenobench.async_loop", "arenobench.longcot.ranks"])
+def test_a_process_a_benchmark_starts_builds_its_rank_hooks(module, tmp_path, monkeypatch):
+    """child_env gives a child (`python -m areno.cli train`, whose ranks build what
+    ARENO_RANK_HOOKS names) the checkout's scripts/ too, outside the package."""
+    from arenobench.lib import child_env
+    from arenobench.longcot.ranks import PROBE_DIR_ENV
+
+    spec = importlib.import_module(module).HOOKS_SPEC
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # what child_env adds alone (the suite adds scripts/ too)
+    code = "from areno.backend.hooks import load_rank_hooks; print(type(load_rank_hooks()).__name__)"
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env=child_env(ARENO_RANK_HOOKS=spec, **{PROBE_DIR_ENV: str(tmp_path)}))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == [spec.partition(":")[2]]
