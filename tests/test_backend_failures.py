@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from areno.backend import BackendError, TorchBackend
-from areno.bench.lib import child_env
+from arenobench.lib import child_env
 from test_backend_procs import assert_clean, config
 from test_backend_units import make_split
 from helpers import rank_debug

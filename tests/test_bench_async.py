@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from areno.bench.lib import child_env
+from arenobench.lib import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_async.py"

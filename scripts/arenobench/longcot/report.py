@@ -9,7 +9,7 @@ of a round ran minutes apart at most, under the same load.
 from __future__ import annotations
 
 import numpy as np
-from areno.bench.lib import table, target, target_lines
+from arenobench.lib import table, target, target_lines
 
 HIDDEN_SLACK_S = 0.05  # scheduling noise of a loaded 2-core host
 # (a, b): advantages and pack must be identical between modes a and b, same round.

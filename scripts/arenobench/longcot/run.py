@@ -1,5 +1,5 @@
 """bench_longcot's run: the modes, one measured step, the rounds (their checks: report.py).
-areno/bench/longcot/cli.py (the CLI, and what is measured) calls `run_bench`.
+scripts/arenobench/longcot/cli.py (the CLI, and what is measured) calls `run_bench`.
 
 Imported only by the bench's main process: the ranks and reward workers are
 spawned, and spawn imports the main script in every child, so bench_longcot.py
@@ -24,11 +24,11 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from areno.bench.lib import cpu_in, loadavg, proc_kb, reset_peak_rss, union_in
-from areno.bench.longcot.ranks import HOOKS_SPEC, MICRO_LIMIT_ENV, PROBE_DIR_ENV, RankLog, rank_figures
-from areno.bench.longcot.ref import ref_train_step
-from areno.bench.longcot.report import HIDDEN_SLACK_S, evaluate_targets, hidden_checks, identity_checks, summarize
-from areno.bench.longcot.sim import (ENGINE_SPEC_ENV, REWARD_COST_ENV, REWARD_PLUGIN, SyntheticEngine, set_reward_cost,
+from arenobench.lib import cpu_in, loadavg, proc_kb, reset_peak_rss, union_in
+from arenobench.longcot.ranks import HOOKS_SPEC, MICRO_LIMIT_ENV, PROBE_DIR_ENV, RankLog, rank_figures
+from arenobench.longcot.ref import ref_train_step
+from arenobench.longcot.report import HIDDEN_SLACK_S, evaluate_targets, hidden_checks, identity_checks, summarize
+from arenobench.longcot.sim import (ENGINE_SPEC_ENV, REWARD_COST_ENV, REWARD_PLUGIN, SyntheticEngine, set_reward_cost,
                          write_dataset, write_engine_spec)
 
 from areno.backend.hooks import RANK_HOOKS_ENV
