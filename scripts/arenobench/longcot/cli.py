@@ -66,7 +66,7 @@ warm-up round; each round replays the same prompts in every mode):
   areno_plain_5ms      no overlap, --reward-ms per sample
   areno_async_free     K = 1, a Run of its own after the others: split placement
                        (--rollout-world-size 1 --off-policy-steps 1, which turns
-                       on --recompute-logprobs), trainer.train_step_ahead, free
+                       on --recompute-logprobs), trainer.train_step, free
                        reward; 1 warm-up step then --steps consecutive steps. The
                        synthetic engine runs in the engine process
                        (sim.ProcEngine, built there by the RankHooks'
