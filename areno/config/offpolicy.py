@@ -43,7 +43,7 @@ def check_off_policy(cfg: Any) -> None:
     k, m, tp = cfg.off_policy_steps, cfg.rollout_world_size, cfg.tensor_parallel_size
     if m and tp > 1:
         raise UserError(f"--rollout-world-size {m} with --tensor-parallel-size {tp}: an engine "
-                        "process serves on one device; tensor parallelism inside one is not built "
+                        "process holds one device, and vLLM's tensor-parallel workers need a device each "
                         "(colocated engines, without --rollout-world-size, take --tensor-parallel-size)")
     if not k:
         return
