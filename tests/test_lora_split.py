@@ -63,7 +63,9 @@ def test_at_k1_a_lora_run_lags_one_version_and_resumes_exactly(tmp_path, areno_c
 def test_the_lora_demo_learns_with_k1_and_an_engine_process(tmp_path, areno_cache):
     """`areno train --lora-rank 8` (the demo's LoRA preset) with its engine in a
     process of its own, one rollout ahead, for half the demo's steps, held to the
-    bar of the LoRA demo (test_lora.test_lora_demo_learns)."""
+    bar of the colocated LoRA demo (test_lora.test_lora_demo_learns). Measured
+    (CPU fp32, seed 0): mean reward of the first 20 steps 0.058, of steps 281-300
+    0.608 (colocated, the same run: 0.061 -> 0.553)."""
     from test_lora import LEARN_LATE, LEARN_STEPS, LEARN_WINDOW
 
     out = tmp_path / "demo"

@@ -77,17 +77,19 @@ def test_a_corrupted_region_fails_the_engine_process_check(tiny_chat_path):
             stream.gather(60)
 
 
-def lora_backend_config(path, **kw):
+def lora_backend_config(path, kind: str = "hf", **kw):
     """One rank, one engine process serving the rank's LoRA adapter (max_lora_rank 8)."""
     from areno.backend.config import BackendConfig, LoraSpec
     from areno.rollout.factory import EngineSpec
 
     return BackendConfig(model_path=str(path), world_size=1, lr=1e-2, rollout_world_size=1,
-                         engine=EngineSpec(kind="hf", max_model_len=64, max_lora_rank=8),
+                         engine=EngineSpec(kind=kind, fallback=False, max_model_len=64, kv_cache_bytes=16 << 20,
+                                           max_lora_rank=8),
                          lora=LoraSpec(rank=8, alpha=16.0), **kw)
 
 
-def test_under_lora_engine_processes_load_each_trained_adapter_checked(tiny_chat_path):
+@pytest.mark.parametrize("kind", ["hf", "vllm"])
+def test_under_lora_engine_processes_load_each_trained_adapter_checked(tiny_chat_path, kind):
     """Only the adapter travels: the region holds peft's A/B tensors, and the engine
     process serves each trained version, its adapter fingerprint equal to rank 0's
     (load_region raises on a mismatch), the first load also probed."""
@@ -95,8 +97,11 @@ def test_under_lora_engine_processes_load_each_trained_adapter_checked(tiny_chat
     from areno.backend.rank_engines import RankEngines
     from areno.rollout.engine import SamplingConfig
 
+    if kind == "vllm":
+        pytest.importorskip("vllm")
     sampling = SamplingConfig(max_tokens=4, seed=3)
-    with TorchBackend(lora_backend_config(tiny_chat_path)) as be:
+    with TorchBackend(lora_backend_config(tiny_chat_path, kind)) as be:
+        assert be.engine_hellos[0]["engine"] == kind
         engines = RankEngines(be)
         before = engines.generate(*PROMPTS, 2, sampling)
         syncs, regions = [], []
