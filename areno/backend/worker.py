@@ -186,20 +186,20 @@ class RankWorker:
         """Every rank gathers what a sync sends, rank 0 (`mem` not None) writes it ->
         (its fingerprint, the adapter's LoraConfig or None); (None, None) elsewhere."""
         dtype = self._engine_dtype
-        if self.cfg.lora is not None:  # the engines hold the base: only the adapter travels
-            config = self.hf.areno_peft.peft_config[ADAPTER]
-            tensors = adapter_tensors(adapter_state(self.hf), dtype)  # FSDP2 gathers on every rank
-            if mem is None:
-                return None, None
-            layout.write(mem, tensors.items())
-            return adapter_fingerprint_of(tensors, config), config
-        stream = WeightStream(self.full_state(dtype), dtype, fingerprint=mem is not None)
+        lora = self.cfg.lora is not None  # the engines hold the base: only the adapter travels
+        named = adapter_state(self.hf) if lora else WeightStream(self.full_state(dtype), dtype,
+                                                                 fingerprint=mem is not None)
         if mem is None:
-            for _ in stream:  # FSDP2 gathers are collectives: every rank joins each
+            for _ in named:  # FSDP2 gathers are collectives: every rank joins each
                 pass
             return None, None
-        layout.write(mem, stream)
-        return stream.fingerprint(), None
+        if not lora:
+            layout.write(mem, named)
+            return named.fingerprint(), None
+        config = self.hf.areno_peft.peft_config[ADAPTER]
+        tensors = adapter_tensors(named, dtype)
+        layout.write(mem, tensors.items())
+        return adapter_fingerprint_of(tensors, config), config
 
     @property
     def _engine_dtype(self) -> torch.dtype:
