@@ -46,17 +46,21 @@ def test_at_k0_an_engine_process_repeats_the_colocated_lora_run_and_resumes_it(t
 
 
 def test_at_k1_a_lora_run_lags_one_version_and_resumes_exactly(tmp_path, areno_cache):
-    """The checkpoint is an adapter over the base; the resumed run's engine process
-    starts from the base and gets the checkpoint's adapter before its first
-    rollout, then trains the saved rollouts in flight as the uninterrupted run did."""
-    full = lora_run(tmp_path / "full", areno_cache, *K1, "--save-interval", "3", "--keep-last", "0", steps=5)
-    assert [full[s]["rollout/policy_lag_max"] for s in range(1, 6)] == [0, 1, 1, 1, 1]
+    """The checkpoint is an adapter over the base with two rollouts in flight; the
+    resumed run's engine process starts from the base and gets the checkpoint's
+    adapter, the ranks train the saved rollouts as the uninterrupted run did, and
+    the adapters published after the resume serve as before."""
+    full = lora_run(tmp_path / "full", areno_cache, *K1, "--save-interval", "3", "--keep-last", "0", steps=6)
+    assert [full[s]["rollout/policy_lag_max"] for s in range(1, 7)] == [0, 1, 1, 1, 1, 1]
+    assert all(full[s]["offpolicy/kl"] > 0 for s in range(2, 7))  # the sampler is one adapter behind
     ckpt = tmp_path / "full" / "checkpoints" / "step_000003"
     assert (ckpt / "adapter_model.safetensors").is_file() and not (ckpt / "model.safetensors").exists()
     assert saved_steps(ckpt) == [4, 5]
-    resumed = lora_run(tmp_path / "resumed", areno_cache, *K1, "--resume", str(ckpt), steps=5)
-    assert sorted(resumed) == [4, 5]
-    assert_same_steps(full, resumed, [4, 5])  # lag, log-probs, rewards, losses: all the same
+    # Steps 4 and 5 train the saved rollouts; step 6's is sampled after the resume,
+    # with the adapter published after step 4's update.
+    resumed = lora_run(tmp_path / "resumed", areno_cache, *K1, "--resume", str(ckpt), steps=6)
+    assert sorted(resumed) == [4, 5, 6]
+    assert_same_steps(full, resumed, [4, 5, 6])  # lag, log-probs, rewards, losses: all the same
 
 
 @pytest.mark.learning
