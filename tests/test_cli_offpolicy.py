@@ -33,13 +33,22 @@ BAD = [
     (["--off-policy-steps", "-1"], "--off-policy-steps must be >= 0"),
     (["--rollout-world-size", "-2"], "--rollout-world-size must be >= 0"),
     (["--off-policy-steps", "1.5"], "--off-policy-steps"),
-    (["--rollout-world-size", "1", "--lora-rank", "8"], "--lora-rank with --rollout-world-size"),
 ]
 
 
 @pytest.mark.parametrize("args,needle", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_each_refusal_is_one_line_exit_2(args, needle, capsys):
     assert needle in refused(args, capsys)
+
+
+def test_lora_takes_engine_processes_and_any_k_and_still_refuses_tensor_parallel_engines(files, capsys):
+    """The engine processes serve the adapter (test_lora_split.py); only LoRA's
+    physical limit stays: whole-tensor adapter checks, so no TP engine."""
+    for k in (0, 1, 3):
+        cfg = TrainConfig.from_sources(None, {**files, "lora_rank": 8, "rollout_world_size": 2,
+                                              "off_policy_steps": k})
+        assert (cfg.lora_rank, cfg.rollout_world_size, cfg.off_policy_steps) == (8, 2, k)
+    assert "--tensor-parallel-size" in refused(["--lora-rank", "8", "--tensor-parallel-size", "2"], capsys)
 
 
 def test_recompute_turned_off_in_the_config_file_is_refused(tmp_path, capsys):

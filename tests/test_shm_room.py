@@ -37,6 +37,13 @@ def test_lora_adapter_dirs_count_for_every_vllm_engine_on_the_host(files):
                                                           SMOL_PARAMS * 2, 2_000_000, 4))
 
 
+def test_under_lora_the_weight_slots_hold_the_adapter_alone(files):
+    """Engine processes keep the base from their start: a publish writes the adapter."""
+    parts = shm.shm_footprint(config(files, lora_rank=8, rollout_world_size=1, off_policy_steps=1,
+                                     rollout_engine="hf"), SMOL_PARAMS * 2, 2_000_000, 1)
+    assert parts["2 weight slot(s) (--off-policy-steps 1 + 1)"] == 2 * 2_000_000
+
+
 def test_a_small_dev_shm_is_one_line_naming_the_sizes_and_the_fix(files, monkeypatch):
     monkeypatch.setattr(shm, "shm_free_bytes", lambda: 64 * MIB)
     cfg = config(files, rollout_world_size=1, off_policy_steps=1)

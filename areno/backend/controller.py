@@ -223,13 +223,15 @@ class TorchBackend:
 
     def publish_weights(self, *, fingerprinted: bool = True, slot: int = 0) -> WeightRegion:
         """Shared-memory transport (weight_sync.py): every rank gathers, rank 0 writes
-        the full weights into the controller's weight segment -> the WeightRegion a
-        reader in another process loads (weight_sync.load_region) and checks against
+        the full weights (under LoRA the adapter alone, versioned by this publish's
+        count) into the controller's weight segment -> the WeightRegion a reader in
+        another process loads (weight_sync.load_region) and checks against
         (fingerprint; the probe when due for an engine that is `fingerprinted` or not).
 
         The region stays valid until the next publish_weights into the same `slot`
         (0, 1, ...) or close(). Names are
-        the HF model's state_dict keys, lm_head.weight included; dtype the engines'.
+        the HF model's state_dict keys, lm_head.weight included (LoRA: peft's saved
+        adapter names); dtype the engines'.
         """
         self._check_open()
         remote0 = not self.hellos[0]["same_host"]  # rank 0 sends the bytes; readers still map the segment
@@ -249,7 +251,7 @@ class TorchBackend:
         self.publishes += 1
         self.last_timings = {"publish_gather_s": out["gather_s"], "publish_probe_s": out["probe_s"],
                              "publish_s": time.perf_counter() - t0}
-        return WeightRegion(seg.name, self._layout, out["fingerprint"], out["probe"])
+        return WeightRegion(seg.name, self._layout, out["fingerprint"], out["probe"], out["adapter"], self.publishes)
 
     def sync_weights(self) -> dict[str, float]:
         """Every rank loads the current weights into its own engine (on its device)

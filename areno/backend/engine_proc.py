@@ -18,7 +18,10 @@ OutRegion/part protocol: engine_host.generate_into). Weights reach it through
 the shared-memory transport (weight_sync.py): after each train step rank 0
 writes the region and the controller sends `load_region`; the engine loads it
 and runs the same check (exact fingerprint, the probe when due) as a rank's
-own engine. Its heartbeat and sentinel are watched with the ranks'.
+own engine. Under LoRA the engine is built on the base model serving adapters
+(`EngineSpec.max_lora_rank`, as the ranks' engines), and the region holds the
+adapter alone, which load_region hands to `load_adapter` as a colocated sync
+does (backend.adapter_sync). Its heartbeat and sentinel are watched with the ranks'.
 """
 
 from __future__ import annotations

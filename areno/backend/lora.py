@@ -199,6 +199,13 @@ def adapter_state(hf: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             yield f"{_PREFIX}{module}.{part}.weight", _full(getattr(layer, part)[ADAPTER].weight)
 
 
+def adapter_meta(hf: nn.Module, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(peft saved name, dtype, full shape) per adapter tensor, in `adapter_state`'s
+    order: what a split-placement sync sends under LoRA (weight_sync.WeightLayout).
+    Call before the model is sharded (the shapes are the full tensors')."""
+    return [(name, dtype, tuple(t.shape)) for name, t in adapter_state(hf)]
+
+
 def save_adapter(hf: nn.Module, spec: LoraSpec, base_path: str, tensors: dict[str, torch.Tensor],
                  out_dir: Path) -> None:
     """adapter_config.json + adapter_model.safetensors, as PeftModel.save_pretrained writes them."""

@@ -3,6 +3,7 @@
 What lives in /dev/shm (each sized here as its owner sizes it):
 - split placement's weight regions: K + 1 slots of the full weights in the
   engines' dtype (`publish_weights(slot=v % (K + 1))`, made one per publish);
+  under LoRA each slot holds the adapter alone (the engines keep the base);
 - the engines' result segments: one per rollout in flight (K + 1 under split
   placement, 1 colocated), int32 ids + float32 log-probs for every sampled token;
 - the pack the controller hands the ranks (`backend/handoff.py`): 25 bytes per
@@ -48,7 +49,8 @@ def shm_footprint(cfg: TrainConfig, weight_bytes: int, lora_bytes: int, engines_
     samples = cfg.batch_size * cfg.n_samples
     response = trajectory_tokens(cfg)
     parts = {
-        f"{slots} weight slot(s) (--off-policy-steps {cfg.off_policy_steps} + 1)": slots * weight_bytes,
+        f"{slots} weight slot(s) (--off-policy-steps {cfg.off_policy_steps} + 1)":
+            slots * (lora_bytes or weight_bytes),
         f"{in_flight} rollout result segment(s)": int(in_flight * samples * response * RESULT_BYTES_PER_TOKEN
                                                      * HEADROOM),
         "the pack": int(samples * (cfg.max_prompt_len + response) * PACK_BYTES_PER_TOKEN * HEADROOM),
