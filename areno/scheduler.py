@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from areno.backend.errors import BackendError
+from areno.config.offpolicy import weight_slots
 from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
 from areno.errors import UserError, one_line
 from areno.metrics import policy_lag_metrics, wait_metrics
@@ -79,11 +80,6 @@ def admitted(updates_at_train: int, version: int, k: int) -> bool:
     """Whether a round sampled with weights `version` may be trained once the
     trainer holds `updates_at_train` updates: its lag is at most k."""
     return updates_at_train - version <= k
-
-
-def weight_slots(k: int) -> int:
-    """Weight regions the loop rotates over at --off-policy-steps k (module docstring)."""
-    return max(2, k + 1)
 
 
 @dataclass

@@ -27,9 +27,9 @@ BAD = [
     (["--off-policy-steps", "1"], "--off-policy-steps 1 needs --rollout-world-size >= 1: colocated "
      "engines share the training GPUs and sleep while the ranks train, so rollouts cannot overlap"),
     (["--rollout-world-size", "3", "--tensor-parallel-size", "2"],
-     "--rollout-world-size 3 with --tensor-parallel-size 2: an engine process serves on one device"),
+     "--rollout-world-size 3 with --tensor-parallel-size 2: an engine process holds one device"),
     ([*ASYNC, "--tensor-parallel-size", "4"],
-     "--rollout-world-size 2 with --tensor-parallel-size 4: an engine process serves on one device"),
+     "--rollout-world-size 2 with --tensor-parallel-size 4: an engine process holds one device"),
     (["--off-policy-steps", "-1"], "--off-policy-steps must be >= 0"),
     (["--rollout-world-size", "-2"], "--rollout-world-size must be >= 0"),
     (["--off-policy-steps", "1.5"], "--off-policy-steps"),

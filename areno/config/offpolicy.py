@@ -19,6 +19,14 @@ from areno.errors import UserError
 # the rest: no token counts more than twice what it would on-policy.
 OFF_POLICY_TIS_CAP = 2.0
 
+def weight_slots(k: int) -> int:
+    """Weight regions split placement rotates over at --off-policy-steps k: version
+    v goes into slot v % slots and must outlive the K rounds queued before the one
+    that loads it (scheduler.py); at K = 0 two, so a publish never overwrites the
+    region an engine may still be reading."""
+    return max(2, k + 1)
+
+
 def off_policy_defaults(values: dict[str, Any]) -> list[str]:
     """--off-policy-steps K >= 1 turns on --recompute-logprobs and --tis-cap (the
     values config.yaml records), where neither a flag nor --config set them; the
