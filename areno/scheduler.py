@@ -159,6 +159,11 @@ class Rollouts:
                 synced = self.run.engine.sync_weights() or {}
                 self.engine_version = self.updates
         self.taken = []
+        # A step that took refills trained rounds tagged for later steps: each round
+        # left serves at latest the step its place says, so the tags come down to
+        # that bound (admission stays safe and keeps K rounds ahead).
+        for i, cur in enumerate(self.inflight):
+            cur.step = min(cur.step, step + 1 + i)
         self.admit(step + 1)
         return synced
 
