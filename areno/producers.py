@@ -50,12 +50,27 @@ class Data:
 
 
 class Producer:
-    """Starts rounds on the run's engines. background: rounds run while the
-    controller does other work (engine processes); else at collect."""
+    """The run's engines as the scheduler sees them, wherever they live: start a
+    round (-> Pending: stream, wait with a deadline, collect, drop), publish the
+    weights of version v, load a published version now. background: rounds run
+    while the controller does other work (engine processes); else at collect."""
 
     def __init__(self, run: Any, episodes: EpisodeSpec | None) -> None:
         self.run, self.episodes = run, episodes
         self.background = bool(run.cfg.rollout_world_size) and hasattr(run.engine, "start_rollout")
+
+    def publish(self, version: int, slot: int) -> tuple[Any, dict[str, float]]:
+        """The trainer's weights of `version` for the engines -> (the region engine
+        processes load with their next round, None when colocated engines loaded
+        and checked them now; that sync's figures)."""
+        if self.background:
+            be = self.run.backend
+            return be.publish_weights(fingerprinted=be.engine_procs_fingerprinted, slot=slot), {}
+        return None, self.run.engine.sync_weights() or {}
+
+    def load(self, region: Any) -> None:
+        """Engine processes load a published region now, checked (before an eval)."""
+        self.run.backend.load_engine_procs(region)
 
     def start(self, data: Data, prompt_idx: np.ndarray, n: int, sampling: SamplingConfig,
               region: Any = None, overlap: bool = True) -> "Pending":

@@ -150,13 +150,10 @@ class Rollouts:
         synced: dict[str, float] = {}
         if updated:
             self.updates += 1
-            if self.producer.background:
-                be = self.run.backend
-                region = be.publish_weights(fingerprinted=be.engine_procs_fingerprinted,
-                                            slot=self.updates % weight_slots(self.k))
+            region, synced = self.producer.publish(self.updates, self.updates % weight_slots(self.k))
+            if region is not None:
                 self.published = (self.updates, region)
             else:
-                synced = self.run.engine.sync_weights() or {}
                 self.engine_version = self.updates
         self.taken = []
         # A step that took refills trained rounds tagged for later steps: each round
@@ -221,7 +218,7 @@ class Rollouts:
             if cur.pending is not None:
                 cur.pending.engines_done()
         if (region := self.take_published()) is not None:
-            self.run.backend.load_engine_procs(region)
+            self.producer.load(region)
 
     def run_round(self, data: Data, n: int, sampling: Any) -> Round:
         """Every prompt of `data`, n samples each, now, with the weights the engines

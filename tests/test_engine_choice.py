@@ -84,6 +84,9 @@ def test_a_broken_vllm_with_tensor_parallel_is_refused_not_replaced(monkeypatch)
     from areno.rollout.factory import EngineSpec, make_engine
 
     monkeypatch.setitem(sys.modules, "vllm", None)
+    # areno's adapter too: imported before in this process, it would not import vllm again (and
+    # vllm's logging config, set up then, names vllm's formatter: unresolvable with vllm None).
+    monkeypatch.setitem(sys.modules, "areno.rollout.vllm", None)
     with pytest.raises(UserError, match="--tensor-parallel-size 2: vLLM does not import here .* "
                                         "no tensor parallelism"):
         make_engine(EngineSpec(tensor_parallel_size=2), "unused")

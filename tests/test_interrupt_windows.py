@@ -138,7 +138,9 @@ def test_an_interrupt_inside_a_periodic_save_waits_for_it(tmp_path, monkeypatch,
     logger = SimpleNamespace(log=lambda *a, **k: None, info=print)
     run = SimpleNamespace(cfg=SimpleNamespace(no_save=False, save_interval=1, eval_interval=0, save_path=None),
                           output_dir=tmp_path, step=0, total_steps=3, backend=backend, sampler=sampler,
-                          logger=logger, save=save, ahead=None)
+                          logger=logger, save=save,
+                          rollouts=SimpleNamespace(taken=[], put_back=lambda: None,
+                                                   settle_interrupt=lambda after_step: None))
     monkeypatch.setattr(areno.trainer, "train_step", step)
     with interrupts_raise(), pytest.raises(SystemExit) as e:
         areno.trainer.train_loop(run)

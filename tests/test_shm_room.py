@@ -50,7 +50,7 @@ def test_a_small_dev_shm_is_one_line_naming_the_sizes_and_the_fix(files, monkeyp
     monkeypatch.setattr(shm, "shm_free_bytes", lambda: 64 * MIB)
     cfg = config(files, rollout_world_size=1, off_policy_steps=1)
     with pytest.raises(UserError, match=r"/dev/shm has 64.0 MiB free, but this run needs about 513.\d MiB of "
-                       r"shared memory \(2 weight slot\(s\) \(--off-policy-steps 1 \+ 1\) 513.1 MiB, .*\); "
+                       r"shared memory \(2 weight slot\(s\) \(--off-policy-steps 1: max\(2, K \+ 1\)\) 513.1 MiB, .*\); "
                        r"enlarge it \(docker run --shm-size=2g\) or lower --off-policy-steps"):
         shm.check_shm_room(cfg, SMOL_PARAMS * 2, 0, 1)
     shm.check_shm_room(cfg, 10 * MIB, 0, 1)  # a small model fits
