@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from areno.backend.errors import BackendError
+from areno.procs.errors import BackendError
 from areno.data.prompts import select
 from areno.errors import UserError, one_line
 from areno.metrics import policy_lag_metrics, wait_metrics

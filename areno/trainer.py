@@ -15,7 +15,7 @@ import numpy as np
 
 from areno.advantages import advantages_and_keep, overlong_penalty
 from areno.backend.controller import TrainSteps
-from areno.backend.errors import BackendError
+from areno.procs.errors import BackendError
 from areno.backend.launch import EarlyPeers
 from areno.envs.driver import env_rollout
 from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
@@ -24,7 +24,7 @@ from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config.train import TrainConfig
 from areno.data.prompts import select
 from areno.runtime.interrupt import interrupted, interrupted_at_startup, made_run_dir
-from areno.runtime.signals import interrupts_raise, raise_held, step_window
+from areno.procs.signals import interrupts_raise, raise_held, step_window
 from areno.metrics import train_metrics
 from areno.split import build_split_pack
 from areno.rewards import RewardError, RewardResult

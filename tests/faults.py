@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from areno.rundir.checkpoint import STATE_FILE, TMP_PREFIX, list_checkpoints
-from areno.rundir.fileperms import OLD_PREFIX
+from areno.fileperms import OLD_PREFIX
 from areno.runtime.leftovers import NAME as SHM_NAME
 from areno.runtime.leftovers import SHM_DIR
 

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from areno.errors import UserError, one_line
-from areno.runtime.procs import descendants, exit_text, kill_new_descendants
+from areno.procs.lifecycle import descendants, exit_text, kill_new_descendants
 from areno.rewards.jobs import JobBook, Chunk
 from areno.rewards.plugin import (
     STATUS_ERROR,
