@@ -2,7 +2,7 @@
 user mistakes first: run directory, tokenizer, data, reward plugin, then the
 expensive parts (backend ranks, rollout engine). Closing a Run shuts down every
 process it started, on every exit path. Where those parts go comes from
-runtime/placement.py, their settings from config/settings.py; what a resumed run
+runtime/placement.py, their settings from settings.py; what a resumed run
 takes from its checkpoint, from checkpoint.Resume."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from areno.envs.pool import EnvPool
 from areno import evaluate as evaluation
 from areno.producers import Data, Producer
 from areno.scheduler import Rollouts, load_inflight
-from areno.config import settings
+from areno import settings
 from areno.backend.launch import EarlyPeers
 from areno.backend.rank_engines import EngineView, RankEngines
 from areno.rundir import lock as runlock
@@ -37,9 +37,9 @@ from areno.data.sampler import PromptSampler
 from areno.errors import UserError
 from areno.data.hub import check_model_id
 from areno.runtime.interrupt import made_run_dir
-from areno.runtime.signals import signals_held
+from areno.procs.signals import signals_held
 from areno.runtime.leftovers import clean_leftovers
-from areno.config.file import write_run_config
+from areno.rundir.runconfig import write_run_config
 from areno.models.directory import (
     MODEL_DIR_FIX, Weights, adapter_base, cached_weights, check_model_dir, is_adapter_dir,
 )
@@ -241,7 +241,7 @@ def tokenizer_class(model_path: str) -> str | None:
 
 def load_tokenizer(model_path: str) -> Any:
     check_model_id(model_path)  # a hub id with no network: one line now, not a minute of retries
-    with signals_held():  # seconds to import: a Ctrl-C lands after it, never inside (runtime/signals.py)
+    with signals_held():  # seconds to import: a Ctrl-C lands after it, never inside (procs/signals.py)
         if tokenizer_class(model_path) in PLAIN_TOKENIZER_CLASSES:
             from transformers import PreTrainedTokenizerFast as Tokenizer
         else:

@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from areno.backend.errors import BackendError
+from areno.procs.errors import BackendError
 from areno.config.offpolicy import weight_slots
 from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
 from areno.errors import UserError, one_line

@@ -17,7 +17,7 @@ import numpy as np
 
 from areno.advantages import advantages_and_keep
 from areno.backend.controller import TrainSteps
-from areno.backend.errors import BackendError
+from areno.procs.errors import BackendError
 from areno.backend.launch import EarlyPeers
 from areno.dynsample import Filled
 from areno.rundir.completions import completion_records
@@ -25,7 +25,7 @@ from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config.env import max_policy_tokens
 from areno.config.train import TrainConfig
 from areno.runtime.interrupt import interrupted, interrupted_at_startup, made_run_dir
-from areno.runtime.signals import interrupts_raise, raise_held, step_window
+from areno.procs.signals import interrupts_raise, raise_held, step_window
 from areno.metrics import train_metrics
 from areno.split import build_split_pack
 from areno.rewards import RewardError, RewardResult

@@ -90,7 +90,7 @@ def test_a_checkpoints_damaged_in_flight_files_are_refused_in_one_line_naming_th
 
 def test_a_rollout_runs_beside_a_train_command_and_loads_the_published_weights_first(tiny_chat_path):
     from areno.backend.controller import TorchBackend
-    from areno.backend.errors import BackendError
+    from areno.procs.errors import BackendError
     from areno.backend.rank_engines import RankEngines
     from areno.rollout.engine import SamplingConfig
 
@@ -317,7 +317,7 @@ def test_an_abandoned_rollout_leaves_the_ranks_usable_and_its_engine_takes_no_mo
     (the interrupt's checkpoint), the engine refuses further commands, and
     close() does not wait for its rollout."""
     from areno.backend.controller import TorchBackend
-    from areno.backend.errors import BackendError
+    from areno.procs.errors import BackendError
 
     with TorchBackend(backend_config(tiny_chat_path, 1)) as be:
         stream = be.open_stream("rollout", lane="rollout", detach=True)

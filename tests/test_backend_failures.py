@@ -111,7 +111,7 @@ def test_ranks_and_segments_do_not_outlive_the_controller(tiny_chat_path, tmp_pa
     import subprocess
     import sys
 
-    from areno.backend.handoff import SHM_DIR
+    from areno.procs.segment import SHM_DIR
 
     tests = os.path.dirname(os.path.abspath(__file__))
     script = tmp_path / "controller.py"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import refused
-from areno.config.settings import backend_config
+from areno.settings import backend_config
 from areno.config.train import TrainConfig
 from areno.losses import LossConfig
 

@@ -18,7 +18,7 @@ from areno.config.train import TrainConfig
 from areno.errors import UserError
 from areno.losses import LossConfig
 from areno.config.resume import MAY_CHANGE, resume_config
-from areno.config.settings import backend_config, engine_spec, sampling
+from areno.settings import backend_config, engine_spec, sampling
 
 ASYNC = ["--off-policy-steps", "1", "--rollout-world-size", "2"]
 
@@ -202,7 +202,7 @@ def test_a_synchronous_run_cannot_resume_asynchronous(tmp_path):
     ({"recompute_logprobs": True}, "cpu", (True, None)),          # as before: no weight unless asked
 ])
 def test_old_logprobs_default_to_the_trainers_in_half_precision(files, given, device, want):
-    from areno.config.settings import old_logprobs, old_logprobs_note
+    from areno.settings import old_logprobs, old_logprobs_note
 
     cfg = TrainConfig.from_sources(None, {**files, **given})
     assert old_logprobs(cfg, device) == want

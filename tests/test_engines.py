@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from areno.backend.errors import BackendError
+from areno.procs.errors import BackendError
 from areno.backend.launch import free_port
 from areno.backend.rank_engines import assign_groups
 from areno.rollout.probe import PROBE_ROUNDING_UNITS, probe_tolerance
@@ -115,7 +115,7 @@ CPU_ONLY_RUN = """
 import sys, torch
 from areno.config.train import TrainConfig
 from areno.run import open_run
-from areno.runtime.signals import interrupts_raise
+from areno.procs.signals import interrupts_raise
 from areno.trainer import train_loop
 cfg = TrainConfig.from_sources(overrides=dict(max_steps=2, world_size=2, output_dir=sys.argv[1],
                                               no_save=True, rollout_engine="vllm"))
@@ -276,7 +276,7 @@ def test_an_interrupt_between_a_rollouts_sends_and_its_first_read_is_drained(tin
     from areno.backend.config import BackendConfig
     from areno.backend.controller import TorchBackend
     from areno.backend.rank_engines import RankEngines
-    from areno.backend.replies import ReplyStream
+    from areno.procs.replies import ReplyStream
     from areno.rollout.engine import SamplingConfig
     from areno.rollout.factory import EngineSpec
 

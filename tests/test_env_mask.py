@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from areno.envs.trajectory import ObservationFormat, Trajectories, turn_segments
+from areno.envs.trajectory import ObservationFormat, Trajectories
+from areno.rollout.batch import turn_segments
 from areno.losses import LossConfig, LossInputs, compute_loss
 from areno.rollout.batch import RolloutBatch
 from areno.split import build_split_pack

@@ -62,7 +62,7 @@ def test_a_corrupted_region_fails_the_engine_process_check(tiny_chat_path):
     """A sync after the first carries no probe (probe_due): the exact fingerprint
     alone must catch one flipped bit, on every load."""
     from areno.backend.controller import TorchBackend
-    from areno.backend.errors import BackendError
+    from areno.procs.errors import BackendError
 
     with TorchBackend(backend_config(tiny_chat_path, 1)) as be:
         be.train(make_split(1))
@@ -128,7 +128,7 @@ def test_a_corrupted_adapter_region_fails_the_engine_process_check(tiny_chat_pat
     """As for full weights: a load with no probe due is held to rank 0's exact
     adapter fingerprint, which one flipped bit of one B value breaks."""
     from areno.backend.controller import TorchBackend
-    from areno.backend.errors import BackendError
+    from areno.procs.errors import BackendError
 
     with TorchBackend(lora_backend_config(tiny_chat_path)) as be:
         be.train(make_split(1))

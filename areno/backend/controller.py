@@ -6,10 +6,10 @@ a few hundred bytes of metadata, and waits for replies with
 `multiprocessing.connection.wait` over the result pipes AND the process
 sentinels, in slices of at most a second: a rank that raises is reported with
 its traceback, a rank that is SIGKILLed is noticed at once, one whose heartbeat
-stops (SIGSTOP: backend/heartbeat.py) within its bound, and either way
+stops (SIGSTOP: procs/heartbeat.py) within its bound, and either way
 every rank is then stopped ("shutdown", SIGKILL after a grace period) and every
 shared-memory segment unlinked (the pipes, waits and reply streams are
-backend/replies.py's). Nothing blocks forever on a recv.
+procs/replies.py's). Nothing blocks forever on a recv.
 """
 
 from __future__ import annotations
@@ -29,16 +29,17 @@ from pathlib import Path
 import torch
 
 from areno.backend.config import BackendConfig
-from areno.backend.errors import BackendError
-from areno.backend.handoff import PackWriter, ShmSegment
-from areno.backend.heartbeat import HeartbeatWatch, stuck_rank_error
+from areno.procs.errors import BackendError
+from areno.backend.handoff import PackWriter
+from areno.procs.segment import ShmSegment
+from areno.procs.heartbeat import HeartbeatWatch, stuck_rank_error
 from areno.backend.launch import EarlyPeers, PeerShape, accept_ranks, early_peers_for, free_port  # noqa: F401 (re-exported)
-from areno.backend.replies import Peers, ReplyStream
-from areno.backend.weight_sync import WeightLayout, WeightRegion, sync_line
+from areno.procs.replies import Peers, ReplyStream
+from areno.fleet.weight_sync import WeightLayout, WeightRegion, sync_line
 from areno.backend.weights import probe_ids
-from areno.rundir.fileperms import replace_dir
+from areno.fileperms import replace_dir
 from areno.perf import pack_train_perf
-from areno.runtime.procs import stop_processes
+from areno.procs.lifecycle import stop_processes
 from areno.rollout.probe import probe_due
 from areno.split import SplitPack
 
@@ -134,7 +135,7 @@ class TorchBackend:
             with contextlib.suppress(OSError, ValueError):
                 c.send(("shutdown", {}))
         for r in self.peers.stale:  # busy with an abandoned rollout: it would read "shutdown" after it
-            self._procs[r].kill()  # SIGKILL: ranks ignore SIGTERM (runtime/signals.py)
+            self._procs[r].kill()  # SIGKILL: ranks ignore SIGTERM (procs/signals.py)
         deadline = time.monotonic() + self.config.shutdown_grace_s
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))

@@ -8,10 +8,10 @@ cores; on GPU engine i takes GPU N + i of the controller's (BackendConfig.engine
 to place it elsewhere), the only one it sees (launch.peer_env sets its
 CUDA_VISIBLE_DEVICES: vLLM takes device 0 whatever torch.cuda.set_device says).
 Its start-up is one code path on CPU and GPU up to the device call
-(rank.claim_device); the vLLM engine is in-process on every device
+(procs.device.claim_device); the vLLM engine is in-process on every device
 (rollout.factory), so load_weights can take the region's tensors, and takes
 0.9 of its GPU unless --gpu-memory-utilization says otherwise
-(config.settings.engine_gpu_memory).
+(settings.engine_gpu_memory).
 
 Prompts reach it as they reach a rank's engine (`generate`, the same
 OutRegion/part protocol: engine_host.generate_into). Weights reach it through
@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 from areno.backend.config import BackendConfig
-from areno.backend.rank import claim_device
-from areno.backend.engine_host import OutRegion, generate_into
+from areno.procs.device import claim_device
+from areno.fleet.engine_host import OutRegion, generate_into
 from areno.backend.hooks import load_rank_hooks
-from areno.backend.weight_sync import SyncCheck, WeightRegion, load_region, reports_fingerprint
+from areno.fleet.weight_sync import SyncCheck, WeightRegion, load_region, reports_fingerprint
 from areno.rollout.engine import prompt_seeds
 from areno.rollout.factory import make_engine
 
@@ -51,7 +51,7 @@ class EngineWorker:
         self.same_host = same_host
         # GPU: device 0, the one GPU it sees (launch.peer_env: GPU N + i of the
         # controller's). TP inside one is refused (config/offpolicy.py).
-        self.device = claim_device(cfg, 0, cfg.rollout_world_size)
+        self.device = claim_device(cfg.device, cfg.cpu_threads, 0, cfg.rollout_world_size)
         self.hooks = load_rank_hooks()  # no-ops unless ARENO_RANK_HOOKS names some (benchmarks)
         made = self.hooks.make_engine(cfg, self.device)  # None but in benchmarks (hooks.py)
         self.engine, self.engine_kind = made if made is not None else \

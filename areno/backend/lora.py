@@ -9,7 +9,7 @@ reach AdamW and the optimizer state.
 
 Weight sync: the base weights are frozen and already in the engine, so only the
 adapter travels (`adapter_state`, loaded and fingerprinted by
-backend.adapter_sync). `merged_state` is the merged view under the base model's
+fleet.adapter_sync). `merged_state` is the merged view under the base model's
 own tensor names, W = W0 + scaling * B @ A computed per target linear from the
 gathered tensors (nothing is merged in place, which on FSDP2's sharded DTensors
 would be unsafe): what `--save-merged` writes into `merged/`.

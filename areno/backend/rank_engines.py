@@ -23,16 +23,16 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
-from areno.backend.engine_host import OutRegion
-from areno.backend.replies import ReplyStream
-from areno.runtime.signals import signals_held
-from areno.backend.weight_sync import WeightRegion
+from areno.fleet.engine_host import OutRegion
+from areno.procs.replies import ReplyStream
+from areno.procs.signals import signals_held
+from areno.fleet.weight_sync import WeightRegion
 from areno.rollout.batch import RolloutBatch, csr_take, offsets_from_lengths
 from areno.rollout.engine import SamplingConfig, prompt_seeds, validate_prompts
 
 if TYPE_CHECKING:
     from areno.backend.controller import TorchBackend
-    from areno.backend.handoff import ShmSegment
+    from areno.procs.segment import ShmSegment
 
 _PAGE = 4096
 DRAIN_S = 5.0

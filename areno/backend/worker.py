@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -14,21 +16,22 @@ import torch
 import torch.distributed as dist
 
 from areno.backend.config import BackendConfig
-from areno.backend.rank import claim_device
-from areno.runtime.rng import rng_state, set_rng_state
+from areno.procs.device import claim_device
+from areno.rundir.rng import rng_state, set_rng_state
 from areno.rollout.budget import check_engine_budget, footprint
 from areno.rollout.factory import make_engine
-from areno.backend.engine_host import OutRegion, generate_into
-from areno.backend.handoff import LocalPack, RankHandoff, map_region
+from areno.fleet.engine_host import OutRegion, generate_into
+from areno.backend.handoff import LocalPack, RankHandoff
+from areno.procs.segment import map_region
 from areno.backend.hooks import load_rank_hooks
-from areno.backend.adapter_sync import adapter_tensors, load_adapter
+from areno.fleet.adapter_sync import adapter_tensors, load_adapter
 from areno.backend.lora import (
-    ADAPTER, adapter_meta, adapter_state, apply_lora, merged_state, param_counts, save_adapter,
+    ADAPTER, adapter_meta, adapter_state, apply_lora, head_weight, merged_state, param_counts, save_adapter,
 )
 from areno.backend.model import PolicyModule, load_hf_model, resolve_attn_implementation, wrap_policy
 from areno.backend.step import RankTrainer, autocast_ctx
-from areno.backend.weight_sync import (
-    ProbeRef, SyncCheck, WeightLayout, WeightStream, check_engine_names, logit_scale_of, reports_fingerprint,
+from areno.fleet.weight_sync import (
+    ProbeRef, SyncCheck, WeightLayout, WeightStream, check_engine_names, reports_fingerprint,
 )
 from areno.backend.weights import copy_aux_files, hf_state_names, iter_full_state, save_hf_dir, state_meta
 from areno.perf import flop_shape
@@ -45,7 +48,7 @@ class RankWorker:
         self.world = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.same_host = same_host
-        self.device = claim_device(cfg, self.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+        self.device = claim_device(cfg.device, cfg.cpu_threads, self.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
         if not dist.is_initialized():
             dist.init_process_group(
                 cfg.dist_backend, rank=self.rank, world_size=self.world,
@@ -276,3 +279,21 @@ class RankWorker:
             set_rng_state(torch.load(rng, weights_only=False), self.device)
         dist.barrier()
 
+
+@contextmanager
+def logit_scale_of(hf: torch.nn.Module) -> Iterator[list[float]]:
+    """Within: every forward of `hf.model` appends max |logit| of its last hidden
+    states through `hf.lm_head` (the probe's rounding scale). Read inside the
+    forward, where FSDP2 has gathered the lm_head and autocast is on."""
+    scales: list[float] = []
+
+    def grab(_module, _args, out) -> None:
+        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        with torch.no_grad():
+            scales.append(float(torch.nn.functional.linear(h, head_weight(hf.lm_head)).abs().max()))
+
+    handle = hf.model.register_forward_hook(grab)
+    try:
+        yield scales
+    finally:
+        handle.remove()

@@ -6,6 +6,7 @@ live in lora.py and offpolicy.py, called from here."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,10 +18,12 @@ from areno.data.tasks.arith import DEMO_PRESET, demo_lora_preset
 from areno.errors import UserError
 from areno.rollout.factory import resolved_engine
 from areno.models.directory import MODEL_DIR_FIX, check_model_dir
-from areno.runtime.multinode import check_authkey
 
 if TYPE_CHECKING:
     from areno.config.train import TrainConfig
+
+# Authenticates the ranks' connections to the controller (runtime/multinode.py).
+AUTHKEY_VAR = "ARENO_BACKEND_AUTHKEY"
 
 
 def fill_demo_preset(values: dict[str, Any]) -> None:
@@ -135,3 +138,15 @@ def check_reward_timeout(given: dict[str, Any]) -> None:
         raise UserError(f"--reward-timeout {given['reward_timeout']} cannot be enforced with "
                         "--reward-workers 0 (in-process scoring has no worker to kill): give "
                         "--reward-workers 1 or more, or drop --reward-timeout")
+
+
+def check_authkey() -> None:
+    key = os.environ.get(AUTHKEY_VAR, "")
+    try:
+        ok = len(bytes.fromhex(key)) >= 16
+    except ValueError:
+        ok = False
+    if not ok:
+        raise UserError(
+            f"--nnodes > 1 needs {AUTHKEY_VAR}, the same on every node (32 hex digits): "
+            f"export {AUTHKEY_VAR}=$(python -c 'import secrets; print(secrets.token_hex(16))')")

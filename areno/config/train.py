@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from areno.config.choices import (
+from areno.choices import (
     LOSS_AGG_BY_ALGO, AdvantageMode, Algo, Device, DType, DynamicSampling, ISLevel, ISMode, KLType, LossAgg, OnError,
     Strategy,
 )

@@ -140,13 +140,3 @@ class Trajectories:
             finish_reason=np.asarray(finish_reason, dtype=np.uint8), response_mask=cat(self._masks, np.uint8),
             turn_cut=np.asarray(turn_cut, dtype=bool),
         )
-
-
-def turn_segments(batch: RolloutBatch, i: int) -> list[tuple[int, np.ndarray]]:
-    """Response i of a batch as (1 sampled | 0 observation, ids) runs of its mask."""
-    ids = batch.response_tokens(i)
-    if batch.response_mask is None:
-        return [(1, ids)] if ids.size else []
-    m = batch.response_mask[batch.response_offsets[i]:batch.response_offsets[i + 1]]
-    cut = np.flatnonzero(np.diff(m)) + 1
-    return [(int(mm[0]), a) for a, mm in zip(np.split(ids, cut), np.split(m, cut)) if a.size]

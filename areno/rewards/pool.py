@@ -31,7 +31,7 @@ interpreter exit) ends them, they are daemon processes, and each leads a
 process group (a session) of its own: a timeout, a crash or close() SIGKILLs
 the whole group, so what the plugin started (a compiler, a test binary, a
 fork) goes with it, and a worker whose trainer died, even by SIGKILL, kills
-its group within 0.5 s (runtime/procs.die_with_parent). At workers=0, close()
+its group within 0.5 s (procs/lifecycle.die_with_parent). At workers=0, close()
 kills what the plugin started in-process. A child that starts a session of
 its own is out of reach. As with any 'spawn' pool, workers import the main script: a
 script that builds a RewardScorer needs an `if __name__ == "__main__":` guard.
@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from areno.errors import UserError, one_line
-from areno.runtime.procs import descendants, exit_text, kill_new_descendants
+from areno.procs.lifecycle import descendants, exit_text, kill_new_descendants
 from areno.rewards.jobs import JobBook, Chunk
 from areno.rewards.plugin import (
     STATUS_ERROR,

@@ -289,6 +289,16 @@ def overlong_mask(batch: RolloutBatch) -> np.ndarray:
     return batch.finish_reason == FINISH_LENGTH
 
 
+def turn_segments(batch: RolloutBatch, i: int) -> list[tuple[int, np.ndarray]]:
+    """Response i of a batch as (1 sampled | 0 observation, ids) runs of its mask."""
+    ids = batch.response_tokens(i)
+    if batch.response_mask is None:
+        return [(1, ids)] if ids.size else []
+    m = batch.response_mask[batch.response_offsets[i]:batch.response_offsets[i + 1]]
+    cut = np.flatnonzero(np.diff(m)) + 1
+    return [(int(mm[0]), a) for a, mm in zip(np.split(ids, cut), np.split(m, cut)) if a.size]
+
+
 def _batch_decode(tokenizer: Any, ids: np.ndarray, offsets: np.ndarray, skip_special_tokens: bool) -> list[str]:
     """One batched decode of the CSR sequences ids[offsets[i]:offsets[i+1]].
 

@@ -33,11 +33,12 @@ from typing import Any, Protocol
 
 import torch
 
-from areno.backend.errors import BackendError
+from areno.procs.errors import BackendError
 from areno.errors import UserError
-from areno.rundir.fileperms import OLD_PREFIX, honour_umask, replace_dir
+from areno.fileperms import OLD_PREFIX, honour_umask, replace_dir
 from areno.models.directory import check_model_dir
-from areno.runtime.rng import rng_state, set_rng_state
+from areno.rundir.rng import rng_state, set_rng_state
+from areno.rundir.runconfig import read_run_config
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -52,8 +53,6 @@ def checkpoint_root(cfg: Any, output_dir: Path) -> Path:
 def recorded_save_path(output_dir: Path) -> str | None:
     """The --save-path the run in `output_dir` recorded in its config.yaml (None: the
     default place, or no readable config.yaml)."""
-    from areno.config.file import read_run_config
-
     saved = read_run_config(output_dir)
     value = saved.get("save_path") if saved else None
     return value if isinstance(value, str) and value else None

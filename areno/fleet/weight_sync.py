@@ -23,15 +23,13 @@ tolerance of rollout/probe.py.
 from __future__ import annotations
 
 from collections.abc import Mapping, Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from areno.backend.adapter_sync import load_adapter
-from areno.backend.lora import head_weight
+from areno.fleet.adapter_sync import load_adapter
 from areno.rollout.engine import check_weight_names
 from areno.rollout.probe import (
     Fingerprint, check_fingerprint, check_logprobs, probe_due, probe_tolerance, sum_squares,
@@ -162,7 +160,7 @@ def load_region(engine: Any, region: WeightRegion, check: SyncCheck) -> dict:
     adapter_sync.load_adapter), then run `check` -> its result. An adapter is
     checked against the sender's fingerprint, so a region damaged in between
     fails the check as a full one does."""
-    from areno.backend.handoff import map_region
+    from areno.procs.segment import map_region
 
     mem = map_region(region.segment, 0, region.layout.nbytes)
     tensors = region_tensors(mem, region.layout)
@@ -247,22 +245,3 @@ def reports_fingerprint(engine: Any) -> bool:
     """Whether `engine` can report an exact fingerprint of what it holds (decided
     once: it turns on the stream's sums, the exact check and the probe schedule)."""
     return hasattr(engine, "weights_fingerprint") and getattr(engine, "fingerprint_exact", True)
-
-
-@contextmanager
-def logit_scale_of(hf: torch.nn.Module) -> Iterator[list[float]]:
-    """Within: every forward of `hf.model` appends max |logit| of its last hidden
-    states through `hf.lm_head` (the probe's rounding scale). Read inside the
-    forward, where FSDP2 has gathered the lm_head and autocast is on."""
-    scales: list[float] = []
-
-    def grab(_module, _args, out) -> None:
-        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        with torch.no_grad():
-            scales.append(float(torch.nn.functional.linear(h, head_weight(hf.lm_head)).abs().max()))
-
-    handle = hf.model.register_forward_hook(grab)
-    try:
-        yield scales
-    finally:
-        handle.remove()
