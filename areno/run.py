@@ -19,11 +19,10 @@ import torch
 
 from areno.advantages import overlong_penalty
 from areno.config.env import trajectory_tokens
-from areno.envs.driver import episode_spec
 from areno.envs.pool import EnvPool
 from areno import evaluate as evaluation
-from areno.producers import Data, Producer
-from areno.scheduler import Rollouts, load_inflight
+from areno.producers import Data
+from areno.scheduler import Rollouts, load_inflight, rollouts_for
 from areno import settings
 from areno.backend.launch import EarlyPeers
 from areno.backend.rank_engines import EngineView, RankEngines
@@ -321,7 +320,8 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
                   logger=logger, world_size=world_size, total_steps=total, step=resume.step, evalset=evalset,
                   max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
         logger.info(start_line(run, resume, device))
-        resume_rollouts(run, resume, inflight, model_path)
+        run.rollouts = rollouts_for(run, int(resume.state.get("weight_version", resume.step)), inflight,
+                                    model_path)
         if lora is not None:
             logger.info(lora_line(lora, params))
             if lora.adapter_path is not None:  # the engines hold the base model: give them the trained one
@@ -341,18 +341,6 @@ def scorer_for(cfg: TrainConfig, stack: contextlib.ExitStack) -> tuple[RewardSco
                                                  timeout=cfg.reward_timeout, on_error=cfg.on_reward_error))
     return stack.enter_context(RewardScorer(resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,
                                             timeout=cfg.reward_timeout, on_error=cfg.on_reward_error)), None
-
-
-def resume_rollouts(run: Run, resume: Resume, saved: list, tokenizer_path: str) -> None:
-    """The run's scheduler (scheduler.Rollouts), with a checkpoint's rounds in
-    flight (`saved`, scheduler.load_inflight) kept for it, or, at K = 0 (the one
-    a K = 0 save holds was sampled with the checkpoint's weights), sampled again."""
-    cfg = run.cfg
-    producer = Producer(run, episode_spec(cfg, tokenizer_path) if cfg.env_path else None)
-    if saved and not cfg.off_policy_steps:  # at K = 0 they sample the same again: start afresh
-        run.sampler.load_state_dict(saved[0].sampler_before)
-        saved = []
-    run.rollouts = Rollouts(run, producer, int(resume.state.get("weight_version", resume.step)), saved)
 
 
 def model_for(cfg: TrainConfig, resume: Resume) -> tuple[str, str, Weights | None, Any, dict | None]:

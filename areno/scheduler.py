@@ -61,6 +61,7 @@ import numpy as np
 
 from areno.procs.errors import BackendError
 from areno.config.offpolicy import weight_slots
+from areno.envs.driver import episode_spec
 from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
 from areno.errors import UserError, one_line
 from areno.metrics import policy_lag_metrics, wait_metrics
@@ -281,6 +282,19 @@ class Rollouts:
                 {"step": c.step, "version": c.version, "sampler_before": c.sampler_before}
                 for c in self.inflight]}))
         return self.run.sampler.state_dict()
+
+
+def rollouts_for(run: Any, updates: int, saved: list[Inflight], tokenizer_path: str) -> Rollouts:
+    """A run's scheduler over its engines (multi-turn under --env-path), with a
+    checkpoint's rounds in flight (`saved`, load_inflight; `updates`: its weight
+    version) kept, or, at K = 0 (a K = 0 save holds one sampled with the
+    checkpoint's weights), sampled again."""
+    cfg = run.cfg
+    producer = Producer(run, episode_spec(cfg, tokenizer_path) if cfg.env_path else None)
+    if saved and not cfg.off_policy_steps:
+        run.sampler.load_state_dict(saved[0].sampler_before)
+        saved = []
+    return Rollouts(run, producer, updates, saved)
 
 
 def load_inflight(ckpt: Path | None, expected: int | None = None, instead: str = "") -> list[Inflight]:
