@@ -22,7 +22,7 @@ import typing
 
 import numpy as np
 
-from areno.config.choices import AdvantageMode
+from areno.choices import AdvantageMode
 
 ADVANTAGE_MODES: tuple[str, ...] = typing.get_args(AdvantageMode)
 EPS = 1e-6  # grpo: added to the group std

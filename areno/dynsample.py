@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from areno.advantages import zero_variance_groups
-from areno.config.choices import DynamicSampling
+from areno.choices import DynamicSampling
 from areno.metrics import sampling_metrics
 from areno.rewards import RewardCounts, RewardResult
 from areno.rollout.batch import RolloutBatch

@@ -29,7 +29,7 @@ class UserError(Exception):
 
 class SignalInterrupt(KeyboardInterrupt):
     """The KeyboardInterrupt areno's own signal handler raises (Ctrl-C, SIGTERM,
-    SIGHUP: areno/runtime/signals.py), told apart from one a user's code raises."""
+    SIGHUP: areno/procs/signals.py), told apart from one a user's code raises."""
 
 
 def is_signal_interrupt(e: BaseException) -> bool:

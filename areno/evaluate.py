@@ -1,4 +1,7 @@
-"""Held-out evaluation through the rollout engine and the reward plugin.
+"""Held-out evaluation through the run's scheduler: the eval set is one round
+of the same producer as training (producers.py), so it samples on the same
+engines, single-turn or multi-turn (--env-path: greedy trajectories through the
+episode driver, scored by the environment).
 
   eval/pass@1       fraction of prompts whose greedy completion scores >= 1
   eval/reward@1     mean reward of the greedy completions
@@ -10,43 +13,31 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from areno.data.prompts import PromptSet, select
-from areno.rewards import RewardScorer, reward_records
-from areno.rollout.batch import decode_completions
 from areno.rollout.engine import SamplingConfig
-from areno.data.rows import RowSet
 
 
-def _score(engine: Any, tokenizer: Any, scorer: RewardScorer, rows: RowSet, prompts: PromptSet,
-           n: int, sampling: SamplingConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """-> rewards [N] (NaN where skipped), valid [N], group_index [N]."""
-    idx = np.arange(len(prompts), dtype=np.int64)
-    ids, offsets = select(prompts, idx)
-    batch = engine.generate(ids, offsets, n, sampling)
-    completions = decode_completions(tokenizer, batch)
-    scored = scorer.score(reward_records(rows, prompts, idx, batch, completions))
-    return scored.rewards, scored.valid, batch.group_index
-
-
-def evaluate(engine: Any, tokenizer: Any, scorer: RewardScorer, rows: RowSet, prompts: PromptSet,
-             sampling: SamplingConfig, k: int = 1) -> dict[str, float]:
-    """Greedy pass@1 (and mean@k / pass@k for k > 1) on every prompt of `prompts`."""
+def evaluate(run_round: Callable[[Any, int, SamplingConfig], Any], data: Any, sampling: SamplingConfig,
+             k: int = 1) -> dict[str, float]:
+    """Greedy pass@1 (and mean@k / pass@k for k > 1) on every prompt of `data`
+    (producers.Data); run_round(data, n, sampling) -> the scored dynsample.Round."""
     greedy = replace(sampling, temperature=0.0, top_p=1.0, top_k=-1)
-    r, valid, _ = _score(engine, tokenizer, scorer, rows, prompts, 1, greedy)
+    num = len(data.prompts)
+    r = run_round(data, 1, greedy).scored
+    rewards = np.where(r.valid, r.rewards, 0.0)
     out = {
-        "eval/pass@1": float(np.mean(np.where(valid, r, 0.0) >= 1.0)),
-        "eval/reward@1": float(np.mean(np.where(valid, r, 0.0))),
-        "eval/prompts": float(len(prompts)),
+        "eval/pass@1": float(np.mean(rewards >= 1.0)),
+        "eval/reward@1": float(np.mean(rewards)),
+        "eval/prompts": float(num),
     }
     if k > 1:
-        r, valid, g = _score(engine, tokenizer, scorer, rows, prompts, k, sampling)
-        r = np.where(valid, r, 0.0)
-        passed = np.zeros(len(prompts), dtype=bool)
-        np.logical_or.at(passed, g, r >= 1.0)
-        out[f"eval/mean@{k}"] = float(r.mean())
+        rnd = run_round(data, k, sampling)
+        rewards = np.where(rnd.scored.valid, rnd.scored.rewards, 0.0)
+        passed = np.zeros(num, dtype=bool)
+        np.logical_or.at(passed, rnd.batch.group_index, rewards >= 1.0)
+        out[f"eval/mean@{k}"] = float(rewards.mean())
         out[f"eval/pass@{k}"] = float(passed.mean())
     return out

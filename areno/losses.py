@@ -107,7 +107,7 @@ from dataclasses import dataclass
 
 import torch
 
-from areno.config.choices import Algo, ISLevel, ISMode, KLType
+from areno.choices import Algo, ISLevel, ISMode, KLType
 
 ALGOS: tuple[str, ...] = typing.get_args(Algo)
 KL_TYPES: tuple[str, ...] = typing.get_args(KLType)

@@ -2,7 +2,7 @@
 user mistakes first: run directory, tokenizer, data, reward plugin, then the
 expensive parts (backend ranks, rollout engine). Closing a Run shuts down every
 process it started, on every exit path. Where those parts go comes from
-runtime/placement.py, their settings from config/settings.py; what a resumed run
+runtime/placement.py, their settings from settings.py; what a resumed run
 takes from its checkpoint, from checkpoint.Resume."""
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ from typing import Any, Iterator
 
 import torch
 
+from areno.advantages import overlong_penalty
 from areno.config.env import trajectory_tokens
 from areno.envs.pool import EnvPool
 from areno import evaluate as evaluation
-from areno.asyncloop import RolloutsAhead, load_inflight
-from areno.config import settings
+from areno.producers import Data
+from areno.scheduler import Rollouts, load_inflight, rollouts_for
+from areno import settings
 from areno.backend.launch import EarlyPeers
 from areno.backend.rank_engines import EngineView, RankEngines
 from areno.rundir import lock as runlock
@@ -34,9 +36,9 @@ from areno.data.sampler import PromptSampler
 from areno.errors import UserError
 from areno.data.hub import check_model_id
 from areno.runtime.interrupt import made_run_dir
-from areno.runtime.signals import signals_held
+from areno.procs.signals import signals_held
 from areno.runtime.leftovers import clean_leftovers
-from areno.config.file import write_run_config
+from areno.rundir.runconfig import write_run_config
 from areno.models.directory import (
     MODEL_DIR_FIX, Weights, adapter_base, cached_weights, check_model_dir, is_adapter_dir,
 )
@@ -71,7 +73,8 @@ class Run:
     prompts: PromptSet | None
     sampler: PromptSampler | None
     sampling: SamplingConfig
-    scorer: RewardScorer
+    scorer: RewardScorer | None  # the reward plugin's workers (None under --env-path)
+    envs: EnvPool | None         # the environment's workers (--env-path, engines in the ranks)
     backend: Any
     engine: EngineView
     logger: RunLogger
@@ -81,20 +84,20 @@ class Run:
     evalset: tuple[RowSet, PromptSet] | None = None
     workspace: Workspace = field(default_factory=Workspace)  # pack buffers reused every step
     max_tokens_per_micro: int = 8192  # --max-tokens-per-micro, or the device's default
-    ahead: RolloutsAhead | None = None  # the loop state of engine processes (--rollout-world-size)
+    rollouts: Rollouts = None  # type: ignore[assignment]  # the scheduler: set once the engines are up
 
     def evaluate(self, step: int) -> None:
-        """Score the eval set (--eval-dataset-path; nothing without one) and log it at `step`."""
+        """Score the eval set (--eval-dataset-path; nothing without one) through the
+        same producer as training rounds (multi-turn under --env-path), greedy,
+        and log it at `step`."""
         cfg = self.cfg
         if self.evalset is None:
             return
-        if self.ahead is not None:  # the engines free, with the weights of `step`
-            self.ahead.ready_for_eval()
+        self.rollouts.ready_for_eval()  # the engines free, with the weights of `step`
         # mean@k samples with a seed of its own per step, so a resumed run evaluates as
         # an uninterrupted one would (the engine's own stream is not checkpointed).
         sampling = replace(self.sampling, seed=EVAL_SEED_BASE + self.sampling_for(step).seed)
-        m = evaluation.evaluate(self.engine, self.tokenizer, self.scorer, *self.evalset, sampling,
-                                k=cfg.eval_n)
+        m = evaluation.evaluate(self.rollouts.run_round, Data(*self.evalset), sampling, k=cfg.eval_n)
         self.logger.log(step, m, advance=False)
         self.logger.info(f"eval step {step}: " + " ".join(
             f"{k.split('/', 1)[1]} {v:.3f}" for k, v in m.items() if k != "eval/prompts"))
@@ -103,6 +106,15 @@ class Run:
         """The sampling of step's rollout: its seed is the step's, so a resumed run
         samples as an uninterrupted one."""
         return replace(self.sampling, seed=self.cfg.seed * 1_000_003 + step)
+
+    def shaping(self, batch: Any) -> Any:
+        """[N] float32 added to the plugin's rewards before advantages: DAPO's soft
+        overlong punishment (--overlong-buffer; zeros when off). Under --env-path
+        it is defined on the trajectory: its length (sampled + observation tokens)
+        against its budget (--max-trajectory-tokens), where it is cut."""
+        cfg = self.cfg
+        return overlong_penalty(batch.response_lengths, trajectory_tokens(cfg), cfg.overlong_buffer,
+                                cfg.overlong_penalty)
 
     def save(self, step: int) -> Path:
         """Write a checkpoint of `step` (atomic; pruned to --keep-last)."""
@@ -228,7 +240,7 @@ def tokenizer_class(model_path: str) -> str | None:
 
 def load_tokenizer(model_path: str) -> Any:
     check_model_id(model_path)  # a hub id with no network: one line now, not a minute of retries
-    with signals_held():  # seconds to import: a Ctrl-C lands after it, never inside (runtime/signals.py)
+    with signals_held():  # seconds to import: a Ctrl-C lands after it, never inside (procs/signals.py)
         if tokenizer_class(model_path) in PLAIN_TOKENIZER_CLASSES:
             from transformers import PreTrainedTokenizerFast as Tokenizer
         else:
@@ -286,7 +298,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
     longest = max(int(p.lengths.max()) for p in (prompts, evalset and evalset[1]) if p)
     check_model(model_path, longest, trajectory_tokens(cfg))  # before any engine or rank starts
     with contextlib.ExitStack() as stack:
-        scorer = stack.enter_context(scorer_for(cfg))
+        scorer, envs = scorer_for(cfg, stack)
         # The ranks hold the rollout engines, so an eval-only run starts them too.
         spec = None if engine is not None else settings.engine_spec(cfg, device, longest, lora.rank if lora else 0)
         bcfg = settings.backend_config(cfg, model_path, base_model, world_size, device, max(total, 1), spec,
@@ -303,11 +315,13 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
         logger = stack.enter_context(RunLogger(out, total, cfg.report_to, config=cfg.to_dict(),
                                                start_step=resume.step, completions=bool(cfg.log_completions)))
         run = Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows, prompts=prompts,
-                  sampler=sampler, sampling=settings.sampling(cfg), scorer=scorer, backend=backend, engine=engine,
+                  sampler=sampler, sampling=settings.sampling(cfg), scorer=scorer, envs=envs, backend=backend,
+                  engine=engine,
                   logger=logger, world_size=world_size, total_steps=total, step=resume.step, evalset=evalset,
                   max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
         logger.info(start_line(run, resume, device))
-        resume_rollouts(run, resume, inflight)
+        run.rollouts = rollouts_for(run, int(resume.state.get("weight_version", resume.step)), inflight,
+                                    model_path)
         if lora is not None:
             logger.info(lora_line(lora, params))
             if lora.adapter_path is not None:  # the engines hold the base model: give them the trained one
@@ -316,25 +330,17 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
         yield run
 
 
-def scorer_for(cfg: TrainConfig) -> RewardScorer | EnvPool:
-    """The reward plugin's scorer, or under --env-path the environment's calls, on
-    the same reward workers."""
+def scorer_for(cfg: TrainConfig, stack: contextlib.ExitStack) -> tuple[RewardScorer | None, EnvPool | None]:
+    """The reward plugin's workers, or under --env-path the environment's (on the
+    same reward workers: its calls, one job each). Engine processes run their own
+    environment workers (EngineWorker.cmd_episodes), so split placement starts none here."""
     if cfg.env_path:
-        return EnvPool(cfg.env_path, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
-                       on_error=cfg.on_reward_error)
-    return RewardScorer(resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,
-                        timeout=cfg.reward_timeout, on_error=cfg.on_reward_error)
-
-
-def resume_rollouts(run: Run, resume: Resume, saved: list) -> None:
-    """A K >= 1 checkpoint's rollouts in flight (`saved`, asyncloop.load_inflight):
-    kept for the loop of the engine processes (asyncloop.py), or, at K = 0,
-    sampled again from these weights."""
-    if saved and not run.cfg.off_policy_steps:
-        run.sampler.load_state_dict(saved[0].sampler_before)
-        saved = []
-    if run.cfg.rollout_world_size:  # engine processes: their loop, any K
-        run.ahead = RolloutsAhead(run, int(resume.state.get("weight_version", resume.step)), saved)
+        if cfg.rollout_world_size:
+            return None, None
+        return None, stack.enter_context(EnvPool(cfg.env_path, workers=cfg.reward_workers,
+                                                 timeout=cfg.reward_timeout, on_error=cfg.on_reward_error))
+    return stack.enter_context(RewardScorer(resolve_plugin_path(cfg.reward_fn_path), workers=cfg.reward_workers,
+                                            timeout=cfg.reward_timeout, on_error=cfg.on_reward_error)), None
 
 
 def model_for(cfg: TrainConfig, resume: Resume) -> tuple[str, str, Weights | None, Any, dict | None]:

@@ -1,7 +1,8 @@
-"""Decode and score a rollout: whole (score), or part by part as its groups
-finish (PartScorer: the colocated loop's --overlap-rewards, and split
-placement's rollouts in flight, whose parts are scored while the controller
-waits for the ranks)."""
+"""Decode and score a single-turn rollout with the reward plugin: whole
+(score), or part by part as its groups finish (PartScorer: the colocated
+round under --overlap-rewards, and engine processes' rounds, whose parts are
+scored while the controller waits for the ranks). `data` is where the
+prompts come from (producers.Data: the training set or the eval set)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ from areno.rollout.batch import RolloutBatch, decode_completions
 from areno.timing import PhaseTimer
 
 
-def score(run: Run, prompt_idx: np.ndarray, batch: RolloutBatch, timer: PhaseTimer) -> RewardResult:
+def score(run: Any, data: Any, prompt_idx: np.ndarray, batch: RolloutBatch, timer: PhaseTimer) -> RewardResult:
     """Decode the whole batch in one call, then score it."""
     with timer("decode"):
         completions = decode_completions(run.tokenizer, batch)
     with timer("reward"):
-        return run.scorer.score(reward_records(run.rows, run.prompts, prompt_idx, batch, completions))
+        return run.scorer.score(reward_records(data.rows, data.prompts, prompt_idx, batch, completions))
 
 
 class PartScorer(Parts):
@@ -30,20 +31,20 @@ class PartScorer(Parts):
     rewards back in prompt order, so the result equals score()'s. Decode goes
     to `timer`'s decode phase, the submits to a reward span."""
 
-    def __init__(self, run: Any, prompt_idx: np.ndarray, timer: PhaseTimer) -> None:
+    def __init__(self, run: Any, data: Any, prompt_idx: np.ndarray, timer: PhaseTimer, n: int) -> None:
         super().__init__()
-        self.run, self.prompt_idx, self.timer = run, prompt_idx, timer
+        self.run, self.data, self.prompt_idx, self.timer, self.n = run, data, prompt_idx, timer, n
         self.tickets: list[int] = []
 
     def score(self, pos: np.ndarray, part: RolloutBatch) -> None:
         """Decode a kept part and submit it to the reward workers."""
-        run, n = self.run, self.run.cfg.n_samples
+        run, n = self.run, self.n
         with self.timer("decode"):
             completions = decode_completions(run.tokenizer, part)
         index = pos[part.group_index] * n + np.arange(part.num_responses) % n
         with self.timer.span("reward"):
             self.tickets.append(run.scorer.submit(reward_records(
-                run.rows, run.prompts, self.prompt_idx[pos], part, completions, index=index)))
+                self.data.rows, self.data.prompts, self.prompt_idx[pos], part, completions, index=index)))
 
     def finish(self, timer: PhaseTimer) -> tuple[RolloutBatch, RewardResult]:
         """-> (the batch, its rewards), both in prompt order."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from areno.config.choices import LossAgg
+from areno.choices import LossAgg
 from areno.pack import TrainPack, Workspace, build_train_pack
 from areno.rollout.batch import RolloutBatch
 

@@ -1,6 +1,8 @@
-"""The training loop: rollout -> decode -> reward -> advantages -> pack ->
-backend.train -> weight sync -> log. `run.py` builds what a step needs;
-this module is the loop itself, one call per phase."""
+"""The training loop. A step: take the next filled batch (the run's scheduler,
+scheduler.py: rollout, decode, reward, as deep as --off-policy-steps lets it
+run ahead), learn from it (advantages, pack, backend.train), publish the new
+weights to the engines, log, save. `run.py` builds what a step needs; this
+module is the loop itself, one call per phase."""
 
 from __future__ import annotations
 
@@ -13,96 +15,77 @@ from typing import Any, Callable
 
 import numpy as np
 
-from areno.advantages import advantages_and_keep, overlong_penalty
+from areno.advantages import advantages_and_keep
 from areno.backend.controller import TrainSteps
-from areno.backend.errors import BackendError
+from areno.procs.errors import BackendError
 from areno.backend.launch import EarlyPeers
-from areno.envs.driver import env_rollout
-from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
+from areno.dynsample import Filled
 from areno.rundir.completions import completion_records
 from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
+from areno.config.env import max_policy_tokens
 from areno.config.train import TrainConfig
-from areno.data.prompts import select
 from areno.runtime.interrupt import interrupted, interrupted_at_startup, made_run_dir
-from areno.runtime.signals import interrupts_raise, raise_held, step_window
+from areno.procs.signals import interrupts_raise, raise_held, step_window
 from areno.metrics import train_metrics
 from areno.split import build_split_pack
 from areno.rewards import RewardError, RewardResult
 from areno.rollout.batch import FINISH_LENGTH, RolloutBatch, overlong_mask
-from areno.rollout.engine import SamplingConfig
 from areno.rollout.probe import WeightSyncError
 from areno.runtime.multinode import run_worker_node
 from areno.run import Run, open_run, steps_text
 from areno.runtime.placement import visible_gpus
-from areno.scoring import PartScorer, score
 from areno.stats import StreamingStats
 from areno.timing import PhaseTimer  # noqa: F401 (the benchmarks' timing hook lives there)
 
 
 def train_step(run: Run, step: int, timer: PhaseTimer | None = None,
                update_starts: Callable[[], None] = lambda: None) -> dict[str, float]:
-    """One synchronous step; timer: the caller's PhaseTimer (benchmarks keep its spans);
-    update_starts: called as the update begins (the loop's step_window)."""
-    timer = timer or PhaseTimer()
-    t_step = time.perf_counter()
-    filled = sample_rounds(run, colocated_round(run, step, timer))
-    return learn(run, step, filled, timer, t_step, run.engine.sync_weights, update_starts)
-
-
-def colocated_round(run: Run, step: int, timer: PhaseTimer) -> Callable[[int], Round]:
-    """collect(r): draw --batch-size prompts, generate round r of `step` with the
-    engines in the ranks, score it."""
-    def collect(r: int) -> Round:
-        prompt_idx = run.sampler.next_batch()
-        sampling = round_sampling(run.sampling_for(step), r)
-        if run.cfg.env_path:  # multi-turn: the environment's rewards (envs/driver.py)
-            return Round(prompt_idx, *env_rollout(run, prompt_idx, sampling, timer))
-        rollout = rollout_overlapped if run.cfg.overlap_rewards else rollout_then_score
-        return Round(prompt_idx, *rollout(run, prompt_idx, sampling, timer))
-    return collect
-
-
-def sample_rounds(run: Run, collect: Callable[[int], Round]) -> Filled:
-    """One round (--dynamic-sampling off), or rounds until the batch is full of
-    informative groups (dynsample.fill_batch)."""
-    cfg = run.cfg
-    if cfg.dynamic_sampling == "off":
-        return Filled.whole(collect(0))
-
-    def informative(r: Round) -> np.ndarray:
-        return informative_groups(r.scored.rewards + shaping(cfg, r.batch), r.scored.valid,
-                                  r.batch.group_index, r.batch.num_prompts, cfg.dynamic_sampling)
-    return fill_batch(collect, cfg.batch_size, cfg.max_sampling_rounds, informative)
-
-
-def train_step_ahead(run: Run, step: int, timer: PhaseTimer | None = None,
-                     update_starts: Callable[[], None] = lambda: None) -> dict[str, float]:
-    """One step of the asynchronous loop (asyncloop.py): train on a rollout that
-    was generated, decoded and scored while earlier steps trained; the next ones
-    run meanwhile."""
+    """One step: take the next filled batch, learn from it, publish the new weights
+    -> the step's metrics (train_loop logs and saves). timer: the caller's
+    PhaseTimer (benchmarks keep its spans); update_starts: called as the update
+    begins (the loop's step_window)."""
     timer, t_step = timer or PhaseTimer(), time.perf_counter()
-    ahead = run.ahead
-    cur = ahead.take(step, timer)
-
-    def collect(r: int) -> Round:  # round 0: the loop's rollout, scored; a refill: generated now (K = 0)
-        if r == 0:
-            return Round(cur.prompt_idx, cur.batch, cur.scored)
-        with timer("rollout"):
-            prompt_idx, batch = ahead.extra_round(step, round_sampling(run.sampling_for(step), r))
-        return Round(prompt_idx, batch, score(run, prompt_idx, batch, timer))
-    metrics = learn(run, step, sample_rounds(run, collect), timer, t_step, ahead.publish, update_starts)
-    return metrics | ahead.after_update(step, cur)
+    filled, loop = run.rollouts.next_batch(step, timer)
+    learned = learn(run, step, filled, timer, update_starts)
+    with timer("weight_sync"):
+        synced = run.rollouts.publish(step, bool(learned.opt_steps))
+    result = learned.result(filled, timer, time.perf_counter() - t_step, run.sampler.epoch, synced)
+    return step_metrics(result) | filled.metrics() | filled.round.extra | loop
 
 
-def learn(run: Run, step: int, filled: Filled, timer: PhaseTimer, t_step: float,
-          sync: Callable[[], Any], update_starts: Callable[[], None]) -> dict[str, float]:
-    """A scored rollout (filled.round; filled.train: which of its groups train,
-    dynsample.py) -> advantages, pack, update, `sync()` (new weights to the
-    engines -> their timings, or published for them -> None), the step's metrics."""
+@dataclass(frozen=True)
+class Learned:
+    """What learn() did with a filled batch."""
+
+    split: Any                          # the SplitPack trained
+    trained: Any                        # backend.train's TrainSteps
+    opt_steps: list[dict[str, float]]   # its metrics, one per optimizer step
+    zero_var_groups: int
+    overlong_penalty: float             # mean soft overlong punishment of the scored samples
+
+    def result(self, filled: Filled, timer: PhaseTimer, elapsed: float, epoch: int,
+               synced: dict[str, float]) -> "StepResult":
+        perf = dict(self.trained.perf)  # perf/train_tokens_per_s, perf/mfu (GPU)
+        if "sync_mb" in synced:
+            perf["perf/sync_mb"] = synced["sync_mb"]
+        if self.opt_steps and "peak_gpu_mem_gb" in self.trained.timings:  # GPU: the largest rank's peak
+            perf["perf/peak_gpu_mem_gb"] = self.trained.timings["peak_gpu_mem_gb"]
+        prompt_idx, batch, scored = filled.round.astuple()
+        return StepResult(batch=batch, scored=scored, prompt_idx=prompt_idx,
+                          pack_tokens=self.split.pack.num_tokens, rank_imbalance=self.split.plan.imbalance,
+                          zero_var_groups=self.zero_var_groups, opt_steps=self.opt_steps, times=timer.times,
+                          elapsed=elapsed, data_epoch=epoch, backend_perf=perf,
+                          overlong_penalty=self.overlong_penalty)
+
+
+def learn(run: Run, step: int, filled: Filled, timer: PhaseTimer,
+          update_starts: Callable[[], None]) -> Learned:
+    """A scored batch (filled.round; filled.train: which of its groups train,
+    dynsample.py) -> advantages, pack, the update."""
     cfg, (prompt_idx, batch, scored) = run.cfg, filled.round.astuple()
     with timer("materialize"):
         with timer.span("advantages"):
-            penalty = shaping(cfg, batch)
+            penalty = run.shaping(batch)
             adv, keep, n_zero_var = advantages_and_keep(
                 scored.rewards + penalty, scored.valid, batch.group_index, batch.num_prompts,
                 overlong_mask(batch),
@@ -113,7 +96,7 @@ def learn(run: Run, step: int, filled: Filled, timer: PhaseTimer, t_step: float,
             split = build_split_pack(
                 batch, adv, world_size=run.world_size, max_tokens=run.max_tokens_per_micro,
                 num_minibatches=cfg.mini_batches, loss_agg=cfg.loss_agg,
-                norm_len=cfg.max_new_tokens, keep=keep, workspace=run.workspace,
+                norm_len=max_policy_tokens(cfg), keep=keep, workspace=run.workspace,
             )
     if cfg.log_completions:
         run.logger.stage_completions(completion_records(
@@ -123,55 +106,8 @@ def learn(run: Run, step: int, filled: Filled, timer: PhaseTimer, t_step: float,
     with timer("train"):  # each rank sleeps its own engine meanwhile (RankWorker.cmd_train)
         trained = run.backend.train(split) if split.pack.num_seqs else TrainSteps()
         opt_steps = list(trained)
-    synced = {}
-    with timer("weight_sync"):
-        if opt_steps:
-            synced = sync() or {}
-    elapsed = time.perf_counter() - t_step
-    perf = dict(trained.perf)  # perf/train_tokens_per_s, perf/mfu (GPU)
-    if "sync_mb" in synced:
-        perf["perf/sync_mb"] = synced["sync_mb"]
-    if opt_steps and "peak_gpu_mem_gb" in trained.timings:  # GPU only: the largest rank's allocator peak
-        perf["perf/peak_gpu_mem_gb"] = trained.timings["peak_gpu_mem_gb"]
-    return step_metrics(StepResult(
-        batch=batch, scored=scored, prompt_idx=prompt_idx, pack_tokens=split.pack.num_tokens,
-        rank_imbalance=split.plan.imbalance, zero_var_groups=n_zero_var, opt_steps=opt_steps,
-        times=timer.times, elapsed=elapsed, data_epoch=run.sampler.epoch, backend_perf=perf,
-        overlong_penalty=float(penalty[scored.valid].mean()) if scored.valid.any() else 0.0)
-    ) | filled.metrics() | filled.round.extra
-
-
-def shaping(cfg: TrainConfig, batch: RolloutBatch) -> np.ndarray:
-    """[N] float32 added to the plugin's rewards before advantages: DAPO's soft
-    overlong punishment (--overlong-buffer; zeros when off)."""
-    return overlong_penalty(batch.response_lengths, cfg.max_new_tokens, cfg.overlong_buffer,
-                            cfg.overlong_penalty)
-
-
-def rollout_then_score(run: Run, prompt_idx: np.ndarray, sampling: SamplingConfig,
-                       timer: PhaseTimer) -> tuple[RolloutBatch, RewardResult]:
-    """Generate everything, then decode in one call, then score."""
-    with timer("rollout"):
-        ids, offsets = select(run.prompts, prompt_idx)
-        batch = run.engine.generate(ids, offsets, run.cfg.n_samples, sampling)
-    return batch, score(run, prompt_idx, batch, timer)
-
-
-def rollout_overlapped(run: Run, prompt_idx: np.ndarray, sampling: SamplingConfig,
-                       timer: PhaseTimer) -> tuple[RolloutBatch, RewardResult]:
-    """Decode and submit each part of the rollout to the reward workers as its
-    groups finish (scoring.PartScorer); after the last one only the outstanding
-    rewards are waited for. time/rollout includes the overlapped decode;
-    time/reward is what remains."""
-    scorer = PartScorer(run, prompt_idx, timer)
-    with timer("rollout"):
-        ids, offsets = select(run.prompts, prompt_idx)
-        # Every finished group goes out at once: the last part, whose scoring
-        # cannot hide behind generation, stays as small as possible (with parts of
-        # P/4 groups a quarter of the reward time stayed on the critical path).
-        for pos, part in run.engine.generate_stream(ids, offsets, run.cfg.n_samples, sampling, min_groups=1):
-            scorer.add(pos, part)
-    return scorer.finish(timer)
+    return Learned(split, trained, opt_steps, n_zero_var,
+                   float(penalty[scored.valid].mean()) if scored.valid.any() else 0.0)
 
 
 @dataclass(frozen=True)
@@ -272,12 +208,12 @@ def train_loop(run: Run) -> None:
     before = None
     try:
         for step in range(run.step + 1, run.total_steps + 1):
-            before = (step, sampler_before(run, step), run.backend.step)
+            before = (step, run.backend.step)
             # From the step's update to its save an interrupt waits (signals.step_window):
             # once the update reached the weights, finishing the step is the only way to
             # save it whole; a Ctrl-C inside a save would abort it, and the backend.
             with step_window() as update_starts:
-                metrics = (train_step_ahead if run.ahead else train_step)(run, step, update_starts=update_starts)
+                metrics = train_step(run, step, update_starts=update_starts)
                 run.step = step
                 run.logger.log(step, metrics)
                 if not cfg.no_save and due(step, cfg.save_interval):
@@ -317,30 +253,20 @@ def due(step: int, interval: int) -> bool:
     return bool(interval) and step % interval == 0
 
 
-def sampler_before(run: Run, step: int) -> dict:
-    """The sampler's state before step drew its prompts (the asynchronous loop drew
-    them during an earlier step)."""
-    cur = run.ahead.inflight[0] if run.ahead and run.ahead.inflight else None
-    return cur.sampler_before if cur and cur.step == step else run.sampler.state_dict()
-
-
-def settle_interrupted_step(run: Run, before: tuple[int, dict, int] | None) -> None:
+def settle_interrupted_step(run: Run, before: tuple[int, int] | None) -> None:
     """Make run.step and the data cursor agree with the weights after an interrupt
-    inside a step: if its update reached the weights the step counts as finished,
-    otherwise the prompts it drew go back to the sampler (the asynchronous loop
-    keeps its rollout in flight instead). The loop's rollouts for later steps are
-    kept when whole, for the checkpoint, or dropped with their prompts back
-    (asyncloop.RolloutsAhead.settle_interrupt)."""
-    ahead = run.ahead
+    inside a step (before: the step and the backend's update count as it began):
+    if its update reached the weights the step counts as finished, otherwise its
+    rounds are taken again (scheduler.Rollouts.put_back). The rounds in flight
+    are kept when whole, for the checkpoint, or dropped with their prompts back."""
     if before is not None and before[0] == run.step + 1:
-        step, sampler_state, backend_step = before
+        step, backend_step = before
         if run.backend.step != backend_step:
             run.step = step
-        elif ahead is None:
-            run.sampler.load_state_dict(sampler_state)
+            run.rollouts.taken = []
         else:
-            ahead.put_back(step)
-    if ahead is not None and (state := ahead.settle_interrupt(run.step)) is not None:
+            run.rollouts.put_back()
+    if (state := run.rollouts.settle_interrupt(run.step)) is not None:
         run.sampler.load_state_dict(state)
 
 

@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         d = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_vs_trl_")))
         runs = [("areno", [], REPO)] + [(name, extra, REPO) for name, extra in variants]
         if a.ref:
-            from areno.bench.refs import rev_id, worktrees
+            from arenobench.refs import rev_id, worktrees
 
             ref = rev_id(a.ref)
             tree = stack.enter_context(worktrees([ref], d))[ref]

@@ -2,7 +2,7 @@
 bytes, checkpoint bytes and train-step time.
 
     python scripts/bench_lora.py                  # the tiny chat model (built locally)
-    python scripts/bench_lora.py --smol           # also SmolLM2-135M (areno/models/smol.py, cached)
+    python scripts/bench_lora.py --smol           # also SmolLM2-135M (scripts/arenobench/smol.py, cached)
     python scripts/bench_lora.py --smoke          # CI: tiny model, 2 steps
 
 For each of full FT and LoRA r=8 (all-linear): one TorchBackend (1 rank, CPU
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from areno.bench.lib import write_json
+from arenobench.lib import write_json
 
 
 def du(path: Path) -> int:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(os.environ.get("ARENO_CACHE", "/work/areno_cache"))
     models = {"tiny-chat": tiny_model_path("chat", cache_dir=cache)}
     if args.smol and not args.smoke:
-        from areno.models.smol import smol_model_path
+        from arenobench.smol import smol_model_path
 
         models["smollm2-135m"] = smol_model_path(cache)
     steps = 2 if args.smoke else args.steps

@@ -7,7 +7,7 @@ one-digit addition through the chat template, same steps, seed and batch.
 Runs `areno train` twice (full FT at --lr, LoRA r=--rank on every decoder linear at
 10x --lr, areno's LoRA rule) and prints the mean reward per block of steps side by
 side, the first / last --window steps' means and the best window. The model is
-built once into --cache (areno/models/smol.py). Library: areno/bench/lora_vs_full.py.
+built once into --cache (scripts/arenobench/smol.py). Library: scripts/arenobench/lora_vs_full.py.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from areno.bench.lib import write_json
-from areno.bench.lora_vs_full import Arm, curve_summary, run_arm, side_by_side, train_args, write_task
+from arenobench.lib import write_json
+from arenobench.lora_vs_full import Arm, curve_summary, run_arm, side_by_side, train_args, write_task
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from areno.config.lora import LORA_LR_FACTOR
-    from areno.models.smol import smol_model_path
+    from arenobench.smol import smol_model_path
 
     model = args.model or smol_model_path(args.cache)
     arms = [Arm("full FT", 0, args.lr), Arm(f"LoRA r={args.rank}", args.rank, args.lr * LORA_LR_FACTOR)]

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-from areno.bench.lib import write_json
-from areno.bench.lora_capacity import demo_batch, head_ceiling, run
+from arenobench.lib import write_json
+from arenobench.lora_capacity import demo_batch, head_ceiling, run
 
 
 def main() -> None:

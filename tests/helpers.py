@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from areno.advantages import zero_variance_groups
-from areno.backend.handoff import SHM_DIR, SHM_PREFIX
+from areno.procs.segment import SHM_DIR, SHM_PREFIX
 from areno.pack import PACKED_TOKEN_FIELDS, TrainPack, runs_index
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths
 from areno.split import LossAgg, SplitPack, aggregation_weights, plan_split

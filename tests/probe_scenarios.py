@@ -46,7 +46,7 @@ def scaled_logits_model(src: Path, dst: Path, probe: "object") -> Path:
 
     from transformers import AutoModelForCausalLM
 
-    from areno.rundir.fileperms import honour_umask
+    from areno.fileperms import honour_umask
 
     if (dst / "config.json").is_file():
         return dst

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from areno.asyncloop import INFLIGHT_FILE, INFLIGHT_META, admitted, load_inflight
+from areno.scheduler import INFLIGHT_FILE, INFLIGHT_META, admitted, load_inflight
 from areno.errors import UserError
 from areno.backend.rank_engines import Parts
 from areno.rundir.checkpoint import latest_checkpoint, read_state
@@ -90,7 +90,7 @@ def test_a_checkpoints_damaged_in_flight_files_are_refused_in_one_line_naming_th
 
 def test_a_rollout_runs_beside_a_train_command_and_loads_the_published_weights_first(tiny_chat_path):
     from areno.backend.controller import TorchBackend
-    from areno.backend.errors import BackendError
+    from areno.procs.errors import BackendError
     from areno.backend.rank_engines import RankEngines
     from areno.rollout.engine import SamplingConfig
 
@@ -271,7 +271,7 @@ def ctrl_c_then_resume(tmp_path, areno_cache, k: list[str]) -> tuple[int, list[i
 def test_ctrl_c_saves_the_rollouts_in_flight_and_the_resumed_run_trains_them(tmp_path, areno_cache, k):
     """Ctrl-C (issue 27: "Ctrl-C saves them"): the interrupt's checkpoint holds the
     rollouts in flight, which the tiny demo finishes well within the interrupt's
-    wait (asyncloop.INTERRUPT_WAIT_S), and the resumed run trains on them at the
+    wait (scheduler.INTERRUPT_WAIT_S), and the resumed run trains on them at the
     lag they were sampled with (dropped, they would come back at lag 0)."""
     stopped, saved, every = ctrl_c_then_resume(tmp_path, areno_cache, k)
     K = int(k[-1])
@@ -317,7 +317,7 @@ def test_an_abandoned_rollout_leaves_the_ranks_usable_and_its_engine_takes_no_mo
     (the interrupt's checkpoint), the engine refuses further commands, and
     close() does not wait for its rollout."""
     from areno.backend.controller import TorchBackend
-    from areno.backend.errors import BackendError
+    from areno.procs.errors import BackendError
 
     with TorchBackend(backend_config(tiny_chat_path, 1)) as be:
         stream = be.open_stream("rollout", lane="rollout", detach=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from areno.bench.lib import child_env
+from arenobench.lib import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

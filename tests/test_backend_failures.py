@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from areno.backend import BackendError, TorchBackend
-from areno.bench.lib import child_env
+from arenobench.lib import child_env
 from test_backend_procs import assert_clean, config
 from test_backend_units import make_split
 from helpers import rank_debug
@@ -111,7 +111,7 @@ def test_ranks_and_segments_do_not_outlive_the_controller(tiny_chat_path, tmp_pa
     import subprocess
     import sys
 
-    from areno.backend.handoff import SHM_DIR
+    from areno.procs.segment import SHM_DIR
 
     tests = os.path.dirname(os.path.abspath(__file__))
     script = tmp_path / "controller.py"

@@ -63,7 +63,7 @@ def test_gpu_check_cpu_smoke_passes(tmp_path: Path) -> None:
 def test_a_failed_sync_check_in_the_runs_output_fails_the_summary(tmp_path: Path) -> None:
     """The verdict comes from the run, not a constant: its log's WeightSyncError
     line, or fewer steps than asked, fail it."""
-    from areno.bench.gpu_check_cli import sync_check
+    from arenobench.gpu_check_cli import sync_check
 
     steps = [{"time/step": 1.0}, {"time/step": 1.0}]
     log = tmp_path / "run.log"

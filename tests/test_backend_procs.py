@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from areno.backend import BackendConfig, TorchBackend
-from areno.backend.config import rank_cpu_threads
-from areno.backend.weight_sync import region_tensors
+from areno.procs.device import rank_cpu_threads
+from areno.fleet.weight_sync import region_tensors
 from helpers import list_segments
 from rank_test_hooks import full_state_dict
 from test_backend_units import make_split
@@ -103,8 +103,8 @@ def test_published_weights_load_into_an_engine_of_another_process_and_pass_its_c
     """The shared-memory transport: rank 0 writes the region, this process (not a
     rank) reads it into its own engine; the fingerprint and the probe hold, and
     a region that is not what was published fails the check."""
-    from areno.backend.weight_sync import reports_fingerprint
-    from areno.backend.weight_sync import SyncCheck, load_region
+    from areno.fleet.weight_sync import reports_fingerprint
+    from areno.fleet.weight_sync import SyncCheck, load_region
     from areno.rollout.hf import HFEngine
     from areno.rollout.probe import WeightSyncError
 

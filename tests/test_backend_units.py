@@ -354,8 +354,8 @@ def test_bfloat16_publish_writes_the_engines_dtype_and_an_engine_loading_it_pass
                                                                                      monkeypatch) -> None:
     """The GPU path syncs bf16: the region holds the trainer's weights in bf16 and
     a bf16 engine loading it matches the fingerprint and the trainer's probe."""
-    from areno.backend.handoff import ShmSegment
-    from areno.backend.weight_sync import SyncCheck, WeightLayout, WeightRegion, load_region, region_tensors
+    from areno.procs.segment import ShmSegment
+    from areno.fleet.weight_sync import SyncCheck, WeightLayout, WeightRegion, load_region, region_tensors
     from areno.backend.weights import probe_ids
     from areno.rollout.hf import HFEngine
 
@@ -426,7 +426,7 @@ def test_cpu_ranks_split_every_core_and_wait_passively() -> None:
     """Every core, split among the ranks (one thread per rank cost the idle real
     model 1.3-1.75x on 2 cores, issue 26), made safe next to busy processes by
     OpenMP's passive wait, which a user's own setting overrides; none on CUDA."""
-    from areno.backend.config import rank_cpu_threads
+    from areno.procs.device import rank_cpu_threads
     from areno.backend.launch import RANK_OMP_ENV, rank_omp_env
 
     assert [rank_cpu_threads(2, 1), rank_cpu_threads(2, 2), rank_cpu_threads(16, 1), rank_cpu_threads(16, 8),
@@ -482,7 +482,7 @@ def test_probe_runs_every_sync_unless_a_fingerprint_checks_the_weights() -> None
 
 
 def test_weight_stream_converts_to_the_engine_dtype_and_sums_squares_only_when_asked() -> None:
-    from areno.backend.weight_sync import WeightStream
+    from areno.fleet.weight_sync import WeightStream
 
     named = [("m.a.weight", torch.tensor([1.0, 2.0])), ("m.b.weight", torch.tensor([[3.0]])),
              ("lm_head.weight", torch.tensor([0.5]))]
@@ -498,7 +498,7 @@ def test_weight_stream_converts_to_the_engine_dtype_and_sums_squares_only_when_a
 
 def test_weight_stream_does_not_copy_a_tensor_already_in_the_engine_dtype() -> None:
     # Copy once (issue 26, 4): the engine's load is the copy; a stream copy would be a second.
-    from areno.backend.weight_sync import WeightStream
+    from areno.fleet.weight_sync import WeightStream
 
     named = [("m.a.weight", torch.tensor([1.0, 2.0])), ("lm_head.weight", torch.tensor([0.5]))]
     got = list(WeightStream(iter(named), torch.float32))

@@ -94,6 +94,22 @@ def test_overlong_mask():
     np.testing.assert_array_equal(overlong_mask(b), b.finish_reason == 1)
 
 
+def test_overlong_mask_of_trajectories_is_their_last_turn_cut_through_take_and_merge():
+    """A trajectory finishing `length` because --max-turns ended it is not overlong;
+    turn_cut follows its responses through take_groups and merge_parts."""
+    b = random_batch(seed=4, group_sizes=[2, 3])
+    cut = np.arange(b.num_responses) % 2 == 0
+    t = dataclasses.replace(b, finish_reason=np.ones(b.num_responses, np.uint8), turn_cut=cut)
+    np.testing.assert_array_equal(overlong_mask(t), cut)
+    sub, resp = t.take_groups(np.array([1]))
+    np.testing.assert_array_equal(overlong_mask(sub), cut[resp])
+    merged, perm = RolloutBatch.merge_parts([sub, b.take_groups(np.array([0]))[0]],
+                                            [np.array([0]), np.array([1])])
+    single = b.take_groups(np.array([0]))[0]
+    np.testing.assert_array_equal(overlong_mask(merged),
+                                  np.concatenate([cut[resp], single.finish_reason == 1])[perm])
+
+
 def test_concat_renumbers():
     a, b = random_batch(seed=5, group_sizes=[2, 1]), random_batch(seed=6, group_sizes=[1, 3])
     c = concat([a, b])

@@ -107,7 +107,7 @@ class EngineHooks(RankHooks):
 
 def test_an_engine_process_builds_the_engine_its_hooks_make(tiny_chat_path, monkeypatch) -> None:
     """RankHooks.make_engine: None (the base) leaves the engine to cfg.engine; a
-    benchmark's hooks return their own (areno/bench/longcot/ranks.py), consulted
+    benchmark's hooks return their own (scripts/arenobench/longcot/ranks.py), consulted
     before anything is built, and the hello reports its kind."""
     from test_split_placement import backend_config
 

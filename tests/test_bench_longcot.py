@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from areno.bench.lib import child_env
+from arenobench.lib import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "bench_longcot.py"
@@ -40,7 +40,7 @@ def test_bench_longcot_quick(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=170, env=child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
-    from areno.bench.lib import check_finite
+    from arenobench.lib import check_finite
 
     assert check_finite(data) == []
     assert data["meta"]["quick"] is True and data["meta"]["world_size"] == 2
@@ -91,7 +91,7 @@ def test_bench_longcot_quick(tmp_path: Path) -> None:
 
 
 def test_union_in() -> None:
-    from areno.bench.lib import union_in
+    from arenobench.lib import union_in
 
     assert union_in([], 0, 1) == 0
     assert union_in([(0, 2), (1, 3), (5, 6)], 0.5, 5.5) == pytest.approx(3.0)
@@ -99,7 +99,7 @@ def test_union_in() -> None:
 
 
 def test_cpu_in_counts_outermost_spans_prorated() -> None:
-    from areno.bench.lib import cpu_in
+    from arenobench.lib import cpu_in
 
     spans = [("reward", 0.2, 0.4, 0.1), ("decode", 0.0, 1.0, 0.8), ("pack", 2.0, 4.0, 1.0), ("other", 0, 9, 9)]
     # reward is nested in decode (not counted twice); pack is half inside [0, 3]
@@ -108,7 +108,7 @@ def test_cpu_in_counts_outermost_spans_prorated() -> None:
 
 def test_readback_counter_sees_item_tolist_cpu_with_sites() -> None:
     import torch
-    from areno.bench.lib import ReadbackCounter
+    from arenobench.lib import ReadbackCounter
 
     x = torch.arange(3.0)
     with ReadbackCounter() as counter:
@@ -127,7 +127,7 @@ def test_rank_pack_record_sees_every_field_and_the_advantages() -> None:
     """The ranks' digests cover every field of their share, and the per-sequence
     advantages are the per-sample ones, in the share's order."""
     from helpers import random_batch
-    from areno.bench.longcot.ranks import pack_record
+    from arenobench.longcot.ranks import pack_record
 
     from areno.backend.handoff import LocalPack, PackWriter
     from areno.split import build_split_pack
@@ -154,8 +154,8 @@ def test_rank_pack_record_sees_every_field_and_the_advantages() -> None:
 
 
 def test_identity_checks_catch_a_changed_field() -> None:
-    from areno.bench.longcot.report import identity_checks
-    from areno.bench.longcot.run import MODES
+    from arenobench.longcot.report import identity_checks
+    from arenobench.longcot.run import MODES
 
     def row(step, adv=0.5, ids="a"):
         return {"step": step, "_digests": {"rank0.input_ids": ids, "rank0.advantages": str(adv)},
@@ -175,7 +175,7 @@ def test_identity_checks_catch_a_changed_field() -> None:
 
 
 def test_hidden_checks_need_every_step_before_the_rollout_in_flight() -> None:
-    from areno.bench.longcot.report import HIDDEN_SLACK_S, hidden_checks
+    from arenobench.longcot.report import HIDDEN_SLACK_S, hidden_checks
 
     def row(step, host, upd, streamed=True):
         return {"step": step, "host_margin_s": host, "step_margin_s": upd, "streamed": streamed,
@@ -207,7 +207,7 @@ def test_synthetic_engine_stream_equals_generate() -> None:
     from helpers import concat, take_prompts
 
     prompts = _Prompts([3, 5, 2, 7, 4, 6, 3])
-    from areno.bench.longcot.sim import SyntheticEngine
+    from arenobench.longcot.sim import SyntheticEngine
 
     eng = SyntheticEngine(n=3, resp_len=20, max_new_tokens=30, vocab=(3, 100), gen_time_s=0.0, seed=1)
     total = eng.prepare(prompts)

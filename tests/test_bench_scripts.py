@@ -22,7 +22,7 @@ import torch
 from helpers import random_batch, random_rewards
 
 from areno.advantages import group_advantages
-from areno.bench.lib import child_env
+from arenobench.lib import child_env
 from areno.pack import build_train_pack
 from areno.split import build_split_pack
 
@@ -38,9 +38,9 @@ WORKLOADS = (
 @pytest.fixture(scope="module")
 def bm():
     """The materialize benchmark's module (scripts/bench_materialize.py runs its main)."""
-    import areno.bench.materialize
+    import arenobench.materialize
 
-    return areno.bench.materialize
+    return arenobench.materialize
 
 
 def _positive_finite(x) -> bool:
@@ -242,8 +242,8 @@ def test_bench_lora_vs_full_runs_both_arms_on_one_seed(tmp_path: Path, tiny_chat
 def test_near_limit_references_equal_areno(seed: int):
     """The near-limit references compute exactly what areno computes (1-token
     prompts and responses, empty responses, ragged groups), or their ratio means nothing."""
-    from areno.bench.listref import compare_advantages, compare_pack, compare_padded
-    from areno.bench.nearlimit import nl_advantages, nl_pack, nl_padded
+    from arenobench.listref import compare_advantages, compare_pack, compare_padded
+    from arenobench.nearlimit import nl_advantages, nl_pack, nl_padded
 
     batch = random_batch(seed, num_prompts=7, max_prompt=5, max_response=8, min_response=0)
     rewards = random_rewards(batch, seed).astype(np.float64)

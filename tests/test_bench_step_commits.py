@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from areno.bench.step_commits import (
+from arenobench.step_commits import (
     RunSpec, command, markdown, parse_threads, phase_medians, schedule, summarize, supported,
     train_flags, worktrees,
 )
@@ -82,8 +82,8 @@ def test_worktrees_check_out_each_revision_and_are_removed(tmp_path: Path):
 def test_ref_compares_this_checkout_as_it_is_against_the_revision(tmp_path: Path):
     """--ref REV is --revs REV . ; '.' is this checkout itself (uncommitted
     changes included), for which no worktree is made."""
-    from areno.bench.refs import CURRENT, rev_id
-    from areno.bench.step_commits import parse_args
+    from arenobench.refs import CURRENT, rev_id
+    from arenobench.step_commits import parse_args
 
     args = parse_args(["--ref", "HEAD"])
     assert args.ref == "HEAD" and rev_id(CURRENT) == CURRENT

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from areno.backend.errors import BackendError
+from areno.procs.errors import BackendError
 from areno.rundir.checkpoint import (
     STATE_FILE,
     latest_checkpoint,

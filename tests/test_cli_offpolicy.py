@@ -18,7 +18,7 @@ from areno.config.train import TrainConfig
 from areno.errors import UserError
 from areno.losses import LossConfig
 from areno.config.resume import MAY_CHANGE, resume_config
-from areno.config.settings import backend_config, engine_spec, sampling
+from areno.settings import backend_config, engine_spec, sampling
 
 ASYNC = ["--off-policy-steps", "1", "--rollout-world-size", "2"]
 
@@ -27,19 +27,28 @@ BAD = [
     (["--off-policy-steps", "1"], "--off-policy-steps 1 needs --rollout-world-size >= 1: colocated "
      "engines share the training GPUs and sleep while the ranks train, so rollouts cannot overlap"),
     (["--rollout-world-size", "3", "--tensor-parallel-size", "2"],
-     "--rollout-world-size 3 with --tensor-parallel-size 2: an engine process serves on one device"),
+     "--rollout-world-size 3 with --tensor-parallel-size 2: an engine process holds one device"),
     ([*ASYNC, "--tensor-parallel-size", "4"],
-     "--rollout-world-size 2 with --tensor-parallel-size 4: an engine process serves on one device"),
+     "--rollout-world-size 2 with --tensor-parallel-size 4: an engine process holds one device"),
     (["--off-policy-steps", "-1"], "--off-policy-steps must be >= 0"),
     (["--rollout-world-size", "-2"], "--rollout-world-size must be >= 0"),
     (["--off-policy-steps", "1.5"], "--off-policy-steps"),
-    (["--rollout-world-size", "1", "--lora-rank", "8"], "--lora-rank with --rollout-world-size"),
 ]
 
 
 @pytest.mark.parametrize("args,needle", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_each_refusal_is_one_line_exit_2(args, needle, capsys):
     assert needle in refused(args, capsys)
+
+
+def test_lora_takes_engine_processes_and_any_k_and_still_refuses_tensor_parallel_engines(files, capsys):
+    """The engine processes serve the adapter (test_lora_split.py); only LoRA's
+    physical limit stays: whole-tensor adapter checks, so no TP engine."""
+    for k in (0, 1, 3):
+        cfg = TrainConfig.from_sources(None, {**files, "lora_rank": 8, "rollout_world_size": 2,
+                                              "off_policy_steps": k})
+        assert (cfg.lora_rank, cfg.rollout_world_size, cfg.off_policy_steps) == (8, 2, k)
+    assert "--tensor-parallel-size" in refused(["--lora-rank", "8", "--tensor-parallel-size", "2"], capsys)
 
 
 def test_recompute_turned_off_in_the_config_file_is_refused(tmp_path, capsys):
@@ -51,36 +60,15 @@ def test_recompute_turned_off_in_the_config_file_is_refused(tmp_path, capsys):
     assert "drop recompute_logprobs: false from --config" in line
 
 
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
-@pytest.mark.parametrize("flags", [["--top-p", "0.9"], ["--top-k", "20"]])
-def test_truncated_sampling_is_refused_with_an_engine_reporting_raw_logprobs(
-        engine, flags, monkeypatch, capsys):
-    # Today both engines report the processed distribution's log-probs: pretend one does not.
-    monkeypatch.setitem(offpolicy.LOGPROBS_PROCESSED, engine, False)
-    line = refused([*ASYNC, "--rollout-engine", engine, *flags], capsys)
-    assert f"--off-policy-steps 1 with {' '.join(flags)}: the {engine} engine reports log-probs " \
-        "of the untruncated distribution" in line
-    assert f"drop {flags[0]}" in line
-
-
-def test_the_default_engine_is_refused_when_its_fallback_reports_raw_logprobs(files, monkeypatch, capsys):
-    monkeypatch.setitem(offpolicy.LOGPROBS_PROCESSED, "hf", False)
-    data = ["--dataset-path", files["dataset_path"], "--reward-fn-path", files["reward_fn_path"]]
-    assert "the hf engine" in refused([*ASYNC, *data, "--top-p", "0.95"], capsys)
-    # given explicitly, vllm never falls back (rollout.factory.make_engine): nothing to refuse
-    cfg = TrainConfig.from_sources(None, {**files, "off_policy_steps": 1, "rollout_world_size": 2,
-                                          "rollout_engine": "vllm", "top_p": 0.95})
-    assert cfg.rollout_engine == "vllm"
-
-
-def test_both_engines_report_processed_logprobs_so_truncated_sampling_is_allowed(files, capsys):
-    assert offpolicy.LOGPROBS_PROCESSED == {"vllm": True, "hf": True}
-    for engine in ("vllm", "hf"):
+def test_truncated_sampling_is_taken_under_k_since_both_engines_report_processed_logprobs(files, capsys):
+    """The log-probs are those of the top-k / top-p distribution sampled from
+    (tests/test_engine_contract.py, test_logprobs_match_transformers_forward), so
+    decoupled PPO's behaviour policy is right with either engine."""
+    for engine in ("vllm", "hf", None):
         cfg = TrainConfig.from_sources(None, {**files, "off_policy_steps": 1, "rollout_world_size": 1,
                                               "rollout_engine": engine, "top_p": 0.9, "top_k": 20})
         assert (cfg.top_p, cfg.top_k) == (0.9, 20)
-    # the raw case does not depend on truncation: without top-p / top-k nothing is refused
-    offpolicy.check_off_policy(dataclasses.replace(cfg, top_p=1.0, top_k=-1))
+        offpolicy.check_off_policy(cfg)
 
 
 @pytest.mark.parametrize("k", [2, 4, 8])
@@ -214,7 +202,7 @@ def test_a_synchronous_run_cannot_resume_asynchronous(tmp_path):
     ({"recompute_logprobs": True}, "cpu", (True, None)),          # as before: no weight unless asked
 ])
 def test_old_logprobs_default_to_the_trainers_in_half_precision(files, given, device, want):
-    from areno.config.settings import old_logprobs, old_logprobs_note
+    from areno.settings import old_logprobs, old_logprobs_note
 
     cfg = TrainConfig.from_sources(None, {**files, **given})
     assert old_logprobs(cfg, device) == want

@@ -31,7 +31,7 @@ def test_config_yaml_records_the_loss_agg_used(files, tmp_path):
 
 
 def test_clip_ratio_c_is_off_by_default_and_reaches_the_loss(files):
-    from areno.config.settings import backend_config
+    from areno.settings import backend_config
 
     cfg = TrainConfig.from_sources(None, files)
     assert cfg.clip_ratio_c is None
@@ -42,7 +42,7 @@ def test_clip_ratio_c_is_off_by_default_and_reaches_the_loss(files):
 
 def test_cpu_threads_reach_the_ranks_unset_by_default(files):
     """Unset: each rank picks rank_cpu_threads (tests/test_backend_procs.py checks it)."""
-    from areno.config.settings import backend_config
+    from areno.settings import backend_config
 
     cfg = TrainConfig.from_sources(None, files)
     assert backend_config(cfg, "m", "m", 1, "cpu", 10).cpu_threads is None
@@ -51,7 +51,7 @@ def test_cpu_threads_reach_the_ranks_unset_by_default(files):
 
 
 def test_the_timeouts_are_options_whose_defaults_fit_a_cold_multi_gpu_start(files):
-    from areno.config.settings import backend_config
+    from areno.settings import backend_config
 
     be = backend_config(TrainConfig.from_sources(None, files), "m", "m", 1, "cpu", 10)
     assert (be.startup_timeout_s, be.command_timeout_s, be.collective_timeout_s) == (1800, 3600, 1800)
@@ -69,7 +69,7 @@ def test_clip_ratio_c_must_exceed_one(value, capsys):
 
 def test_config_choices_match_the_modules_that_dispatch_on_them():
     """Each flag offers exactly the choices of the module that dispatches on them (config.py
-    names the owners' Literals; those of torch-side owners live in areno/config/choices.py)."""
+    names the owners' Literals; those of torch-side owners live in areno/choices.py)."""
     import typing
 
     from areno.advantages import ADVANTAGE_MODES

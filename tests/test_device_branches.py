@@ -41,8 +41,6 @@ def device_branches() -> set[str]:
     found: set[str] = set()
     for path in sorted((ROOT / "areno").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith("areno/bench/"):  # the benchmarks' code (gpu_check runs on the GPU itself)
-            continue
 
         def visit(node: ast.AST, qual: str) -> None:
             for child in ast.iter_child_nodes(node):

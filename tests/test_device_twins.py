@@ -76,7 +76,7 @@ def test_a_torch_built_for_a_newer_cuda_than_the_driver_stops_train_and_fails_ch
 def test_gpu_settings_bf16_nccl_and_the_optimizer(files) -> None:
     from areno.backend.config import BackendConfig
     from areno.backend.step import adamw_kwargs
-    from areno.config.settings import resolved_dtype
+    from areno.settings import resolved_dtype
     from areno.config.train import TrainConfig
 
     assert resolved_dtype(TrainConfig.from_sources(None, files), "cuda") == "bfloat16"
@@ -86,7 +86,7 @@ def test_gpu_settings_bf16_nccl_and_the_optimizer(files) -> None:
 
 
 def test_a_rank_checkpoints_and_restores_its_gpus_rng(monkeypatch) -> None:
-    from areno.runtime.rng import rng_state, set_rng_state
+    from areno.rundir.rng import rng_state, set_rng_state
 
     cuda_state = torch.tensor([7], dtype=torch.uint8)
     asked, restored = [], []

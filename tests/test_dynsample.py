@@ -157,7 +157,7 @@ def test_resume_with_dynamic_sampling_repeats_the_uninterrupted_run(tmp_path, ar
 
 
 def test_split_placement_at_k0_refills_as_the_colocated_run_does(tmp_path, areno_cache):
-    """An engine process of its own (K = 0): refill rounds go to it (asyncloop's
+    """An engine process of its own (K = 0): refill rounds go to it (the scheduler's
     extra_round) and the run equals the colocated one step for step, sampling
     metrics included."""
     keys = ("reward/", "train/loss", "response/", "sampling/", "data/prompt_hash")

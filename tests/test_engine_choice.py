@@ -6,6 +6,7 @@ sys.modules["vllm"] = None (`import vllm` then raises ModuleNotFoundError, an Im
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -55,3 +56,37 @@ def test_the_default_engine_falls_back_and_the_start_up_line_says_so(tmp_path: P
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     (start,) = [line for line in proc.stdout.splitlines() if line.startswith("areno: ") and " run dir " in line]
     assert "sampling with the hf engine: vLLM does not import here (fell back;" in start, start
+
+
+def test_tensor_parallel_with_the_transformers_engine_is_one_line_exit_2(files, monkeypatch, capsys) -> None:
+    """Every rank of a TP group would generate the same prompts with transformers."""
+    from helpers import refused
+
+    data = ["--dataset-path", files["dataset_path"], "--reward-fn-path", files["reward_fn_path"]]
+    line = refused([*data, "--world-size", "2", "--rollout-engine", "hf", "--tensor-parallel-size", "2"], capsys)
+    assert "--rollout-engine hf with --tensor-parallel-size 2: the transformers engine has no " \
+        "tensor parallelism" in line
+    monkeypatch.setitem(sys.modules, "vllm", None)  # the default engine then falls back to hf
+    line = refused([*data, "--world-size", "2", "--tensor-parallel-size", "2"], capsys)
+    assert "--tensor-parallel-size 2: vLLM is not installed, and the transformers engine" in line
+    from areno.config.train import TrainConfig
+
+    # vLLM given, or TP 1 with transformers: nothing refused at config time
+    assert TrainConfig.from_sources(None, {**files, "tensor_parallel_size": 1}).rollout_engine is None
+    monkeypatch.delitem(sys.modules, "vllm")
+    if importlib.util.find_spec("vllm") is not None:
+        assert TrainConfig.from_sources(None, {**files, "tensor_parallel_size": 2}).tensor_parallel_size == 2
+
+
+def test_a_broken_vllm_with_tensor_parallel_is_refused_not_replaced(monkeypatch) -> None:
+    """Installed (the config passed) but not importable: the ranks refuse rather than fall back."""
+    from areno.errors import UserError
+    from areno.rollout.factory import EngineSpec, make_engine
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    # areno's adapter too: imported before in this process, it would not import vllm again (and
+    # vllm's logging config, set up then, names vllm's formatter: unresolvable with vllm None).
+    monkeypatch.setitem(sys.modules, "areno.rollout.vllm", None)
+    with pytest.raises(UserError, match="--tensor-parallel-size 2: vLLM does not import here .* "
+                                        "no tensor parallelism"):
+        make_engine(EngineSpec(tensor_parallel_size=2), "unused")

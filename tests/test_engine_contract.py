@@ -1,6 +1,6 @@
 """The RolloutEngine contract, run against every engine with the tiny fp32 model:
 batch layout, finish reasons, stop tokens, log-probs against a transformers
-forward, seeds, weight loads and their check (backend/weight_sync.py), sleep/wake,
+forward, seeds, weight loads and their check (fleet/weight_sync.py), sleep/wake,
 input checks.
 
 One engine per kind serves the whole module (the `engine` fixture is module
@@ -20,8 +20,8 @@ import torch
 
 from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP
 from areno.rollout.engine import RolloutEngine, SamplingConfig
-from areno.backend.weight_sync import WeightStream, check_engine_names, reports_fingerprint
-from areno.backend.weight_sync import ProbeRef, SyncCheck
+from areno.fleet.weight_sync import WeightStream, check_engine_names, reports_fingerprint
+from areno.fleet.weight_sync import ProbeRef, SyncCheck
 from areno.rollout.probe import PROBE_ROUNDING_UNITS, WeightSyncError, probe_logprobs
 
 MAX_MODEL_LEN = 128
@@ -219,7 +219,7 @@ def test_an_engine_keeps_no_reference_to_what_it_loads(engine, original_state, p
     next sync rewrites): an engine must copy what it is given into its own
     storage. Overwriting the sources after a load must change nothing it holds,
     through either transport's source."""
-    from areno.backend.weight_sync import WeightLayout, region_tensors
+    from areno.fleet.weight_sync import WeightLayout, region_tensors
 
     new = perturbed_state(original_state, seed=4)
     live = {n: t.clone() for n, t in new.items()}  # the stream's source: the tensors themselves

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from areno.backend.errors import BackendError
+from areno.procs.errors import BackendError
 from areno.backend.launch import free_port
 from areno.backend.rank_engines import assign_groups
 from areno.rollout.probe import PROBE_ROUNDING_UNITS, probe_tolerance
@@ -115,7 +115,7 @@ CPU_ONLY_RUN = """
 import sys, torch
 from areno.config.train import TrainConfig
 from areno.run import open_run
-from areno.runtime.signals import interrupts_raise
+from areno.procs.signals import interrupts_raise
 from areno.trainer import train_loop
 cfg = TrainConfig.from_sources(overrides=dict(max_steps=2, world_size=2, output_dir=sys.argv[1],
                                               no_save=True, rollout_engine="vllm"))
@@ -169,26 +169,42 @@ def test_an_interrupt_during_a_draining_command_leaves_the_backend_usable(tiny_c
             rank_debug(be, "noop")
 
 
+def _rollouts(run, background: bool, updates: int, saved=()):
+    """The run's scheduler over a producer that only says where its engines are."""
+    from types import SimpleNamespace
+
+    from areno.scheduler import Rollouts
+
+    run.rows = run.prompts = None
+    return Rollouts(run, SimpleNamespace(background=background), updates, list(saved))
+
+
 def test_an_interrupted_step_counts_only_if_its_update_was_applied():
+    """Colocated: the step's round was taken; undone, its prompts go back."""
     from types import SimpleNamespace
 
     from areno.data.sampler import PromptSampler
+    from areno.scheduler import Inflight
     from areno.trainer import settle_interrupted_step
 
-    sampler = PromptSampler(55, 16, seed=0)
-    state = sampler.state_dict()
-    first = sampler.next_batch()
-    run = SimpleNamespace(step=4, sampler=sampler, backend=SimpleNamespace(step=4), ahead=None)
-    settle_interrupted_step(run, (5, state, 4))  # interrupted before the update
-    assert run.step == 4
-    np.testing.assert_array_equal(sampler.next_batch(), first)  # the prompts go back
-    run.backend.step = 5
-    settle_interrupted_step(run, (5, state, 4))  # the update reached the weights
-    assert run.step == 5
+    for landed in (False, True):
+        sampler = PromptSampler(55, 16, seed=0)
+        state = sampler.state_dict()
+        first = sampler.next_batch()
+        run = SimpleNamespace(step=4, sampler=sampler, backend=SimpleNamespace(step=4 + landed),
+                              cfg=SimpleNamespace(off_policy_steps=0), total_steps=10)
+        run.rollouts = _rollouts(run, False, 4)
+        run.rollouts.taken = [Inflight(5, first, state, 4)]
+        settle_interrupted_step(run, (5, 4))
+        assert run.step == 4 + landed
+        if landed:
+            assert not np.array_equal(sampler.next_batch(), first)
+        else:
+            np.testing.assert_array_equal(sampler.next_batch(), first)  # the prompts go back
 
 
 class _Running:
-    """A PendingRollout stand-in that never gets whole (the engine still generating)."""
+    """A Pending stand-in that never gets whole (the engine still generating)."""
 
     def __init__(self) -> None:
         self.dropped = False
@@ -201,14 +217,14 @@ class _Running:
 
 
 def test_an_interrupt_keeps_the_whole_rollouts_in_flight_and_puts_the_prompts_of_the_others_back():
-    """The asynchronous loop drew steps 6 and 7's prompts during step 5; 6 is whole,
+    """Engine processes drew steps 6 and 7's prompts during step 5; 6 is whole,
     7 still generating. Whether or not step 5's update landed, the checkpoint
-    keeps what is whole from step run.step + 1 on (5's own rollout back in
+    keeps what is whole from step run.step + 1 on (5's own round back in
     flight when its update did not land) and its sampler stands before 7's prompts."""
     from types import SimpleNamespace
 
-    from areno.asyncloop import Inflight, RolloutsAhead
     from areno.data.sampler import PromptSampler
+    from areno.scheduler import Inflight
     from areno.trainer import settle_interrupted_step
 
     for landed in (False, True):
@@ -220,12 +236,12 @@ def test_an_interrupt_keeps_the_whole_rollouts_in_flight_and_puts_the_prompts_of
         batch7 = drawn[2].prompt_idx
         drawn[2].pending = _Running()
         run = SimpleNamespace(step=4, sampler=sampler, backend=SimpleNamespace(step=4 + landed),
-                              cfg=SimpleNamespace(off_policy_steps=2))
-        run.ahead = ahead = RolloutsAhead(run, 4, drawn[1:])
-        ahead.current = drawn[0]  # taken by step 5
-        settle_interrupted_step(run, (5, drawn[0].sampler_before, 4))
+                              cfg=SimpleNamespace(off_policy_steps=2), total_steps=10)
+        run.rollouts = rollouts = _rollouts(run, True, 4, drawn[1:])
+        rollouts.taken = [drawn[0]]  # taken by step 5
+        settle_interrupted_step(run, (5, 4))
         assert run.step == 4 + landed
-        assert [c.step for c in ahead.inflight] == ([6] if landed else [5, 6])
+        assert [c.step for c in rollouts.inflight] == ([6] if landed else [5, 6])
         assert drawn[2].pending.dropped
         np.testing.assert_array_equal(sampler.next_batch(), batch7)  # 7's prompts come back
 
@@ -260,7 +276,7 @@ def test_an_interrupt_between_a_rollouts_sends_and_its_first_read_is_drained(tin
     from areno.backend.config import BackendConfig
     from areno.backend.controller import TorchBackend
     from areno.backend.rank_engines import RankEngines
-    from areno.backend.replies import ReplyStream
+    from areno.procs.replies import ReplyStream
     from areno.rollout.engine import SamplingConfig
     from areno.rollout.factory import EngineSpec
 

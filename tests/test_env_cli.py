@@ -3,9 +3,10 @@ refused in one line with exit 2 before anything starts."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from areno.config.env import trajectory_tokens
+from areno.config.env import max_policy_tokens, trajectory_tokens
 from areno.config.train import TrainConfig
 from tests.helpers import refused
 
@@ -27,6 +28,34 @@ def test_env_options_reach_the_config_and_replace_the_reward_plugin(env):
     assert trajectory_tokens(cfg) == 50
 
 
+def test_dr_grpo_normalises_a_trajectory_by_its_sampled_token_room(env):
+    """seq-mean-token-sum-norm's constant under --env-path: a trajectory whose turns
+    all ran to --max-new-tokens weighs what a full single completion does (sum 1 per
+    sequence), not --max-turns times it."""
+    from areno.envs.trajectory import Trajectories
+    from areno.split import build_split_pack
+
+    cfg = TrainConfig.from_sources(overrides=dict(env_path=env, max_turns=3, max_new_tokens=4,
+                                                  loss_agg="seq-mean-token-sum-norm"))
+    assert max_policy_tokens(cfg) == 12  # the default budget leaves room for all three turns
+    small = TrainConfig.from_sources(overrides=dict(env_path=env, max_turns=3, max_new_tokens=4,
+                                                    max_trajectory_tokens=10))
+    assert max_policy_tokens(small) == 10
+    single = TrainConfig.from_sources(overrides=dict(max_new_tokens=4))
+    assert max_policy_tokens(single) == 4
+    t = Trajectories(np.array([1, 2, 3], np.int32), np.array([0, 3], np.int64), np.zeros(2, np.int64))
+    for i in range(2):
+        for turn in range(3):
+            t.add_turn(i, np.arange(4, dtype=np.int32) + 10, np.full(4, -1.0, np.float32))
+            if turn < 2:
+                t.add_observation(i, np.array([7, 8], np.int32))
+    batch = t.to_batch(np.zeros(2, np.uint8), np.zeros(2, bool))
+    sp = build_split_pack(batch, np.ones(2, np.float32), world_size=1, max_tokens=64,
+                          loss_agg=cfg.loss_agg, norm_len=max_policy_tokens(cfg))
+    w_tok = sp.pack.seq_weights[sp.pack.seq_index.long()] * sp.pack.loss_mask
+    assert w_tok.sum().item() == pytest.approx(1.0, rel=1e-6)
+
+
 @pytest.mark.parametrize("source,extra,message", [
     (None, [], "--env-path: file not found"),
     ("x = 1\n", [], "defines no step(state, completion)"),
@@ -34,8 +63,9 @@ def test_env_options_reach_the_config_and_replace_the_reward_plugin(env):
     (GOOD, ["--max-turns", "0"], "--max-turns"),
     (GOOD, ["--env-reward", "mean"], "--env-reward"),
     (GOOD, ["--max-trajectory-tokens", "1"], "below --max-new-tokens"),
-    (GOOD, ["--overlong-buffer", "1"], "not built"),
-    (GOOD, ["--rollout-world-size", "1"], "--rollout-world-size 1: not built"),
+    (GOOD, ["--max-turns", "2", "--max-new-tokens", "8", "--max-trajectory-tokens", "20",
+            "--overlong-buffer", "21"], "exceeds the trajectory budget (--max-trajectory-tokens) 20"),
+    (GOOD, ["--env-schedule", "soon"], "--env-schedule"),
 ])
 def test_env_mistakes_are_one_line(tmp_path, capsys, source, extra, message):
     p = tmp_path / "env.py"
@@ -47,6 +77,7 @@ def test_env_mistakes_are_one_line(tmp_path, capsys, source, extra, message):
 
 def test_env_options_without_env_and_with_a_reward_plugin_are_refused(env, tmp_path, capsys):
     assert "needs --env-path" in refused(["--max-turns", "3"], capsys)
+    assert "--env-schedule eager needs --env-path" in refused(["--env-schedule", "eager"], capsys)
     plugin = tmp_path / "r.py"
     plugin.write_text("def reward_fn(r):\n    return 1.0\n")
     assert "drop --reward-fn-path" in refused(["--env-path", env, "--reward-fn-path", str(plugin)], capsys)

@@ -11,7 +11,7 @@ from areno.envs.plugin import EnvState
 from areno.envs.pool import EnvPool
 from areno.envs.trajectory import ObservationFormat
 from areno.metrics import ENV_METRICS
-from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP
+from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP, overlong_mask
 from areno.rollout.engine import SamplingConfig
 from tests.env_trace import TracingEngine, assert_token_in_token_out
 
@@ -96,6 +96,27 @@ def test_turn_and_token_bounds_end_trajectories_with_the_reward_counted(hf_engin
     assert (out.batch.finish_reason == FINISH_LENGTH).all() and (out.scored.rewards > 0).all()
 
 
+def test_only_a_trajectory_whose_last_turn_was_cut_is_overlong(hf_engine, tok, tmp_path):
+    """--max-turns ends both rollouts (finish length); --mask-overlong drops only the
+    one whose turns ran into --max-new-tokens, not the one whose turns stopped."""
+    env, ids, off, states = _setup(tok, tmp_path, [{"moves": 9}], n=2)
+    fmt = ObservationFormat(tok, True, hf_engine.eos_token_ids)
+    every_token = tuple(range(len(tok)))  # each turn stops at its first token
+    outs = []
+    with EnvPool(str(env), workers=0) as pool:
+        for stop in (every_token, ()):
+            for s in states:
+                s.data = {}
+            outs.append(rollout_multiturn(hf_engine, pool, tok, fmt, ids, off, states, 2, SamplingConfig(
+                max_tokens=4, seed=2, stop_token_ids=stop, ignore_eos=True), EnvBounds(max_turns=2)))
+    stopped, cut = outs
+    assert stopped.turn_limit == cut.turn_limit == 2
+    assert (stopped.batch.finish_reason == FINISH_LENGTH).all() and (cut.batch.finish_reason == FINISH_LENGTH).all()
+    assert (stopped.batch.policy_lengths == 2).all() and (cut.batch.policy_lengths == 8).all()
+    assert overlong_mask(stopped.batch).tolist() == [False, False]
+    assert overlong_mask(cut.batch).tolist() == [True, True]
+
+
 HUGE_OBSERVATION = '''
 def step(state, completion):
     return "x" * 1_000_000, 0.5, False  # one 1 MB word
@@ -133,13 +154,43 @@ def test_an_observation_longer_than_the_room_left_ends_its_trajectory_untokenize
 
 
 def test_others_advance_while_one_trajectory_waits_on_its_env(hf_engine, tok, tmp_path):
-    """Trajectory 0's first step returns only once the two others have finished all
-    their turns: a driver that waited for every env call of a turn would stall here."""
+    """--env-schedule eager: trajectory 0's first step returns only once the two others
+    have finished all their turns: a driver that waited for every env call of a turn
+    would stall here."""
     rows = [{"moves": 3, "wait_for": 2, "dir": str(tmp_path)}]
     env, ids, off, states = _setup(tok, tmp_path, rows, n=3)
     fmt = ObservationFormat(tok, True, hf_engine.eos_token_ids)
     with EnvPool(str(env), workers=3, timeout=120) as pool:
         out = rollout_multiturn(hf_engine, pool, tok, fmt, ids, off, states, 3,
-                                SamplingConfig(max_tokens=4, seed=3), EnvBounds(max_turns=4))
+                                SamplingConfig(max_tokens=4, seed=3), EnvBounds(max_turns=4, eager=True))
     assert out.turns.tolist() == [3, 3, 3]
     assert states[0].data["others_first"], "the others waited for trajectory 0's env"
+
+
+SLOW_ODD = '''
+import time
+def step(state, completion):
+    state.data["n"] = state.data.get("n", 0) + 1
+    time.sleep(0.05 * (state.index % 2) * (state.data["n"] % 2))  # odd trajectories answer late
+    return f"seen {state.data['n']}", 0.5, state.data["n"] >= 3
+'''
+
+
+def test_the_turns_schedule_samples_the_same_whatever_the_env_timing(hf_engine, tok, tmp_path):
+    """--env-schedule turns (the default): each generate call holds every trajectory
+    whose env has answered, in index order, so the rollout is a function of the
+    seed: two runs whose env calls return in different orders sample the same tokens."""
+    rows = [{}, {}]
+    env, ids, off, states = _setup(tok, tmp_path, rows, n=3)
+    env.write_text(SLOW_ODD)
+    fmt = ObservationFormat(tok, True, hf_engine.eos_token_ids)
+    outs = []
+    for workers in (1, 3):  # one worker answers in order; three let the fast ones overtake
+        fresh = [EnvState(s.prompt, None, None, s.row, s.index) for s in states]
+        with EnvPool(str(env), workers=workers, timeout=60) as pool:
+            outs.append(rollout_multiturn(hf_engine, pool, tok, fmt, ids, off, fresh, 3,
+                                          SamplingConfig(max_tokens=4, seed=9), EnvBounds(max_turns=4)))
+    a, b = outs
+    for f in ("response_ids", "response_offsets", "response_logprobs", "response_mask", "finish_reason"):
+        np.testing.assert_array_equal(getattr(a.batch, f), getattr(b.batch, f), err_msg=f)
+    assert a.rounds == b.rounds == 3

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from areno.envs.trajectory import ObservationFormat, Trajectories, turn_segments
+from areno.envs.trajectory import ObservationFormat, Trajectories
+from areno.rollout.batch import turn_segments
 from areno.losses import LossConfig, LossInputs, compute_loss
 from areno.rollout.batch import RolloutBatch
 from areno.split import build_split_pack
@@ -104,7 +105,7 @@ def test_trajectory_is_the_sampled_arrays_and_observations_appended():
     assert np.split(ids, off[1:-1])[0].tolist() == [7, 8, 9, 11, 12, 40, 41, 42, 14]
     assert np.split(ids, off[1:-1])[1].tolist() == [5, 6, 13]
     assert np.split(ids, off[1:-1])[2].tolist() == [7, 8, 9]
-    b = t.to_batch(np.zeros(3, np.uint8))
+    b = t.to_batch(np.zeros(3, np.uint8), np.zeros(3, bool))
     assert b.response_tokens(1).tolist() == [11, 12, 40, 41, 42, 14]
     assert b.response_mask[b.response_offsets[1]:b.response_offsets[2]].tolist() == [1, 1, 0, 0, 0, 1]
     assert b.response_logprobs[b.response_offsets[1]:b.response_offsets[2]].tolist() == [-0.5, -0.25, 0, 0, 0, -2.0]

@@ -24,6 +24,8 @@ def step(state, completion):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
         open(os.environ["CHILD_PID_FILE"], "w").write(str(child.pid))
         time.sleep(300)
+    if completion == "slow":
+        time.sleep(1.0)
     if completion == "raise":
         raise ValueError("no such move")
     if completion == "bad":
@@ -67,6 +69,27 @@ def test_state_data_travels_with_the_trajectory_between_calls(env_file):
         s.data = out.reply.data
         out = _call(pool, s, "b")
         assert (out.reward, out.reply.done) == (0.5, True)
+
+
+def test_wait_any_sleeps_until_a_call_finishes_instead_of_polling(env_file):
+    """A 1 s env step: wait_any returns as it finishes, having spent next to no CPU
+    in this thread meanwhile (a 1 ms poll spends ~1000 wake-ups); timeout 0 and a
+    short timeout return what is done, here nothing."""
+    with EnvPool(str(env_file), workers=1, timeout=30) as pool:
+        pool.warm()
+        s = _state()
+        s.data = _call(pool, s, None).reply.data
+        t0 = time.monotonic()
+        slow = pool.submit(s, "slow")
+        assert pool.wait_any([slow], timeout=0.0) == []
+        assert pool.wait_any([slow], timeout=0.2) == [] and time.monotonic() - t0 >= 0.2
+        cpu0 = time.thread_time()
+        assert pool.wait_any([slow]) == [slow]
+        cpu, wall = time.thread_time() - cpu0, time.monotonic() - t0
+        assert 1.0 <= wall < 2.0, wall
+        assert cpu < 0.005, f"{cpu * 1e3:.1f} ms of CPU waiting {wall:.2f} s"
+        assert pool.result(slow).reward == 0.25
+        assert pool.wait_any([]) == []
 
 
 @pytest.mark.faults

@@ -42,11 +42,15 @@ class ScriptedEngine:
 def test_evaluate_scores_greedy_pass_at_1_and_mean_and_pass_at_k(tmp_path, tiny_arith_path):
     from transformers import AutoTokenizer
 
+    from types import SimpleNamespace
+
     from areno.evaluate import evaluate
     from areno.data.prompts import tokenize_prompts
+    from areno.producers import Data, Producer
     from areno.rewards import RewardScorer
     from areno.rollout.engine import SamplingConfig
     from areno.data.rows import normalize_rows
+    from areno.timing import PhaseTimer
 
     tok = AutoTokenizer.from_pretrained(tiny_arith_path)
     rows = normalize_rows(EVAL_ROWS[:4], source="test")
@@ -58,7 +62,14 @@ def test_evaluate_scores_greedy_pass_at_1_and_mean_and_pass_at_k(tmp_path, tiny_
                             sampled=[["3", "3", "3"], ["1", "+", "1"], ["+", "+", "5"],
                                      ["0", "0", "0"]])
     with RewardScorer(str(plugin), workers=0) as scorer:
-        m = evaluate(engine, tok, scorer, rows, prompts, SamplingConfig(temperature=0.7, seed=5), k=3)
+        run = SimpleNamespace(cfg=SimpleNamespace(rollout_world_size=0), engine=engine, tokenizer=tok,
+                              scorer=scorer)
+        producer = Producer(run, None)  # the eval round: the training rounds' producer, colocated
+
+        def run_round(data, n, sampling):
+            idx = np.arange(len(data.prompts), dtype=np.int64)
+            return producer.start(data, idx, n, sampling, overlap=False).collect(PhaseTimer())
+        m = evaluate(run_round, Data(rows, prompts), SamplingConfig(temperature=0.7, seed=5), k=3)
     assert m == pytest.approx({
         "eval/pass@1": 2 / 4, "eval/reward@1": 2.5 / 4, "eval/prompts": 4.0,
         "eval/mean@3": (3 + 1 + 1 + 1.5) / 12, "eval/pass@3": 2 / 4,

@@ -267,8 +267,9 @@ def test_a_negative_seed_is_refused_at_config_time(tiny_arith_path, files, areno
 
 def test_a_tensor_parallel_size_the_ranks_cannot_serve_is_refused_before_ranks_start(
         tiny_arith_path, files, areno_cache, tmp_path):
-    one_error(train(tiny_arith_path, files, tmp_path / "run", areno_cache, "--tensor-parallel-size", "2"),
-              "--tensor-parallel-size 2", "1 rank")
+    # The vLLM engine: the transformers engine has no tensor parallelism at all (refused first).
+    one_error(train(tiny_arith_path, files, tmp_path / "run", areno_cache, "--tensor-parallel-size", "2",
+                    "--rollout-engine", "vllm"), "--tensor-parallel-size 2", "1 rank")
 
 
 def test_yaml_numbers_pyyaml_reads_as_strings_are_accepted_for_float_options(tmp_path, files):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from areno.rundir.fileperms import current_umask, honour_umask
+from areno.fileperms import current_umask, honour_umask
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
-"""areno.backend.heartbeat: the bound and who counts as silent (the SIGSTOP
+"""areno.procs.heartbeat: the bound and who counts as silent (the SIGSTOP
 end to end is in test_faults_probe.py)."""
 
 from __future__ import annotations
 
 import time
 
-from areno.backend.heartbeat import AUTO_FACTOR, AUTO_FLOOR_S, BEAT_S, HeartbeatWatch, start_beating
+from areno.procs.heartbeat import AUTO_FACTOR, AUTO_FLOOR_S, BEAT_S, HeartbeatWatch, start_beating
 
 
 def test_a_given_bound_holds_and_the_auto_bound_grows_with_the_longest_gap():

@@ -18,7 +18,7 @@ from areno.rundir.checkpoint import latest_checkpoint, read_state
 from areno.rundir.lock import LOCK_FILE
 from areno.errors import UserError
 from areno.runtime.interrupt import interrupted, resume_command
-from areno.runtime.signals import interrupts_raise
+from areno.procs.signals import interrupts_raise
 from test_faults import assert_complete, wait_for
 from test_resume import HF1, REPO, cli_env, popen_train, read_metrics, wait_group_gone
 
@@ -113,7 +113,7 @@ def test_ctrl_c_before_training_starts_exits_130(monkeypatch, capsys):
 
 
 def test_an_interrupt_during_an_update_waits_for_the_step_a_second_one_does_not():
-    from areno.runtime.signals import defer_interrupts, release_interrupts
+    from areno.procs.signals import defer_interrupts, release_interrupts
 
     with interrupts_raise():
         defer_interrupts()

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from areno.runtime.signals import interrupts_raise
+from areno.procs.signals import interrupts_raise
 from helpers import rank_debug
 
 
@@ -75,7 +75,7 @@ def test_an_interrupt_inside_a_rollouts_send_or_read_leaves_the_backend_usable(t
 def test_every_run_signal_waits_for_the_pipe_message_it_lands_in(sig):
     """Sent from inside the held block (where a real one lands between two bytecodes
     of a pipe write): the rest of the block runs, then the run's handler raises."""
-    from areno.runtime.signals import signals_held
+    from areno.procs.signals import signals_held
 
     done = []
     with interrupts_raise(), pytest.raises(KeyboardInterrupt):
@@ -88,7 +88,7 @@ def test_every_run_signal_waits_for_the_pipe_message_it_lands_in(sig):
 def test_the_step_window_defers_from_its_update_to_its_end_and_an_error_ends_it():
     """train_loop's one deferral block: a signal after update_starts() waits for the
     block's end; an exception inside ends the deferral, so the next signal raises."""
-    from areno.runtime.signals import step_window
+    from areno.procs.signals import step_window
 
     done = []
     with interrupts_raise():
@@ -115,7 +115,7 @@ def test_an_interrupt_inside_a_periodic_save_waits_for_it(tmp_path, monkeypatch,
     from types import SimpleNamespace
 
     import areno.trainer
-    from areno.backend.errors import BackendError
+    from areno.procs.errors import BackendError
     def step(run, n, update_starts):  # the real one calls it as its update starts
         update_starts()
         return {}
@@ -138,7 +138,9 @@ def test_an_interrupt_inside_a_periodic_save_waits_for_it(tmp_path, monkeypatch,
     logger = SimpleNamespace(log=lambda *a, **k: None, info=print)
     run = SimpleNamespace(cfg=SimpleNamespace(no_save=False, save_interval=1, eval_interval=0, save_path=None),
                           output_dir=tmp_path, step=0, total_steps=3, backend=backend, sampler=sampler,
-                          logger=logger, save=save, ahead=None)
+                          logger=logger, save=save,
+                          rollouts=SimpleNamespace(taken=[], put_back=lambda: None,
+                                                   settle_interrupt=lambda after_step: None))
     monkeypatch.setattr(areno.trainer, "train_step", step)
     with interrupts_raise(), pytest.raises(SystemExit) as e:
         areno.trainer.train_loop(run)
@@ -152,7 +154,7 @@ def test_an_interrupt_inside_a_periodic_save_waits_for_it(tmp_path, monkeypatch,
 # lands during the start-up imports (torch, numpy, transformers take seconds).
 SIGINT_IN_HOLD = """
 import contextlib, os, signal, sys
-import areno.runtime.signals as ss
+import areno.procs.signals as ss
 hold = ss.held
 @contextlib.contextmanager
 def held_then_sigint():
@@ -187,7 +189,7 @@ def test_a_ctrl_c_during_the_start_up_imports_waits_for_the_command_to_handle_it
 
 
 def test_the_hold_gives_back_the_handlers_it_found():
-    from areno.runtime import signals
+    from areno.procs import signals
     before = signal.getsignal(signal.SIGINT)
     with signals.held():
         os.kill(os.getpid(), signal.SIGINT)  # recorded, not raised

@@ -89,7 +89,7 @@ def test_lm_head_benchmark_smoke_run_times_both_paths(tmp_path) -> None:
     import json
     import math
 
-    from areno.bench import lm_head as bench
+    from arenobench import lm_head as bench
 
     out = tmp_path / "lm_head.json"
     bench.main(["--smoke", "--repeats", "1", "--min-run-time", "0", "--out", str(out)])

@@ -239,7 +239,8 @@ def test_fsdp2_and_ddp_make_the_single_rank_lora_update(tiny_chat_path, tmp_path
     (["--lora-alpha", "16"], "--lora-alpha needs --lora-rank > 0"),
     (["--lora-rank", "8", "--lora-target-modules", "q_proj,foo_proj"],
      "--lora-target-modules: the model has no linear named 'foo_proj'"),
-    (["--lora-rank", "8", "--tensor-parallel-size", "2"], "LoRA with --tensor-parallel-size 2"),
+    (["--lora-rank", "8", "--tensor-parallel-size", "2", "--rollout-engine", "vllm"],
+     "LoRA with --tensor-parallel-size 2"),
 ])
 def test_bad_lora_options_are_one_line_user_errors(args, msg, areno_cache, tmp_path) -> None:
     from test_resume import cli

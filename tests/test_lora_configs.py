@@ -179,7 +179,7 @@ def test_an_adapter_checkpoint_with_tensor_parallel_engines_is_refused(tiny_chat
     """--resume / --ckpt of an adapter at --tensor-parallel-size 2: one line before
     any rank starts (the adapter checksum compares whole tensors; --lora-rank with
     TP > 1 is refused at config time, test_lora's CLI cases)."""
-    from areno.config.settings import lora_spec
+    from areno.settings import lora_spec
     from areno.config.train import TrainConfig
 
     adapter = saved_adapter(tiny_chat_path, tmp_path / "a")

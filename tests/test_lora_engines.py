@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from areno.backend.adapter_sync import load_adapter
+from areno.fleet.adapter_sync import load_adapter
 from areno.rollout.engine import SamplingConfig
 from areno.rollout.lora import adapter_fingerprint_of, adapter_nbytes, lora_scaling
 from areno.rollout.probe import (WeightSyncError, check_fingerprint, check_logprobs, fingerprint_mismatch,

@@ -94,7 +94,7 @@ def test_a_bad_connection_is_rejected_and_the_controller_keeps_accepting_ranks(c
     from multiprocessing.connection import Client
 
     from areno.backend.config import BackendConfig
-    from areno.backend.handoff import ShmSegment
+    from areno.procs.segment import ShmSegment
     from areno.backend.launch import accept_ranks
     from areno.backend.rank import _dial
 

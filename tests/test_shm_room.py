@@ -22,10 +22,12 @@ def config(files, **kw) -> TrainConfig:
 def test_the_footprint_counts_k_plus_one_weight_slots_the_rollouts_in_flight_and_the_pack(files):
     parts = shm.shm_footprint(config(files, rollout_world_size=1, off_policy_steps=2), SMOL_PARAMS * 2, 0, 1)
     assert parts == {
-        "3 weight slot(s) (--off-policy-steps 2 + 1)": 3 * SMOL_PARAMS * 2,
+        "3 weight slot(s) (--off-policy-steps 2: max(2, K + 1))": 3 * SMOL_PARAMS * 2,
         "3 rollout result segment(s)": int(3 * 16 * 64 * 8 * 1.25),
         "the pack": int(16 * (128 + 64) * 25 * 1.25),
     }
+    k0 = shm.shm_footprint(config(files, rollout_world_size=1), SMOL_PARAMS * 2, 0, 1)
+    assert k0["2 weight slot(s) (--off-policy-steps 0: max(2, K + 1))"] == 2 * SMOL_PARAMS * 2  # two at K = 0
     colocated = shm.shm_footprint(config(files), SMOL_PARAMS * 2, 0, 2)
     assert set(colocated) == {"1 rollout result segment(s)", "the pack"}  # weights stay in the ranks
 
@@ -37,11 +39,18 @@ def test_lora_adapter_dirs_count_for_every_vllm_engine_on_the_host(files):
                                                           SMOL_PARAMS * 2, 2_000_000, 4))
 
 
+def test_under_lora_the_weight_slots_hold_the_adapter_alone(files):
+    """Engine processes keep the base from their start: a publish writes the adapter."""
+    parts = shm.shm_footprint(config(files, lora_rank=8, rollout_world_size=1, off_policy_steps=1,
+                                     rollout_engine="hf"), SMOL_PARAMS * 2, 2_000_000, 1)
+    assert parts["2 weight slot(s) (--off-policy-steps 1: max(2, K + 1))"] == 2 * 2_000_000
+
+
 def test_a_small_dev_shm_is_one_line_naming_the_sizes_and_the_fix(files, monkeypatch):
     monkeypatch.setattr(shm, "shm_free_bytes", lambda: 64 * MIB)
     cfg = config(files, rollout_world_size=1, off_policy_steps=1)
     with pytest.raises(UserError, match=r"/dev/shm has 64.0 MiB free, but this run needs about 513.\d MiB of "
-                       r"shared memory \(2 weight slot\(s\) \(--off-policy-steps 1 \+ 1\) 513.1 MiB, .*\); "
+                       r"shared memory \(2 weight slot\(s\) \(--off-policy-steps 1: max\(2, K \+ 1\)\) 513.1 MiB, .*\); "
                        r"enlarge it \(docker run --shm-size=2g\) or lower --off-policy-steps"):
         shm.check_shm_room(cfg, SMOL_PARAMS * 2, 0, 1)
     shm.check_shm_room(cfg, 10 * MIB, 0, 1)  # a small model fits

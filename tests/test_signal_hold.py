@@ -1,4 +1,4 @@
-"""The signals a job's stop sends to all of it (runtime/signals.py, section 4):
+"""The signals a job's stop sends to all of it (procs/signals.py, section 4):
 the run's other processes hold them, nohup's ignore is kept, and a wait on a
 backend that a second interrupt tore down is a BackendError, not a crash. The
 process-level runs are tests/test_interrupt_group.py (faults tier)."""
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from areno.backend.errors import BackendError
+from areno.procs.errors import BackendError
 from areno.backend.launch import PeerShape, spawn_peers
-from areno.backend.replies import Peers, ReplyStream
+from areno.procs.replies import Peers, ReplyStream
 from test_faults import REPO
 
 
@@ -39,7 +39,7 @@ def test_a_rank_ignores_the_jobs_stop_signals_from_its_first_instant_and_the_con
 def test_an_ignore_inherited_for_sighup_is_kept(tmp_path):
     """`nohup areno train`: a logout must not stop the run."""
     code = ("import os, signal, time\n"
-            "from areno.runtime.signals import held, interrupts_raise\n"
+            "from areno.procs.signals import held, interrupts_raise\n"
             "with held():\n    pass\n"
             "with interrupts_raise():\n"
             "    os.kill(os.getpid(), signal.SIGHUP)\n"

@@ -21,7 +21,7 @@ import torch
 
 from areno.backend.config import BackendConfig
 from areno.backend.launch import peer_env
-from areno.config import settings
+from areno import settings
 from areno.config.train import TrainConfig
 from areno.errors import UserError
 

@@ -62,7 +62,7 @@ def test_a_corrupted_region_fails_the_engine_process_check(tiny_chat_path):
     """A sync after the first carries no probe (probe_due): the exact fingerprint
     alone must catch one flipped bit, on every load."""
     from areno.backend.controller import TorchBackend
-    from areno.backend.errors import BackendError
+    from areno.procs.errors import BackendError
 
     with TorchBackend(backend_config(tiny_chat_path, 1)) as be:
         be.train(make_split(1))
@@ -72,6 +72,72 @@ def test_a_corrupted_region_fails_the_engine_process_check(tiny_chat_path):
         assert region.probe is None and region.fingerprint is not None
         entry = next(e for e in region.layout.entries if ".layers." in e.name)
         be._weights[0].buf[entry.offset + 2] ^= 0x40  # one mantissa bit of one weight of a layer
+        stream = be.peers.broadcast("load_region", [1], region=region)
+        with pytest.raises(BackendError, match="WeightSyncError"):
+            stream.gather(60)
+
+
+def lora_backend_config(path, kind: str = "hf", **kw):
+    """One rank, one engine process serving the rank's LoRA adapter (max_lora_rank 8)."""
+    from areno.backend.config import BackendConfig, LoraSpec
+    from areno.rollout.factory import EngineSpec
+
+    return BackendConfig(model_path=str(path), world_size=1, lr=1e-2, rollout_world_size=1,
+                         engine=EngineSpec(kind=kind, fallback=False, max_model_len=64, kv_cache_bytes=16 << 20,
+                                           max_lora_rank=8),
+                         lora=LoraSpec(rank=8, alpha=16.0), **kw)
+
+
+@pytest.mark.parametrize("kind", ["hf", "vllm"])
+def test_under_lora_engine_processes_load_each_trained_adapter_checked(tiny_chat_path, kind):
+    """Only the adapter travels: the region holds peft's A/B tensors, and the engine
+    process serves each trained version, its adapter fingerprint equal to rank 0's
+    (load_region raises on a mismatch), the first load also probed."""
+    from areno.backend.controller import TorchBackend
+    from areno.backend.rank_engines import RankEngines
+    from areno.rollout.engine import SamplingConfig
+
+    if kind == "vllm":
+        pytest.importorskip("vllm")
+    sampling = SamplingConfig(max_tokens=4, seed=3)
+    with TorchBackend(lora_backend_config(tiny_chat_path, kind)) as be:
+        assert be.engine_hellos[0]["engine"] == kind
+        engines = RankEngines(be)
+        before = engines.generate(*PROMPTS, 2, sampling)
+        syncs, regions = [], []
+        for _ in range(2):
+            be.train(make_split(1))
+            regions.append(be.publish_weights(fingerprinted=be.engine_procs_fingerprinted))
+            syncs.append(be.load_engine_procs(regions[-1]))
+        names = [e.name for e in regions[0].layout.entries]
+        assert names and all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in names)
+        assert [r.version for r in regions] == [1, 2] and regions[0].adapter.r == 8
+        trainable = be.hellos[0]["trainable_params"]  # the adapter's values, fp32: 64-byte aligned slots
+        assert trainable * 4 <= regions[0].layout.nbytes < trainable * 4 + 64 * len(names)
+        assert trainable < be.hellos[0]["params"] / 2
+        # Both loads compared rank 0's adapter fingerprint; the first also ran the probe.
+        assert be.engine_procs_fingerprinted and set(regions[0].fingerprint.sums) == \
+            set(regions[1].fingerprint.sums)
+        assert syncs[0]["probe_diff"] <= syncs[0]["probe_tolerance"] and "probe_diff" not in syncs[1]
+        after = engines.generate(*PROMPTS, 2, sampling)
+        assert not np.array_equal(after.response_logprobs, before.response_logprobs)  # the adapter serves
+        rank_debug(be, "noop")
+
+
+def test_a_corrupted_adapter_region_fails_the_engine_process_check(tiny_chat_path):
+    """As for full weights: a load with no probe due is held to rank 0's exact
+    adapter fingerprint, which one flipped bit of one B value breaks."""
+    from areno.backend.controller import TorchBackend
+    from areno.procs.errors import BackendError
+
+    with TorchBackend(lora_backend_config(tiny_chat_path)) as be:
+        be.train(make_split(1))
+        be.sync_engine_procs()  # the first sync: fingerprint and probe
+        be.train(make_split(1))
+        region = be.publish_weights()
+        assert region.probe is None and region.adapter is not None
+        entry = next(e for e in region.layout.entries if e.name.endswith(".lora_B.weight"))
+        be._weights[0].buf[entry.offset + 2] ^= 0x40  # one mantissa bit of one trained B value
         stream = be.peers.broadcast("load_region", [1], region=region)
         with pytest.raises(BackendError, match="WeightSyncError"):
             stream.gather(60)

@@ -25,7 +25,7 @@ def _gathered_dtypes(rank: int, path: str, port: int, out: str) -> None:
 
     from areno.backend.config import BackendConfig
     from areno.backend.model import PolicyModule, load_hf_model, wrap_policy
-    from areno.backend.weight_sync import WeightStream
+    from areno.fleet.weight_sync import WeightStream
     from areno.backend.weights import hf_state_names, iter_full_state
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_NAMES = {"BackendConfig": "areno.backend.config", "BackendError": "areno.backend.errors",
+_NAMES = {"BackendConfig": "areno.backend.config", "BackendError": "areno.procs.errors",
           "TorchBackend": "areno.backend.controller"}
 __all__ = list(_NAMES)
 

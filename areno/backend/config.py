@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from areno.config.choices import Device, DType, Strategy  # light: TrainConfig names them too
+from areno.choices import Device, DType, Strategy  # light: TrainConfig names them too
 from areno.rollout.factory import EngineSpec
 from areno.losses import LossConfig
 
@@ -152,7 +152,7 @@ class BackendConfig:
     master_port: int | None = None
     """spawn launcher: rendezvous port; None = a free port."""
     cpu_threads: int | None = None
-    """torch threads per rank on CPU; None = `rank_cpu_threads` of this host."""
+    """torch threads per rank on CPU; None = `procs.device.rank_cpu_threads` of this host."""
     startup_timeout_s: float = 1800.0
     """Seconds for all ranks to load the model and report ready (--startup-timeout: a
     cold GPU start compiles vLLM and captures CUDA graphs in every rank)."""
@@ -255,17 +255,3 @@ def engine_gpus_from_env(environ: typing.Mapping[str, str]) -> tuple[int, ...]:
         return tuple(int(x) for x in raw.split(",")) if raw else ()
     except ValueError:
         raise ValueError(f"{ENGINE_GPUS_ENV}={raw!r}: expected GPU indices such as 0 or 0,1") from None
-
-
-def rank_cpu_threads(cpus: int, local_ranks: int) -> int:
-    """torch threads for each of `local_ranks` CPU ranks on `cpus` cores: the
-    cores split among the ranks, every core used (torch's own default is every
-    core per process). The ranks' OpenMP threads wait passively (RANK_OMP_ENV;
-    a short spin only when nothing else was runnable at start-up, rank_omp_env),
-    which is what makes every core safe next to other work: with the default
-    spin-wait, a thread that shared a core with a busy process spun at each
-    barrier until its partner got a core back, and the demo's step went from
-    34 ms to 359 ms at 2 threads on 2 cores (issue 17), so issue 17 left one core
-    free, (cpus - 1) / ranks, which cost the idle real model 1.3-1.75x on 2 cores
-    (issue 26, 7; docs/PERFORMANCE.md, scripts/bench_busy.py)."""
-    return max(1, cpus // max(1, local_ranks))

@@ -6,10 +6,10 @@ a few hundred bytes of metadata, and waits for replies with
 `multiprocessing.connection.wait` over the result pipes AND the process
 sentinels, in slices of at most a second: a rank that raises is reported with
 its traceback, a rank that is SIGKILLed is noticed at once, one whose heartbeat
-stops (SIGSTOP: backend/heartbeat.py) within its bound, and either way
+stops (SIGSTOP: procs/heartbeat.py) within its bound, and either way
 every rank is then stopped ("shutdown", SIGKILL after a grace period) and every
 shared-memory segment unlinked (the pipes, waits and reply streams are
-backend/replies.py's). Nothing blocks forever on a recv.
+procs/replies.py's). Nothing blocks forever on a recv.
 """
 
 from __future__ import annotations
@@ -29,16 +29,17 @@ from pathlib import Path
 import torch
 
 from areno.backend.config import BackendConfig
-from areno.backend.errors import BackendError
-from areno.backend.handoff import PackWriter, ShmSegment
-from areno.backend.heartbeat import HeartbeatWatch, stuck_rank_error
+from areno.procs.errors import BackendError
+from areno.backend.handoff import PackWriter
+from areno.procs.segment import ShmSegment
+from areno.procs.heartbeat import HeartbeatWatch, stuck_rank_error
 from areno.backend.launch import EarlyPeers, PeerShape, accept_ranks, early_peers_for, free_port  # noqa: F401 (re-exported)
-from areno.backend.replies import Peers, ReplyStream
-from areno.backend.weight_sync import WeightLayout, WeightRegion, sync_line
+from areno.procs.replies import Peers, ReplyStream
+from areno.fleet.weight_sync import WeightLayout, WeightRegion, sync_line
 from areno.backend.weights import probe_ids
-from areno.rundir.fileperms import replace_dir
+from areno.fileperms import replace_dir
 from areno.perf import pack_train_perf
-from areno.runtime.procs import stop_processes
+from areno.procs.lifecycle import stop_processes
 from areno.rollout.probe import probe_due
 from areno.split import SplitPack
 
@@ -70,7 +71,7 @@ class TorchBackend:
         self._pack = PackWriter("pack")
         # Weight regions by slot: the asynchronous loop publishes version v into slot
         # v % (K + 1) while the engine processes may still have to load the K before
-        # it (asyncloop.py); two to begin with, more made as a slot is first used.
+        # it (scheduler.py); two to begin with, more made as a slot is first used.
         self._weights = [ShmSegment("weights"), ShmSegment("weights1")]
         self._marker = ShmSegment("marker")
         self.rollout_segment = ShmSegment("rollout")  # engines' results (backend/rank_engines.py)
@@ -134,7 +135,7 @@ class TorchBackend:
             with contextlib.suppress(OSError, ValueError):
                 c.send(("shutdown", {}))
         for r in self.peers.stale:  # busy with an abandoned rollout: it would read "shutdown" after it
-            self._procs[r].kill()  # SIGKILL: ranks ignore SIGTERM (runtime/signals.py)
+            self._procs[r].kill()  # SIGKILL: ranks ignore SIGTERM (procs/signals.py)
         deadline = time.monotonic() + self.config.shutdown_grace_s
         for p in self._procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -223,13 +224,15 @@ class TorchBackend:
 
     def publish_weights(self, *, fingerprinted: bool = True, slot: int = 0) -> WeightRegion:
         """Shared-memory transport (weight_sync.py): every rank gathers, rank 0 writes
-        the full weights into the controller's weight segment -> the WeightRegion a
-        reader in another process loads (weight_sync.load_region) and checks against
+        the full weights (under LoRA the adapter alone, versioned by this publish's
+        count) into the controller's weight segment -> the WeightRegion a reader in
+        another process loads (weight_sync.load_region) and checks against
         (fingerprint; the probe when due for an engine that is `fingerprinted` or not).
 
         The region stays valid until the next publish_weights into the same `slot`
         (0, 1, ...) or close(). Names are
-        the HF model's state_dict keys, lm_head.weight included; dtype the engines'.
+        the HF model's state_dict keys, lm_head.weight included (LoRA: peft's saved
+        adapter names); dtype the engines'.
         """
         self._check_open()
         remote0 = not self.hellos[0]["same_host"]  # rank 0 sends the bytes; readers still map the segment
@@ -249,7 +252,7 @@ class TorchBackend:
         self.publishes += 1
         self.last_timings = {"publish_gather_s": out["gather_s"], "publish_probe_s": out["probe_s"],
                              "publish_s": time.perf_counter() - t0}
-        return WeightRegion(seg.name, self._layout, out["fingerprint"], out["probe"])
+        return WeightRegion(seg.name, self._layout, out["fingerprint"], out["probe"], out["adapter"], self.publishes)
 
     def sync_weights(self) -> dict[str, float]:
         """Every rank loads the current weights into its own engine (on its device)

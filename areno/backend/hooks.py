@@ -6,8 +6,8 @@ A normal run uses the base class, whose methods do nothing. Set
 builds its hooks once at startup by calling `attr()` from `module` (a
 RankHooks subclass); spawned ranks inherit the controller's environment and
 sys.path (torchrun ranks: its PYTHONPATH), so any module the controller can
-import, areno.bench's or the suite's, imports there.
-areno/bench/longcot/ranks.py is the user: it times the ranks' arrival at the first
+import, the benchmarks' (scripts/arenobench/) or the suite's (tests/), imports there.
+scripts/arenobench/longcot/ranks.py is the user: it times the ranks' arrival at the first
 collective, counts device-to-host readbacks, and bounds the compute of a
 1M-token step on CPU ranks, without patching areno.
 
@@ -25,7 +25,7 @@ cmd_generate, and cmd_rollout after loading the weights it was sent):
   rollout_end(peer, tokens)
                            generation is done (`tokens` response tokens written);
                            the reply's generate_s includes the time spent here
-areno/bench/async_loop.py is the user: its hooks make each train command and each
+scripts/arenobench/async_loop.py is the user: its hooks make each train command and each
 rollout take a fixed time (sleeping the remainder), stand-ins of given cost.
 
 Any command the controller sends that the worker has no cmd_<name> for:
@@ -37,7 +37,7 @@ Once per engine process, at startup (EngineWorker.__init__, before any command):
   make_engine(cfg, device) -> (engine, kind) or None
                            None (the base): the engine rollout.factory.make_engine
                            builds from cfg.engine; a benchmark may return its own
-                           RolloutEngine instead (areno/bench/longcot/ranks.py: the
+                           RolloutEngine instead (scripts/arenobench/longcot/ranks.py: the
                            long-CoT bench's synthetic engine, so its modelled
                            generation runs inside the engine process at K = 1)
 """

@@ -15,14 +15,14 @@ from multiprocessing.connection import Connection, Listener, answer_challenge, d
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from areno.backend.errors import BackendError
-from areno.backend.heartbeat import HeartbeatWatch
-from areno.runtime.procs import stop_processes
-from areno.runtime.signals import spawning
+from areno.procs.errors import BackendError
+from areno.procs.heartbeat import HeartbeatWatch
+from areno.procs.lifecycle import stop_processes
+from areno.procs.signals import spawning
 
 if TYPE_CHECKING:  # light at run time: runtime/early.py spawns ranks before torch is imported
     from areno.backend.config import BackendConfig
-    from areno.backend.handoff import ShmSegment
+    from areno.procs.segment import ShmSegment
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -9,7 +9,7 @@ reach AdamW and the optimizer state.
 
 Weight sync: the base weights are frozen and already in the engine, so only the
 adapter travels (`adapter_state`, loaded and fingerprinted by
-backend.adapter_sync). `merged_state` is the merged view under the base model's
+fleet.adapter_sync). `merged_state` is the merged view under the base model's
 own tensor names, W = W0 + scaling * B @ A computed per target linear from the
 gathered tensors (nothing is merged in place, which on FSDP2's sharded DTensors
 would be unsafe): what `--save-merged` writes into `merged/`.
@@ -197,6 +197,13 @@ def adapter_state(hf: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for module, layer in lora_layers(hf).items():
         for part in ("lora_A", "lora_B"):
             yield f"{_PREFIX}{module}.{part}.weight", _full(getattr(layer, part)[ADAPTER].weight)
+
+
+def adapter_meta(hf: nn.Module, dtype: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(peft saved name, dtype, full shape) per adapter tensor, in `adapter_state`'s
+    order: what a split-placement sync sends under LoRA (weight_sync.WeightLayout).
+    Call before the model is sharded (the shapes are the full tensors')."""
+    return [(name, dtype, tuple(t.shape)) for name, t in adapter_state(hf)]
 
 
 def save_adapter(hf: nn.Module, spec: LoraSpec, base_path: str, tensors: dict[str, torch.Tensor],

@@ -28,10 +28,10 @@ from collections.abc import Callable
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
-from areno.backend.config import BackendConfig, rank_cpu_threads
-from areno.backend.heartbeat import start_beating
-from areno.runtime.procs import die_with_parent, set_title
-from areno.runtime.signals import peer_ignores
+from areno.backend.config import BackendConfig
+from areno.procs.heartbeat import start_beating
+from areno.procs.lifecycle import die_with_parent, set_title
+from areno.procs.signals import peer_ignores
 from areno.rundir.log import move_child_output, redirect_child_output
 from areno.timing import startup_mark
 
@@ -39,7 +39,7 @@ from areno.timing import startup_mark
 # -- process hygiene ---------------------------------------------------------
 def _quiet() -> None:
     # Ctrl-C, a scheduler's SIGTERM, a closed terminal's SIGHUP reach the whole
-    # job; the controller owns shutdown (runtime/signals.py). Library output
+    # job; the controller owns shutdown (procs/signals.py). Library output
     # (weight-loading bars, engine logs) goes to RUN_DIR/run.log, or to the
     # terminal with --verbose (areno/rundir/log.py), so it is not silenced here.
     peer_ignores()
@@ -139,21 +139,6 @@ def _sees_segment(marker: tuple[str, bytes]) -> bool:
         return False
 
 
-def claim_device(cfg: BackendConfig, index: int, local_procs: int):
-    """This process's torch device, made current: cuda:index (the one device call of
-    a rank's or an engine process's start-up; everything before it is the same
-    code on CPU and GPU), or the CPU with this process's share of the cores
-    (`cpu_threads`, else rank_cpu_threads over `local_procs` processes)."""
-    import torch
-
-    if cfg.device == "cuda":
-        device = torch.device("cuda", index)
-        torch.cuda.set_device(device)
-        return device
-    torch.set_num_threads(cfg.cpu_threads or rank_cpu_threads(len(os.sched_getaffinity(0)), local_procs))
-    return torch.device("cpu")
-
-
 def serve(cfg: BackendConfig, conn: Connection, *, same_host: bool) -> None:
     """Build the worker (a RankWorker, or an EngineWorker in an engine process of
     split placement: ARENO_PEER_INDEX set), report ready, then run commands until
@@ -205,7 +190,7 @@ def command_of(worker: Any, cmd: str) -> Callable[..., Any]:
 def queued_commands(conn: Connection) -> Callable[[], tuple]:
     """An engine process's commands, read by a thread of their own as they come ->
     the call that takes the next: the controller queues rollouts here while one
-    runs (asyncloop.py), and a command bigger than the pipe's buffer must not
+    runs (scheduler.py), and a command bigger than the pipe's buffer must not
     hold the controller's send until this rollout ends (while its parts fill
     the other direction). Reading and sending on one pipe from two threads is
     safe: the two directions share no state."""

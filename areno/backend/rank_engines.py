@@ -19,20 +19,20 @@ import heapq
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
-from areno.backend.engine_host import OutRegion
-from areno.backend.replies import ReplyStream
-from areno.runtime.signals import signals_held
-from areno.backend.weight_sync import WeightRegion
+from areno.fleet.engine_host import OutRegion
+from areno.procs.replies import ReplyStream
+from areno.procs.signals import signals_held
+from areno.fleet.weight_sync import WeightRegion
 from areno.rollout.batch import RolloutBatch, csr_take, offsets_from_lengths
 from areno.rollout.engine import SamplingConfig, prompt_seeds, validate_prompts
 
 if TYPE_CHECKING:
     from areno.backend.controller import TorchBackend
-    from areno.backend.handoff import ShmSegment
+    from areno.procs.segment import ShmSegment
 
 _PAGE = 4096
 DRAIN_S = 5.0
@@ -122,7 +122,7 @@ class RankEngines:
 
     def start_rollout(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int,
                       sampling: SamplingConfig, region: WeightRegion | None,
-                      sink: "PartSink | None" = None) -> "PendingRollout":
+                      sink: "PartSink | None" = None, episodes: "Episodes | None" = None) -> "PendingRollout":
         """Split placement: send a rollout to the engine processes and return at once
         (the asynchronous loop trains meanwhile); each engine first loads `region`
         when given. Several may be out at once: they queue on the engines, each
@@ -130,17 +130,25 @@ class RankEngines:
         the ranks' commands run meanwhile. Its parts go to `sink.add(pos, part)`
         as they are read, which is during every wait of the controller (a
         background stream); dropped (Ctrl-C), it is left to run: the ranks save
-        at once."""
+        at once. episodes: a multi-turn rollout, each engine process running the
+        episode driver on its share of the groups (EngineWorker.cmd_episodes)."""
         seg = self._free_segments.pop() if self._free_segments else self.backend.new_rollout_segment()
         lane = f"rollout{next(self._lanes)}"
         stream = self.backend.open_stream("rollout", lane=lane, detach=True, background=True)
-        plan = self._send(stream, "rollout", prompt_ids, prompt_offsets, n, sampling, seg=seg, region=region)
+        if episodes is None:
+            plan = self._send(stream, "rollout", prompt_ids, prompt_offsets, n, sampling, seg=seg, region=region)
+        else:
+            plan = self._send(stream, "episodes", prompt_ids, prompt_offsets, n, sampling, seg=seg,
+                              region=region, spec=episodes.spec, per_engine=episodes.share)
         return PendingRollout(self, stream, plan, sink if sink is not None else Parts())
 
     def _send(self, stream: ReplyStream, cmd: str, prompt_ids: np.ndarray, prompt_offsets: np.ndarray,
-              n: int, sampling: SamplingConfig, seg: "ShmSegment | None" = None, **extra) -> "RolloutPlan":
+              n: int, sampling: SamplingConfig, seg: "ShmSegment | None" = None,
+              per_engine: "Callable[[int, int, np.ndarray], dict] | None" = None, **extra) -> "RolloutPlan":
         """Split the prompts over the engines by whole groups and send each its share,
-        to write into `seg` (default: the backend's rollout segment)."""
+        to write into `seg` (default: the backend's rollout segment). per_engine(g, E,
+        its prompt positions) -> more arguments for engine g (then the seed goes as
+        it is: the command derives each call's own, EngineWorker.cmd_episodes)."""
         be = self.backend
         ids, offsets = validate_prompts(prompt_ids, prompt_offsets, n, max_model_len=self.max_model_len,
                                         vocab_size=be.vocab_size)
@@ -150,13 +158,15 @@ class RankEngines:
         starts = np.cumsum([0] + [-(-8 * c // _PAGE) * _PAGE for c in caps]).tolist()
         seg = seg or be.rollout_segment
         seg.ensure(max(starts[-1], 1))
-        seeds = prompt_seeds(sampling.seed, self.num_engines) if sampling.seed is not None else None
+        seeds = prompt_seeds(sampling.seed, self.num_engines) \
+            if sampling.seed is not None and per_engine is None else None
         for r, g in self._group_of.items():
             sub_ids, sub_off = csr_take(ids, offsets, members[g])
             out = OutRegion(None if self._remote[r] else seg.name, starts[g], caps[g])
             s = sampling if seeds is None else replace(sampling, seed=int(seeds[g]))
             lead = {"leader": r == self.groups[g][0]} if cmd == "generate" else {}
-            stream.send(r, cmd, ids=sub_ids, offsets=sub_off, n=n, sampling=s, out=out, **lead, **extra)
+            own = per_engine(g, self.num_engines, members[g]) if per_engine is not None else {}
+            stream.send(r, cmd, ids=sub_ids, offsets=sub_off, n=n, sampling=s, out=out, **lead, **extra, **own)
         return RolloutPlan(ids, offsets, n, members, starts, caps, seg)
 
     def _part(self, plan: "RolloutPlan", g: int, meta: dict) -> tuple[np.ndarray, RolloutBatch]:
@@ -179,7 +189,7 @@ class RankEngines:
             prompt_ids=p_ids, prompt_offsets=p_off, response_ids=rid,
             response_offsets=offsets_from_lengths(lengths), response_logprobs=rlp,
             group_index=np.repeat(np.arange(pos.size, dtype=np.int64), n),
-            finish_reason=meta["finish"],
+            finish_reason=meta["finish"], response_mask=meta.get("mask"),
         )
 
     def sync_weights(self) -> dict[str, float]:
@@ -216,7 +226,8 @@ class Parts:
         self.keep(pos, part)
         self.score(pos, part)
 
-    def keep(self, pos: np.ndarray, part: RolloutBatch) -> None:
+    def keep(self, pos: np.ndarray, part: RolloutBatch, meta: dict | None = None) -> None:
+        """meta: the engine's message for the part (what else it carries: an episode's rewards)."""
         self.parts.append(part)
         self.positions.append(pos)
 
@@ -229,9 +240,17 @@ class Parts:
 
 
 class PartSink(Protocol):
-    def keep(self, pos: np.ndarray, part: RolloutBatch) -> None: ...
+    def keep(self, pos: np.ndarray, part: RolloutBatch, meta: dict | None = None) -> None: ...
 
     def score(self, pos: np.ndarray, part: RolloutBatch) -> None: ...
+
+
+class Episodes(Protocol):
+    """A multi-turn rollout's arguments for the engine processes (scheduler.py)."""
+
+    spec: Any  # envs.driver.EpisodeSpec
+
+    def share(self, g: int, num_engines: int, positions: np.ndarray) -> dict: ...
 
 
 class PendingRollout:
@@ -261,7 +280,7 @@ class PendingRollout:
                     self.replies[g] = meta
                     continue
                 pos, part = self.engines._part(self.plan, g, meta)
-                self.sink.keep(pos, part)
+                self.sink.keep(pos, part, meta)
             self.sink.score(pos, part)
 
     def wait(self, until: float) -> bool:
@@ -281,6 +300,8 @@ class PendingRollout:
         self.engines.last_tokens = [r["tokens"] for r in replies]
         self.engines._free_segments.append(self.plan.segment)
         info = {"idle_s": max(r["idle_s"] for r in replies)}
+        if failed := [r["reward_error"] for r in replies if "reward_error" in r]:
+            info["reward_error"] = failed[0]  # an environment's failure (episodes): the caller raises it
         loaded = [r["load_s"] for r in replies if "load_s" in r]
         if loaded:
             info["sync_load_s"] = max(loaded)

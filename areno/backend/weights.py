@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from areno.rundir.fileperms import honour_umask
+from areno.fileperms import honour_umask
 
 
 # Tokenizer / generation files copied next to saved weights so the directory loads alone.

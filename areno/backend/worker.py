@@ -5,31 +5,38 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from areno.backend.config import BackendConfig
-from areno.backend.rank import claim_device
-from areno.runtime.rng import rng_state, set_rng_state
+from areno.procs.device import claim_device
+from areno.rundir.rng import rng_state, set_rng_state
 from areno.rollout.budget import check_engine_budget, footprint
 from areno.rollout.factory import make_engine
-from areno.backend.engine_host import OutRegion, generate_into
-from areno.backend.handoff import LocalPack, RankHandoff, map_region
+from areno.fleet.engine_host import OutRegion, generate_into
+from areno.backend.handoff import LocalPack, RankHandoff
+from areno.procs.segment import map_region
 from areno.backend.hooks import load_rank_hooks
-from areno.backend.adapter_sync import load_adapter
-from areno.backend.lora import ADAPTER, adapter_state, apply_lora, merged_state, param_counts, save_adapter
+from areno.fleet.adapter_sync import adapter_tensors, load_adapter
+from areno.backend.lora import (
+    ADAPTER, adapter_meta, adapter_state, apply_lora, head_weight, merged_state, param_counts, save_adapter,
+)
 from areno.backend.model import PolicyModule, load_hf_model, resolve_attn_implementation, wrap_policy
 from areno.backend.step import RankTrainer, autocast_ctx
-from areno.backend.weight_sync import (
-    ProbeRef, SyncCheck, WeightLayout, WeightStream, check_engine_names, logit_scale_of, reports_fingerprint,
+from areno.fleet.weight_sync import (
+    ProbeRef, SyncCheck, WeightLayout, WeightStream, check_engine_names, reports_fingerprint,
 )
 from areno.backend.weights import copy_aux_files, hf_state_names, iter_full_state, save_hf_dir, state_meta
 from areno.perf import flop_shape
-from areno.rollout.probe import probe_scale, reduction_length, rounding_unit
+from areno.rollout.lora import adapter_fingerprint_of
+from areno.rollout.probe import Fingerprint, probe_scale, reduction_length, rounding_unit
 
 
 class RankWorker:
@@ -41,7 +48,7 @@ class RankWorker:
         self.world = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self.same_host = same_host
-        self.device = claim_device(cfg, self.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+        self.device = claim_device(cfg.device, cfg.cpu_threads, self.local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
         if not dist.is_initialized():
             dist.init_process_group(
                 cfg.dist_backend, rank=self.rank, world_size=self.world,
@@ -58,6 +65,7 @@ class RankWorker:
         self.num_params = sum(p.numel() for p in hf.parameters())
         if cfg.lora is not None:  # adapters in, base frozen; before any wrapper
             hf = apply_lora(hf, cfg.lora, cfg.model_path, cfg.lora.adapter_path)
+            self.export_meta = adapter_meta(hf, cfg.dtype)  # a sync sends the adapter only
         self.hf = hf
         self.trainable_params, _ = param_counts(hf)
         self.wrapped = wrap_policy(PolicyModule(hf, cfg.logprob_chunk_size), cfg, self.device)
@@ -156,29 +164,45 @@ class RankWorker:
     def cmd_publish_weights(self, segment: str | None, layout: WeightLayout,
                             probe_ids: np.ndarray | None) -> dict | None:
         """Shared-memory transport (weight_sync.py): every rank gathers; rank 0 writes
-        the full weights into `segment` with `layout` and returns what a reader
-        checks them against: {fingerprint, probe (a ProbeRef when probe_ids are
-        given), gather_s, probe_s} (+ payload, the region's bytes, when segment is
+        the full weights (under LoRA the adapter alone) into `segment` with `layout`
+        and returns what a reader checks them against: {fingerprint, probe (a
+        ProbeRef when probe_ids are given), adapter (the peft LoraConfig, under
+        LoRA), gather_s, probe_s} (+ payload, the region's bytes, when segment is
         None: a controller on another host)."""
         t0 = time.perf_counter()
-        stream = WeightStream(self.full_state(self._engine_dtype), self._engine_dtype, fingerprint=self.rank == 0)
         mem = None
         if self.rank == 0:
             mem = map_region(segment, 0, layout.nbytes, writable=True) if segment else bytearray(layout.nbytes)
-            layout.write(mem, stream)
-            if segment:
-                mem.close()
-        else:
-            for _ in stream:  # FSDP2 gathers are collectives: every rank joins each
-                pass
+        fingerprint, adapter = self._write_region(mem, layout)
+        if segment and mem is not None:
+            mem.close()
         t1 = time.perf_counter()
         # The trainer forward is a collective too (FSDP2): every rank runs it.
         probe = self._probe_ref(probe_ids) if probe_ids is not None else None
         if self.rank != 0:
             return None
-        out = {"fingerprint": stream.fingerprint(), "probe": probe, "gather_s": t1 - t0,
+        out = {"fingerprint": fingerprint, "probe": probe, "adapter": adapter, "gather_s": t1 - t0,
                "probe_s": time.perf_counter() - t1}
         return out if segment else out | {"payload": bytes(mem)}
+
+    def _write_region(self, mem: Any, layout: WeightLayout) -> tuple[Fingerprint | None, Any]:
+        """Every rank gathers what a sync sends, rank 0 (`mem` not None) writes it ->
+        (its fingerprint, the adapter's LoraConfig or None); (None, None) elsewhere."""
+        dtype = self._engine_dtype
+        lora = self.cfg.lora is not None  # the engines hold the base: only the adapter travels
+        named = adapter_state(self.hf) if lora else WeightStream(self.full_state(dtype), dtype,
+                                                                 fingerprint=mem is not None)
+        if mem is None:
+            for _ in named:  # FSDP2 gathers are collectives: every rank joins each
+                pass
+            return None, None
+        if not lora:
+            layout.write(mem, named)
+            return named.fingerprint(), None
+        config = self.hf.areno_peft.peft_config[ADAPTER]
+        tensors = adapter_tensors(named, dtype)
+        layout.write(mem, tensors.items())
+        return adapter_fingerprint_of(tensors, config), config
 
     @property
     def _engine_dtype(self) -> torch.dtype:
@@ -255,3 +279,21 @@ class RankWorker:
             set_rng_state(torch.load(rng, weights_only=False), self.device)
         dist.barrier()
 
+
+@contextmanager
+def logit_scale_of(hf: torch.nn.Module) -> Iterator[list[float]]:
+    """Within: every forward of `hf.model` appends max |logit| of its last hidden
+    states through `hf.lm_head` (the probe's rounding scale). Read inside the
+    forward, where FSDP2 has gathered the lm_head and autocast is on."""
+    scales: list[float] = []
+
+    def grab(_module, _args, out) -> None:
+        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        with torch.no_grad():
+            scales.append(float(torch.nn.functional.linear(h, head_weight(hf.lm_head)).abs().max()))
+
+    handle = hf.model.register_forward_hook(grab)
+    try:
+        yield scales
+    finally:
+        handle.remove()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from areno.runtime.signals import held
+from areno.procs.signals import held
 from areno.timing import startup_mark
 
 

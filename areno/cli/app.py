@@ -23,7 +23,7 @@ from areno.config.train import TrainConfig, field_type
 from areno.data.tasks.arith import DEMO_PRESET
 from areno.errors import UserError
 from areno.config.fieldcheck import flag_name
-from areno.runtime.signals import release
+from areno.procs.signals import release
 
 app = typer.Typer(
     name="areno",

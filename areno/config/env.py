@@ -1,5 +1,5 @@
 """The options of multi-turn environments (--env-path, --max-turns,
---max-trajectory-tokens, --env-reward) and their rules. TrainConfig inherits
+--max-trajectory-tokens, --env-reward, --env-schedule) and their rules. TrainConfig inherits
 the fields (one declaration, flags and YAML alike); the driver is
 areno/envs/driver.py. No torch here: the config is read before anything heavy.
 """
@@ -36,6 +36,13 @@ class EnvOptions:
     env_reward: Literal["sum", "last"] = _opt(
         "sum", "A trajectory's reward under --env-path: the sum of its steps' rewards, or the "
         "last step's.")
+    env_schedule: Literal["turns", "eager"] = _opt(
+        "turns", "How the engines take turns under --env-path: turns (every trajectory whose "
+        "environment has answered generates its next turn together; a seeded run repeats, a "
+        "resume is exact, split placement samples what colocated does) or eager (a trajectory "
+        "generates as soon as its own environment answers, so a slow call holds back only its "
+        "own trajectory; which trajectories share a generate call then depends on timing and "
+        "a seeded run does not repeat).")
 
 
 def trajectory_tokens(cfg: Any) -> int:
@@ -45,12 +52,22 @@ def trajectory_tokens(cfg: Any) -> int:
     return cfg.max_trajectory_tokens or DEFAULT_OBSERVATION_SHARE * cfg.max_turns * cfg.max_new_tokens
 
 
+def max_policy_tokens(cfg: Any) -> int:
+    """Sampled tokens one sample may hold, seq-mean-token-sum-norm's constant (Dr.
+    GRPO's generation budget): --max-new-tokens, or a trajectory's --max-turns x
+    --max-new-tokens bounded by its budget (observation tokens never train)."""
+    if cfg.env_path is None:
+        return cfg.max_new_tokens
+    return min(cfg.max_turns * cfg.max_new_tokens, trajectory_tokens(cfg))
+
+
 def check_env_options(cfg: Any) -> None:
     """--env-path against the options it cannot go with: UserError (one line)."""
     if cfg.env_path is None:
         given = [f for f, on in (("--max-trajectory-tokens", cfg.max_trajectory_tokens),
                                  ("--env-reward last", cfg.env_reward != "sum"),
-                                 ("--max-turns", cfg.max_turns != 4)) if on]
+                                 ("--max-turns", cfg.max_turns != 4),
+                                 ("--env-schedule eager", cfg.env_schedule != "turns")) if on]
         if given:
             raise UserError(f"{given[0]} needs --env-path (a multi-turn environment)")
         return
@@ -63,18 +80,6 @@ def check_env_options(cfg: Any) -> None:
     if cfg.reward_fn_path is not None:
         raise UserError(f"{flag} with --reward-fn-path: the environment's step() rewards are the "
                         "reward; drop --reward-fn-path")
-    refused = [(f"--off-policy-steps {cfg.off_policy_steps}", cfg.off_policy_steps > 0,
-                "multi-turn rollouts run in the synchronous loop"),
-               (f"--rollout-world-size {cfg.rollout_world_size}", cfg.rollout_world_size > 0,
-                "the multi-turn driver runs on the engines in the ranks; engine processes "
-                "stream single-turn rollouts"),
-               ("--eval-dataset-path", cfg.eval_dataset_path is not None,
-                "evaluation scores single completions with a reward plugin"),
-               (f"--overlong-buffer {cfg.overlong_buffer}", cfg.overlong_buffer > 0,
-                "its penalty counts one completion's length, not a trajectory's")]
-    for what, on, why in refused:
-        if on:
-            raise UserError(f"{flag} with {what}: not built ({why})")
     if cfg.max_trajectory_tokens and cfg.max_trajectory_tokens < cfg.max_new_tokens:
         raise UserError(f"--max-trajectory-tokens {cfg.max_trajectory_tokens} is below --max-new-tokens "
                         f"{cfg.max_new_tokens}: not even one whole turn would fit")

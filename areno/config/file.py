@@ -1,6 +1,6 @@
 """--config run.yaml -> flat option values: keys flat or nested under the help
-groups (`rollout: {temperature: 0.8}`), each checked against TrainConfig; and
-the run directory's own config.yaml (RUN_CONFIG), written and read here only."""
+groups (`rollout: {temperature: 0.8}`), each checked against TrainConfig (the
+run directory's own config.yaml, a valid --config, is rundir/runconfig.py's)."""
 
 from __future__ import annotations
 
@@ -11,26 +11,7 @@ import yaml
 
 from areno.config.train import GROUPS, TrainConfig, field_type
 from areno.errors import UserError
-
-
-RUN_CONFIG = "config.yaml"  # in the run directory: the run's options, a valid --config
-RECORDED_PARAMS = "params"  # config.yaml: what the run measured (parameter counts), not an option
-
-
-def write_run_config(run_dir: Path, options: dict[str, Any], params: dict | None = None) -> None:
-    """RUN_DIR/config.yaml: every option (TrainConfig.to_dict()), plus the parameter
-    counts under RECORDED_PARAMS (a key --config skips, so the file still works as one)."""
-    with open(run_dir / RUN_CONFIG, "w") as f:
-        yaml.safe_dump(options | ({RECORDED_PARAMS: params} if params else {}), f, sort_keys=False)
-
-
-def read_run_config(run_dir: Path) -> dict[str, Any] | None:
-    """RUN_DIR/config.yaml as written (None: missing, unreadable or not a mapping)."""
-    try:
-        saved = yaml.safe_load((run_dir / RUN_CONFIG).read_text())
-    except (OSError, yaml.YAMLError):
-        return None
-    return saved if isinstance(saved, dict) else None
+from areno.rundir.runconfig import RECORDED_PARAMS
 
 
 def read_config_file(path: str) -> dict[str, Any]:

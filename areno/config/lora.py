@@ -30,9 +30,6 @@ def check_lora_options(cfg: Any) -> None:
             raise UserError(f"{given[0]} needs --lora-rank > 0 (0 is full fine-tuning)")
         return
     check_lora_tp(cfg.tensor_parallel_size)
-    if cfg.rollout_world_size:
-        raise UserError("--lora-rank with --rollout-world-size: engine processes take full weights "
-                        "only so far, not adapters; drop one (colocated engines serve adapters)")
     targets = lora_targets(cfg.lora_target_modules)
     if not targets:
         raise UserError("--lora-target-modules: name at least one module (or all-linear)")

@@ -1,7 +1,7 @@
 """The options of asynchronous rollouts (--off-policy-steps, --rollout-world-size)
 and the rules between them and the loss: the defaults that K >= 1 turns on and
 the combinations it refuses. The objective itself is losses.py's (decoupled
-PPO); the loop that overlaps rollouts with training is asyncloop.py's.
+PPO); the loop that overlaps rollouts with training is scheduler.py's.
 
 No torch here: config.py (read before anything heavy) calls it.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from areno.errors import UserError
-from areno.rollout.factory import LOGPROBS_PROCESSED, engines_for
 
 # Default --tis-cap under --off-policy-steps >= 1: Yao et al.'s truncated IS uses
 # C = 2 and so does verl's token-level TIS threshold; AReaL's 5 is a mask (a token
@@ -19,6 +18,14 @@ from areno.rollout.factory import LOGPROBS_PROCESSED, engines_for
 # With a few versions of staleness nearly every weight is near 1, and 2 bounds
 # the rest: no token counts more than twice what it would on-policy.
 OFF_POLICY_TIS_CAP = 2.0
+
+def weight_slots(k: int) -> int:
+    """Weight regions split placement rotates over at --off-policy-steps k: version
+    v goes into slot v % slots and must outlive the K rounds queued before the one
+    that loads it (scheduler.py); at K = 0 two, so a publish never overwrites the
+    region an engine may still be reading."""
+    return max(2, k + 1)
+
 
 def off_policy_defaults(values: dict[str, Any]) -> list[str]:
     """--off-policy-steps K >= 1 turns on --recompute-logprobs and --tis-cap (the
@@ -44,11 +51,11 @@ def check_off_policy(cfg: Any) -> None:
     k, m, tp = cfg.off_policy_steps, cfg.rollout_world_size, cfg.tensor_parallel_size
     if m and tp > 1:
         raise UserError(f"--rollout-world-size {m} with --tensor-parallel-size {tp}: an engine "
-                        "process serves on one device; tensor parallelism inside one is not built "
+                        "process holds one device, and vLLM's tensor-parallel workers need a device each "
                         "(colocated engines, without --rollout-world-size, take --tensor-parallel-size)")
     if not k:
         return
-    flag = f"--off-policy-steps {k}"  # any K >= 1: K rollouts queue on the engines (asyncloop.py)
+    flag = f"--off-policy-steps {k}"  # any K >= 1: K rollouts queue on the engines (scheduler.py)
     if not m:
         raise UserError(f"{flag} needs --rollout-world-size >= 1: colocated engines share the "
                         "training GPUs and sleep while the ranks train, so rollouts cannot "
@@ -59,12 +66,3 @@ def check_off_policy(cfg: Any) -> None:
                         "from --config")
     if cfg.tis_cap is None:
         raise UserError(f"{flag} needs --tis-cap (the importance weight of a stale sample)")
-    truncated = [s for s, on in ((f"--top-p {cfg.top_p:g}", cfg.top_p < 1),
-                                 (f"--top-k {cfg.top_k}", cfg.top_k > 0)) if on]
-    raw = [e for e in engines_for(cfg.rollout_engine) if not LOGPROBS_PROCESSED[e]]
-    if truncated and raw:
-        raise UserError(f"{flag} with {' and '.join(truncated)}: the {raw[0]} engine reports "
-                        "log-probs of the untruncated distribution, not of the one it samples "
-                        "from, so the importance weights would be wrong; drop "
-                        f"{' and '.join(s.split()[0] for s in truncated)} or use another "
-                        "--rollout-engine")

@@ -6,20 +6,24 @@ live in lora.py and offpolicy.py, called from here."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from areno.config.fieldcheck import check_file, looks_local
 from areno.config.lora import check_lora_options
-from areno.config.env import check_env_options
+from areno.config.env import check_env_options, trajectory_tokens
 from areno.config.offpolicy import check_off_policy
 from areno.data.tasks.arith import DEMO_PRESET, demo_lora_preset
 from areno.errors import UserError
+from areno.rollout.factory import resolved_engine
 from areno.models.directory import MODEL_DIR_FIX, check_model_dir
-from areno.runtime.multinode import check_authkey
 
 if TYPE_CHECKING:
     from areno.config.train import TrainConfig
+
+# Authenticates the ranks' connections to the controller (runtime/multinode.py).
+AUTHKEY_VAR = "ARENO_BACKEND_AUTHKEY"
 
 
 def fill_demo_preset(values: dict[str, Any]) -> None:
@@ -48,8 +52,8 @@ def check_rules(cfg: TrainConfig) -> None:
         check_model_dir(cfg.ckpt, "--ckpt", MODEL_DIR_FIX)
     if cfg.eval_only and cfg.eval_dataset_path is None:
         raise UserError("--eval-only needs --eval-dataset-path")
-    if cfg.eval_dataset_path is not None and cfg.reward_fn_path is None:
-        raise UserError("--reward-fn-path is required with --eval-dataset-path")
+    if cfg.eval_dataset_path is not None and cfg.reward_fn_path is None and cfg.env_path is None:
+        raise UserError("--eval-dataset-path needs what scores it: --reward-fn-path (or --env-path)")
     if cfg.resume is not None and cfg.resume != "latest" and not Path(cfg.resume).is_dir():
         raise UserError(f"--resume: no checkpoint directory at {cfg.resume} "
                         "(give a checkpoint path or 'latest')")
@@ -66,6 +70,7 @@ def check_rules(cfg: TrainConfig) -> None:
     if cfg.resume is None:  # resuming: on the config in effect, by resume.resume_config
         check_off_policy(cfg)
     check_correction_options(cfg)
+    check_engine_tp(cfg)
     check_env_options(cfg)
     if cfg.tis_cap is not None and cfg.recompute_logprobs is False:
         raise UserError("--tis-cap needs --recompute-logprobs (it weights the trainer/sampler "
@@ -89,6 +94,21 @@ def check_rules(cfg: TrainConfig) -> None:
                         "of one has no baseline: every advantage would be 0)")
 
 
+def check_engine_tp(cfg: TrainConfig) -> None:
+    """--tensor-parallel-size > 1 needs vLLM: each rank of a TP group would
+    otherwise run transformers' generate on the same prompts."""
+    tp = cfg.tensor_parallel_size
+    if tp <= 1 or resolved_engine(cfg.rollout_engine) != "hf":
+        return
+    if cfg.rollout_engine == "hf":
+        raise UserError(f"--rollout-engine hf with --tensor-parallel-size {tp}: the transformers "
+                        "engine has no tensor parallelism; drop --tensor-parallel-size or use "
+                        "--rollout-engine vllm")
+    raise UserError(f"--tensor-parallel-size {tp}: vLLM is not installed, and the transformers "
+                    "engine --rollout-engine falls back to has no tensor parallelism; install vLLM "
+                    "or drop --tensor-parallel-size")
+
+
 def check_correction_options(cfg: TrainConfig) -> None:
     """--is-level, --is-mode, --is-mask-low, --dynamic-sampling and --overlong-buffer
     against what they need."""
@@ -104,14 +124,11 @@ def check_correction_options(cfg: TrainConfig) -> None:
     if cfg.tis_cap is not None and cfg.is_mask_low >= cfg.tis_cap:
         raise UserError(f"--is-mask-low {cfg.is_mask_low:g} must be below --tis-cap "
                         f"{cfg.tis_cap:g} (the band would keep no token)")
-    if cfg.dynamic_sampling != "off" and cfg.off_policy_steps:
-        raise UserError(f"--dynamic-sampling {cfg.dynamic_sampling} with --off-policy-steps "
-                        f"{cfg.off_policy_steps}: refill rounds run only with K = 0 so far (with "
-                        "K >= 1 they would have to join the loop's admission); use "
-                        "--off-policy-steps 0")
-    if cfg.overlong_buffer > cfg.max_new_tokens:
-        raise UserError(f"--overlong-buffer {cfg.overlong_buffer} exceeds --max-new-tokens "
-                        f"{cfg.max_new_tokens}: every completion would be punished; lower it")
+    if cfg.overlong_buffer > trajectory_tokens(cfg):
+        what = ("--max-new-tokens", "completion") if cfg.env_path is None else \
+            ("the trajectory budget (--max-trajectory-tokens)", "trajectory")
+        raise UserError(f"--overlong-buffer {cfg.overlong_buffer} exceeds {what[0]} "
+                        f"{trajectory_tokens(cfg)}: every {what[1]} would be punished; lower it")
 
 
 def check_reward_timeout(given: dict[str, Any]) -> None:
@@ -121,3 +138,15 @@ def check_reward_timeout(given: dict[str, Any]) -> None:
         raise UserError(f"--reward-timeout {given['reward_timeout']} cannot be enforced with "
                         "--reward-workers 0 (in-process scoring has no worker to kill): give "
                         "--reward-workers 1 or more, or drop --reward-timeout")
+
+
+def check_authkey() -> None:
+    key = os.environ.get(AUTHKEY_VAR, "")
+    try:
+        ok = len(bytes.fromhex(key)) >= 16
+    except ValueError:
+        ok = False
+    if not ok:
+        raise UserError(
+            f"--nnodes > 1 needs {AUTHKEY_VAR}, the same on every node (32 hex digits): "
+            f"export {AUTHKEY_VAR}=$(python -c 'import secrets; print(secrets.token_hex(16))')")

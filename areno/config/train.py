@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from areno.config.choices import (
+from areno.choices import (
     LOSS_AGG_BY_ALGO, AdvantageMode, Algo, Device, DType, DynamicSampling, ISLevel, ISMode, KLType, LossAgg, OnError,
     Strategy,
 )
@@ -81,7 +81,8 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
     top_k: int = opt(-1, "Top-k sampling (-1 = off).", "Rollout", ge=-1)
     n_samples: int = opt(8, "Completions per prompt (the GRPO group size).", "Rollout", ge=1)
     max_new_tokens: int = opt(1024, "Maximum tokens generated per completion.", "Rollout", ge=1)
-    tensor_parallel_size: int = opt(1, "vLLM tensor-parallel size.", "Rollout", ge=1)
+    tensor_parallel_size: int = opt(1, "vLLM tensor-parallel size (the transformers engine has "
+                                    "none: > 1 needs vLLM).", "Rollout", ge=1)
     gpu_memory_utilization: float | None = opt(
         None, "Fraction of its GPU's memory vLLM may take.", "Rollout", gt=0.0, le=1.0,
         shown="0.5 colocated with training, 0.9 in an engine process of its own (--rollout-world-size)")
@@ -119,7 +120,9 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
     loss_agg: LossAgg | None = opt(
         None, "Loss aggregation. Default follows --algo: token-mean for grpo, "
         "seq-mean-token-mean for gspo (the GSPO paper's per-sequence objective, as verl). "
-        "seq-mean-token-sum-norm is Dr. GRPO's (normalised by --max-new-tokens).", "Algorithm",
+        "seq-mean-token-sum-norm is Dr. GRPO's (normalised by --max-new-tokens; under --env-path "
+        "by a trajectory's sampled-token room, min(--max-turns x --max-new-tokens, its budget)).",
+        "Algorithm",
         shown="token-mean (grpo), seq-mean-token-mean (gspo)")
     clip_eps_low: float | None = opt(
         None, "Lower clip epsilon.", "Algorithm", ge=0.0, lt=1.0, shown="0.2 (grpo), 3e-4 (gspo)")
@@ -162,8 +165,10 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
     max_sampling_rounds: int = opt(
         4, "Rounds a --dynamic-sampling step may generate; at the bound it trains on the groups "
         "it kept (sampling/bound_hit).", "Algorithm", ge=1)
-    mask_overlong: bool = opt(False, "Drop completions cut by --max-new-tokens from the update.",
-                              "Algorithm")
+    mask_overlong: bool = opt(
+        False, "Drop completions cut by --max-new-tokens from the update; under --env-path, "
+        "trajectories whose last turn was cut at its token cap (--max-new-tokens or the trajectory "
+        "budget), not those --max-turns or the budget ended after a turn that stopped.", "Algorithm")
     overlong_buffer: int = opt(
         0, "DAPO's soft overlong punishment: a completion longer than --max-new-tokens minus this "
         "many tokens loses reward linearly, down to -(--overlong-penalty) at --max-new-tokens; "

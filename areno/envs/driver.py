@@ -31,11 +31,13 @@ EnvReward = Literal["sum", "last"]
 class EnvBounds:
     """max_turns: completions per trajectory (>= 1). max_tokens: response tokens
     (sampled + observation) per trajectory; 0: the engine's context less the prompt.
-    reward: a trajectory's reward, the sum of its steps' rewards or the last one's."""
+    reward: a trajectory's reward, the sum of its steps' rewards or the last one's.
+    eager: see run(); False (turns) makes the rollout a function of the seed alone."""
 
     max_turns: int = 4
     max_tokens: int = 0
     reward: EnvReward = "sum"
+    eager: bool = False  # --env-schedule eager: generate a trajectory as soon as its env answers
 
 
 @dataclass
@@ -72,6 +74,7 @@ class _Driver:
         self.reward = np.zeros(n, np.float64)
         self.valid = np.ones(n, bool)
         self.finish = np.full(n, FINISH_STOP, np.uint8)
+        self.cut = np.zeros(n, bool)  # the last turn hit its token cap (--mask-overlong)
         self.counts, self.messages = RewardCounts(), []
         self.pending: dict[int, tuple[int, bool]] = {}  # ticket -> (trajectory, is a step)
         self.last_token = np.zeros(n, np.int64)
@@ -82,12 +85,16 @@ class _Driver:
     def run(self) -> EnvRollout:
         for i, s in enumerate(self.states):
             self.pending[self.pool.submit(s, None)] = (i, False)
+        # turns: wait for every env call out, then generate every ready trajectory in
+        # index order, so which requests share a generate call (and their seeds) never
+        # depends on when calls return. eager: generate whatever is ready as soon as
+        # the engines are free (the engines wait only when every trajectory waits).
         while self.pending or self.ready:
-            self.harvest(wait=not self.ready)
+            self.harvest(wait=not self.ready, every=not self.bounds.eager)
             if self.ready:
-                idx, self.ready = np.array(self.ready, np.int64), []
+                idx, self.ready = np.sort(np.array(self.ready, np.int64)), []
                 self.generate(idx)
-        self.out.batch = self.traj.to_batch(self.finish)
+        self.out.batch = self.traj.to_batch(self.finish, self.cut)
         self.out.scored = RewardResult(self.reward.astype(np.float32), self.valid, self.counts,
                                        tuple(self.messages[:5]))
         return self.out
@@ -106,7 +113,8 @@ class _Driver:
             sub_ids, sub_off = csr_take(ids, offsets, sub)
             for pos, part in self.engine.generate_stream(sub_ids, sub_off, 1, s, min_groups=1):
                 self.take(idx[sub[pos]], part)
-                self.harvest(wait=False)
+                if self.bounds.eager:
+                    self.harvest(wait=False)
         self.out.generate_s += time.perf_counter() - t0
 
     def take(self, who: np.ndarray, part: RolloutBatch) -> None:
@@ -116,18 +124,24 @@ class _Driver:
             a, b = part.response_offsets[j], part.response_offsets[j + 1]
             self.traj.add_turn(i, part.response_ids[a:b], part.response_logprobs[a:b])
             self.last_token[i] = part.response_ids[b - 1] if b > a else -1
+            self.cut[i] = part.finish_reason[j] == FINISH_LENGTH
             self.out.completions[i].append(texts[j])
             st = self.states[i]
             st.turn = int(self.traj.turns[i]) - 1
             self.pending[self.pool.submit(st, texts[j])] = (i, True)
 
-    def harvest(self, wait: bool) -> None:
-        """Take every finished env call (wait: for at least one first)."""
+    def harvest(self, wait: bool, every: bool = False) -> None:
+        """Take every finished env call (wait: for at least one first; every: for all)."""
         if not self.pending:
             return
         t0 = time.perf_counter()
-        done = self.pool.wait_any(list(self.pending), timeout=None if wait else 0.0)
-        if wait:
+        if every:
+            done = list(self.pending)
+            for t in done:
+                self.pool.wait_any([t], timeout=None)
+        else:
+            done = self.pool.wait_any(list(self.pending), timeout=None if wait else 0.0)
+        if wait or every:
             self.out.engine_idle_s += time.perf_counter() - t0
         for t in done:
             i, is_step = self.pending.pop(t)
@@ -202,19 +216,60 @@ def env_states(rows: Any, prompts: Any, prompt_idx: np.ndarray, n: int) -> list[
     return out
 
 
-def env_rollout(run: Any, prompt_idx: np.ndarray, sampling: SamplingConfig,
-                timer: Any) -> tuple[RolloutBatch, RewardResult, dict[str, float]]:
-    """The trainer's multi-turn round: the step's prompts through run.engine and the
-    environment (run.scorer is the EnvPool) -> (batch, rewards, env/* metrics)."""
-    from areno.data.prompts import select
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """What a host of the driver needs besides the engine: the environment's
+    workers (the reward pool's options), the tokenizer, whether observations go
+    through the chat template, the bounds. Picklable: engine processes of split
+    placement get it in their `episodes` command and run the driver themselves."""
 
-    cfg = run.cfg
-    eos = getattr(run.tokenizer, "eos_token_id", None)
-    fmt = ObservationFormat(run.tokenizer, cfg.chat_template, () if eos is None else (int(eos),))
-    bounds = EnvBounds(cfg.max_turns, cfg.max_trajectory_tokens or 0, cfg.env_reward)
-    ids, offsets = select(run.prompts, prompt_idx)
-    states = env_states(run.rows, run.prompts, prompt_idx, cfg.n_samples)
-    with timer("rollout"):  # generation and the env calls overlap: one phase
-        out = rollout_multiturn(run.engine, run.scorer, run.tokenizer, fmt, ids, offsets, states,
-                                cfg.n_samples, sampling, bounds)
-    return out.batch, out.scored, out.metrics()
+    env_path: str
+    workers: int
+    timeout: float
+    on_error: str
+    tokenizer_path: str
+    chat_template: bool
+    bounds: EnvBounds
+
+
+def episode_spec(cfg: Any, tokenizer_path: str) -> EpisodeSpec:
+    """A run's EpisodeSpec (--env-path and the options around it)."""
+    return EpisodeSpec(cfg.env_path, cfg.reward_workers, cfg.reward_timeout, cfg.on_reward_error,
+                       tokenizer_path, cfg.chat_template,
+                       EnvBounds(cfg.max_turns, cfg.max_trajectory_tokens or 0, cfg.env_reward,
+                                 cfg.env_schedule == "eager"))
+
+
+def observation_format(tokenizer: Any, chat_template: bool) -> ObservationFormat:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return ObservationFormat(tokenizer, chat_template, () if eos is None else (int(eos),))
+
+
+class EpisodeHost:
+    """The driver's surroundings where it runs away from the controller (an
+    engine process): the environment pool and tokenizer, made at the first
+    episodes command and kept for the next ones."""
+
+    def __init__(self) -> None:
+        self.spec: EpisodeSpec | None = None
+        self.pool: EnvPool | None = None
+        self.tokenizer: Any = None
+        self.fmt: ObservationFormat | None = None
+
+    def run(self, engine: Any, spec: EpisodeSpec, ids: np.ndarray, offsets: np.ndarray,
+            states: list[EnvState], n: int, sampling: SamplingConfig) -> EnvRollout:
+        if spec != self.spec:
+            from transformers import AutoTokenizer
+
+            self.close()
+            self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
+            self.fmt = observation_format(self.tokenizer, spec.chat_template)
+            self.pool = EnvPool(spec.env_path, workers=spec.workers, timeout=spec.timeout, on_error=spec.on_error)
+            self.spec = spec
+        return rollout_multiturn(engine, self.pool, self.tokenizer, self.fmt, ids, offsets, states, n,
+                                 sampling, spec.bounds)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        self.pool = self.spec = None

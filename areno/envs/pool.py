@@ -39,14 +39,9 @@ class EnvPool:
         return self.scorer.submit([EnvCall(state, completion, state.index)])
 
     def wait_any(self, tickets: list[int], timeout: float | None = None) -> list[int]:
-        """The tickets whose calls finished; waits for at least one (polls at 1 ms:
-        far below any environment's step)."""
-        t_end = None if timeout is None else time.monotonic() + timeout
-        while True:
-            done = [t for t in tickets if self.scorer.ready(t)]
-            if done or not tickets or (t_end is not None and time.monotonic() > t_end):
-                return done
-            time.sleep(0.001)
+        """The tickets whose calls finished; waits for at least one (timeout None),
+        or at most timeout s (0: returns at once). Blocks until a call finishes."""
+        return self.scorer.wait_any(tickets, timeout)
 
     def warm(self, timeout: float = 60.0) -> None:
         """Wait until every worker has imported the environment (benchmarks, tests)."""

@@ -127,8 +127,9 @@ class Trajectories:
         """Trajectory i as (mask value, token ids) pieces, in order (display, tests)."""
         return [(int(m[0]) if m.size else 1, a) for a, m in zip(self._ids[i], self._masks[i])]
 
-    def to_batch(self, finish_reason: np.ndarray) -> RolloutBatch:
-        """Every trajectory as one RolloutBatch response, with response_mask."""
+    def to_batch(self, finish_reason: np.ndarray, turn_cut: np.ndarray) -> RolloutBatch:
+        """Every trajectory as one RolloutBatch response, with response_mask and
+        turn_cut ([N] bool: its last turn was cut at its token cap)."""
         def cat(parts: list[list[np.ndarray]], dtype: type) -> np.ndarray:
             flat = [a for p in parts for a in p]
             return np.concatenate(flat).astype(dtype, copy=False) if flat else np.zeros(0, dtype)
@@ -137,14 +138,5 @@ class Trajectories:
             response_ids=cat(self._ids, np.int32), response_offsets=offsets_from_lengths(self.length),
             response_logprobs=cat(self._lps, np.float32), group_index=self.group_index,
             finish_reason=np.asarray(finish_reason, dtype=np.uint8), response_mask=cat(self._masks, np.uint8),
+            turn_cut=np.asarray(turn_cut, dtype=bool),
         )
-
-
-def turn_segments(batch: RolloutBatch, i: int) -> list[tuple[int, np.ndarray]]:
-    """Response i of a batch as (1 sampled | 0 observation, ids) runs of its mask."""
-    ids = batch.response_tokens(i)
-    if batch.response_mask is None:
-        return [(1, ids)] if ids.size else []
-    m = batch.response_mask[batch.response_offsets[i]:batch.response_offsets[i + 1]]
-    cut = np.flatnonzero(np.diff(m)) + 1
-    return [(int(mm[0]), a) for a, mm in zip(np.split(ids, cut), np.split(m, cut)) if a.size]

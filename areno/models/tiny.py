@@ -27,7 +27,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from areno.rundir.fileperms import build_once
+from areno.fileperms import build_once
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_TOKEN = "<|endoftext|>"

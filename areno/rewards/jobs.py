@@ -49,8 +49,10 @@ class JobBook:
     """Outstanding jobs by ticket and the chunks waiting for a worker."""
 
     def __init__(self, path: str, on_error: str, workers: int, batch: bool, max_chunk: int,
-                 what: str = "reward plugin") -> None:
+                 what: str = "reward plugin", *, lock: threading.Lock) -> None:
         self.path = path
+        # notified as any job finishes (under the scorer's lock, which every method runs under)
+        self.finished = threading.Condition(lock)
         self.what = what
         self.on_error = on_error
         self.workers = workers
@@ -110,6 +112,7 @@ class JobBook:
 
     def _finish(self, job: Job) -> None:
         job.done.set()
+        self.finished.notify_all()
         if any(c.job is job for c in self.pending):
             self.pending = collections.deque(c for c in self.pending if c.job is not job)
 
@@ -118,6 +121,7 @@ class JobBook:
             if not job.done.is_set():
                 job.error = error
                 job.done.set()
+        self.finished.notify_all()
         self.pending.clear()
 
     def record(self, chunk: Chunk, stat: np.ndarray, vals: np.ndarray) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from areno.config.choices import OnError
+from areno.choices import OnError
 from areno.errors import UserError, one_line, import_user_file, is_signal_interrupt, user_frame
 from areno.rollout.batch import FINISH_REASONS
 

@@ -31,7 +31,7 @@ interpreter exit) ends them, they are daemon processes, and each leads a
 process group (a session) of its own: a timeout, a crash or close() SIGKILLs
 the whole group, so what the plugin started (a compiler, a test binary, a
 fork) goes with it, and a worker whose trainer died, even by SIGKILL, kills
-its group within 0.5 s (runtime/procs.die_with_parent). At workers=0, close()
+its group within 0.5 s (procs/lifecycle.die_with_parent). At workers=0, close()
 kills what the plugin started in-process. A child that starts a session of
 its own is out of reach. As with any 'spawn' pool, workers import the main script: a
 script that builds a RewardScorer needs an `if __name__ == "__main__":` guard.
@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from areno.errors import UserError, one_line
-from areno.runtime.procs import descendants, exit_text, kill_new_descendants
+from areno.procs.lifecycle import descendants, exit_text, kill_new_descendants
 from areno.rewards.jobs import JobBook, Chunk
 from areno.rewards.plugin import (
     STATUS_ERROR,
@@ -135,7 +135,7 @@ class RewardScorer:
         self.max_chunk = int(chunk_size or (4 * MAX_CHUNK if self.plugin.batch else MAX_CHUNK))
         self._lock = threading.Lock()
         self._book = JobBook(self.path, on_error, self.workers, self.plugin.batch, self.max_chunk,
-                             self.kind.what)
+                             self.kind.what, lock=self._lock)
         self._fatal: BaseException | None = None
         self._closed = False
         self._startup_failures = 0  # workers in a row that died before importing the plugin
@@ -197,6 +197,15 @@ class RewardScorer:
 
     def ready(self, ticket: int) -> bool:
         return self._book.jobs[ticket].done.is_set()
+
+    def wait_any(self, tickets: list[int], timeout: float | None = None) -> list[int]:
+        """The tickets whose jobs finished, in the order given; blocks until one has
+        (timeout None), at most timeout s (then maybe none; 0: at once). Woken by
+        the books as a job finishes: no polling."""
+        jobs = [self._book.jobs[t] for t in tickets]
+        with self._book.finished:
+            self._book.finished.wait_for(lambda: not jobs or any(j.done.is_set() for j in jobs), timeout)
+        return [t for t, j in zip(tickets, jobs) if j.done.is_set()]
 
     def close(self) -> None:
         if self._closed:

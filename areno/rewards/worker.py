@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from areno.errors import UserError, one_line
-from areno.runtime.procs import die_with_parent, set_title
-from areno.runtime.signals import peer_ignores, spawning
+from areno.procs.lifecycle import die_with_parent, set_title
+from areno.procs.signals import peer_ignores, spawning
 from areno.rewards.plugin import STATUS_ERROR, plugin_kind, score_batch
 from areno.rundir.log import redirect_child_output
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, parent_pid: int,
                  kind_name: str = "reward") -> None:
-    peer_ignores()  # a stop of the whole job is the controller's (runtime/signals.py)
+    peer_ignores()  # a stop of the whole job is the controller's (procs/signals.py)
     # A session (and process group) of its own, before the plugin runs: every
     # process the plugin starts (a compiler, a test binary, a fork) joins it,
     # and Worker.stop kills the whole group with the worker, as does this

@@ -54,6 +54,11 @@ class RolloutBatch:
     response_mask:     [T] uint8 or None: 1 where the policy sampled the token, 0
                        for an environment's observation token inside a multi-turn
                        trajectory (areno/envs); None: every token was sampled
+    turn_cut:          [N] bool or None: a multi-turn trajectory whose last sampled
+                       turn the engine cut at its token cap (the model was still
+                       talking; its finish_reason `length` may instead say that
+                       --max-turns or the token budget ended it); None: single-turn,
+                       finish_reason == length says it
     """
 
     prompt_ids: np.ndarray
@@ -64,6 +69,7 @@ class RolloutBatch:
     group_index: np.ndarray
     finish_reason: np.ndarray
     response_mask: np.ndarray | None = None
+    turn_cut: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         _check_dtype("prompt_ids", self.prompt_ids, np.int32)
@@ -92,6 +98,10 @@ class RolloutBatch:
             if self.response_mask.size != self.response_ids.size:
                 raise ValueError(f"response_mask: length {self.response_mask.size} != "
                                  f"response_ids length {self.response_ids.size}")
+        if self.turn_cut is not None:
+            _check_dtype("turn_cut", self.turn_cut, np.bool_)
+            if self.turn_cut.size != n:
+                raise ValueError(f"turn_cut: length {self.turn_cut.size} != {n} responses")
         if n and self.finish_reason.max() > FINISH_ABORT:
             raise ValueError("finish_reason: values must be 0 (stop), 1 (length) or 2 (abort)")
 
@@ -157,7 +167,8 @@ class RolloutBatch:
         return RolloutBatch(prompt_ids=prompt_ids, prompt_offsets=prompt_offsets,
                             response_ids=response_ids, response_offsets=response_offsets,
                             response_logprobs=logprobs, group_index=new_group[resp],
-                            finish_reason=self.finish_reason[resp], response_mask=mask), resp
+                            finish_reason=self.finish_reason[resp], response_mask=mask,
+                            turn_cut=None if self.turn_cut is None else self.turn_cut[resp]), resp
 
     # -- construction ------------------------------------------------------
     @staticmethod
@@ -208,8 +219,11 @@ class RolloutBatch:
         else:
             full = [b.policy_mask.astype(np.uint8) if m is None else m for b, m in zip(parts, masks)]
             mask = cat([full[k][a:z] for k, a, z in runs], np.uint8)
+        cuts = [b.turn_cut for b in parts]
+        cut = None if all(c is None for c in cuts) else np.concatenate(
+            [overlong_mask(b) for b in parts])[resp_perm]
         batch = RolloutBatch(
-            response_mask=mask,
+            response_mask=mask, turn_cut=cut,
             prompt_ids=cat(prompt_views, np.int32),
             prompt_offsets=_offsets(p_b[inv] - p_a[inv]),
             response_ids=cat([parts[k].response_ids[a:z] for k, a, z in runs], np.int32),
@@ -267,8 +281,22 @@ def csr_take(values: np.ndarray, offsets: np.ndarray, idx: np.ndarray) -> tuple[
 
 
 def overlong_mask(batch: RolloutBatch) -> np.ndarray:
-    """[N] bool: responses cut by the length limit (finish_reason == length)."""
+    """[N] bool: responses the engine cut at their token cap (finish_reason ==
+    length); a multi-turn trajectory: its last sampled turn was (turn_cut), not
+    --max-turns or the token budget ending it after a turn that stopped."""
+    if batch.turn_cut is not None:
+        return batch.turn_cut
     return batch.finish_reason == FINISH_LENGTH
+
+
+def turn_segments(batch: RolloutBatch, i: int) -> list[tuple[int, np.ndarray]]:
+    """Response i of a batch as (1 sampled | 0 observation, ids) runs of its mask."""
+    ids = batch.response_tokens(i)
+    if batch.response_mask is None:
+        return [(1, ids)] if ids.size else []
+    m = batch.response_mask[batch.response_offsets[i]:batch.response_offsets[i + 1]]
+    cut = np.flatnonzero(np.diff(m)) + 1
+    return [(int(mm[0]), a) for a, mm in zip(np.split(ids, cut), np.split(m, cut)) if a.size]
 
 
 def _batch_decode(tokenizer: Any, ids: np.ndarray, offsets: np.ndarray, skip_special_tokens: bool) -> list[str]:

@@ -94,7 +94,7 @@ class RolloutEngine(Protocol):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> None:
         """Load a full set of HF-named weights, one tensor at a time (the caller
-        checks the result: backend/weight_sync.py)."""
+        checks the result: fleet/weight_sync.py)."""
         ...
 
     def prompt_logprobs(self, ids: np.ndarray) -> np.ndarray:

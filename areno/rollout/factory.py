@@ -4,6 +4,7 @@ it builds one, so the controller can import this module."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import typing
 import warnings
@@ -71,6 +72,10 @@ def make_engine(spec: EngineSpec, model_path: str, device: Any = "cpu", *, in_ra
                 raise UserError(f"--rollout-engine vllm: vLLM does not import here ({e}); install it "
                                 "(pip install areno[vllm] on GPU, areno[cpu] on CPU) or use "
                                 "--rollout-engine hf") from None
+            if spec.tensor_parallel_size > 1:  # vLLM installed but broken: the config saw it installed
+                raise UserError(f"--tensor-parallel-size {spec.tensor_parallel_size}: vLLM does not "
+                                f"import here ({e}) and the transformers engine has no tensor "
+                                "parallelism; install vLLM or drop --tensor-parallel-size") from None
             warnings.warn(f"vLLM is not importable ({e}); sampling with the transformers engine "
                           "(slow). Install it with `pip install areno[vllm]` (GPU) or `areno[cpu]`.",
                           stacklevel=2)
@@ -117,18 +122,10 @@ def select_vllm_runner() -> str:
     return "V1" if os.environ[VLLM_RUNNER_ENV].strip() == "0" else "V2"
 
 
-# Whether an engine's sampled-token log-probs are those of the distribution it
-# samples from, after temperature, top-k and top-p (the "processed" one): the
-# behaviour policy of decoupled PPO (losses.py). vLLM is started with
-# logprobs_mode="processed_logprobs" (rollout/vllm.py); transformers' are
-# recorded by the last logits processor, after areno's own warpers
-# (rollout/hf_logprobs.py). An engine reporting the raw distribution's under
-# top-p / top-k would make the weight pi_prox / pi_behav wrong: areno/config/offpolicy.py
-# then refuses --off-policy-steps.
-LOGPROBS_PROCESSED: dict[str, bool] = {"vllm": True, "hf": True}
-
-
-def engines_for(kind: str | None) -> tuple[str, ...]:
-    """The engines --rollout-engine kind may run: the one given, or unset vLLM and
-    transformers where vLLM does not import (make_engine's fallback)."""
-    return (kind,) if kind is not None else ("vllm", "hf")
+def resolved_engine(kind: str | None) -> str:
+    """The engine --rollout-engine kind builds: the one given; unset, vLLM, or
+    transformers where vLLM is not installed (make_engine's fallback; found
+    without importing vLLM, so the config can be checked in a second)."""
+    if kind is not None:
+        return kind
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"

@@ -226,7 +226,7 @@ class VLLMEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream a full set of HF-named tensors (any device) into the in-process
         model, one at a time, then reset the prefix cache. Names are checked once,
-        up front, by the caller (see backend.weight_sync.check_engine_names)."""
+        up front, by the caller (see fleet.weight_sync.check_engine_names)."""
         self._check_awake(loading=True)
         if self.multiprocess:
             raise RuntimeError("VLLMEngine.load_weights needs an in-process engine")

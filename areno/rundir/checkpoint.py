@@ -33,11 +33,12 @@ from typing import Any, Protocol
 
 import torch
 
-from areno.backend.errors import BackendError
+from areno.procs.errors import BackendError
 from areno.errors import UserError
-from areno.rundir.fileperms import OLD_PREFIX, honour_umask, replace_dir
+from areno.fileperms import OLD_PREFIX, honour_umask, replace_dir
 from areno.models.directory import check_model_dir
-from areno.runtime.rng import rng_state, set_rng_state
+from areno.rundir.rng import rng_state, set_rng_state
+from areno.rundir.runconfig import read_run_config
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -52,8 +53,6 @@ def checkpoint_root(cfg: Any, output_dir: Path) -> Path:
 def recorded_save_path(output_dir: Path) -> str | None:
     """The --save-path the run in `output_dir` recorded in its config.yaml (None: the
     default place, or no readable config.yaml)."""
-    from areno.config.file import read_run_config
-
     saved = read_run_config(output_dir)
     value = saved.get("save_path") if saved else None
     return value if isinstance(value, str) and value else None
@@ -95,7 +94,7 @@ class Checkpointed(Protocol):
     """What a checkpoint is written from (run.Run is one): the options (cfg:
     save_path, keep_last, to_dict), the run directory, the ranks' backend, the
     tokenizer, the data cursor (sampler.state_dict), the base model's path, and
-    the asynchronous loop's state (`ahead`, optional: None or absent at K = 0)."""
+    the rollout scheduler's state (`rollouts`: its rounds in flight, optional)."""
 
     cfg: Any
     output_dir: Path
@@ -107,8 +106,8 @@ class Checkpointed(Protocol):
 
 def save_checkpoint(run: Checkpointed, step: int) -> Path:
     """Write run's state at `step` atomically; prune to --keep-last. Returns the path.
-    The asynchronous loop's rollout in flight is waited for and saved with it
-    (asyncloop.py; an interrupt drops it first)."""
+    The scheduler's rounds in flight are waited for and saved with it
+    (scheduler.py; an interrupt drops those it cannot wait for first)."""
     root = checkpoint_root(run.cfg, run.output_dir)
     final = root / f"step_{step:06d}"
     tmp = root / f"{TMP_PREFIX}step_{step:06d}-{os.getpid()}"
@@ -122,12 +121,13 @@ def save_checkpoint(run: Checkpointed, step: int) -> Path:
             # would rewrite tokenizer_class, which older transformers cannot load).
             run.tokenizer.save_pretrained(str(tmp))
         save_controller_rng(tmp / CONTROLLER_RNG)
-        ahead = getattr(run, "ahead", None)  # the asynchronous loop: its rollout in flight
+        rollouts = getattr(run, "rollouts", None)  # the scheduler: its rounds in flight
+        ahead = rollouts if rollouts is not None and rollouts.producer.background else None
         state = {
             "step": step,
             "sampler": ahead.checkpoint_state(tmp) if ahead else run.sampler.state_dict(),
-            # How many rollouts in flight it holds: a resume refuses the checkpoint
-            # when their files (asyncloop.py) are missing or cut short.
+            # How many rounds in flight it holds: a resume refuses the checkpoint
+            # when their files (scheduler.py) are missing or cut short.
             **({"weight_version": ahead.updates, "inflight": len(ahead.inflight)} if ahead else {}),
             "model_path": run.model_path,
             "config": run.cfg.to_dict(),

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from areno.rollout.batch import FINISH_REASONS, RolloutBatch, csr_take
+from areno.rollout.batch import FINISH_REASONS, RolloutBatch, csr_take, turn_segments
 
 FILE = "completions.jsonl"  # in the run dir, one JSON object per sampled completion
 
@@ -50,8 +50,6 @@ def completion_records(step: int, n: int, tokenizer: Any, prompt_texts: list[str
 def trajectory_texts(tokenizer: Any, batch: RolloutBatch, idx: np.ndarray) -> list[str]:
     """Multi-turn responses idx as text with the turns told apart: the policy's
     turns as written, each observation as [env: ...]. One decode call for all."""
-    from areno.envs.trajectory import turn_segments
-
     segs = [turn_segments(batch, j) for j in idx.tolist()]
     texts = iter(tokenizer.batch_decode([a.tolist() for s in segs for _, a in s], skip_special_tokens=True))
     out = []

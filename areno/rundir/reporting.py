@@ -126,7 +126,7 @@ class RunConsole(Console):
     where rich would exit 1 with no word and no checkpoint."""
 
     def on_broken_pipe(self) -> None:
-        from areno.runtime.signals import stdout_closed
+        from areno.procs.signals import stdout_closed
 
         self.quiet = True
         stdout_closed()

@@ -2,7 +2,7 @@
 finished step.
 
 The signals themselves (Ctrl-C, SIGTERM, SIGHUP, and when they raise) are
-areno/runtime/signals.py's. Once one has stopped the loop, the last finished
+areno/procs/signals.py's. Once one has stopped the loop, the last finished
 step is saved through the still-running backend, one line gives the exact
 `--resume` command, and areno exits 130. Once a step's update has started, the
 first interrupt waits for the step to end (train, weight sync, log, and its save
@@ -21,10 +21,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from areno.backend.errors import BackendError
+from areno.procs.errors import BackendError
 from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
-from areno.runtime.signals import last_signal
-from areno.config.file import RUN_CONFIG
+from areno.procs.signals import last_signal
+from areno.rundir.runconfig import RUN_CONFIG
 from areno.errors import UserError
 from areno.rundir.reporting import limit_note
 

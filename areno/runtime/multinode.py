@@ -17,26 +17,10 @@ import subprocess
 import sys
 import time
 
-from areno.errors import UserError
-
-AUTHKEY_VAR = "ARENO_BACKEND_AUTHKEY"
-
 
 def controller_port(master_port: int) -> int:
     """Where node 0's controller listens for ranks (the rendezvous uses master_port)."""
     return master_port + 1
-
-
-def check_authkey() -> None:
-    key = os.environ.get(AUTHKEY_VAR, "")
-    try:
-        ok = len(bytes.fromhex(key)) >= 16
-    except ValueError:
-        ok = False
-    if not ok:
-        raise UserError(
-            f"--nnodes > 1 needs {AUTHKEY_VAR}, the same on every node (32 hex digits): "
-            f"export {AUTHKEY_VAR}=$(python -c 'import secrets; print(secrets.token_hex(16))')")
 
 
 def start_local_ranks(nnodes: int, node_rank: int, nproc: int, master_addr: str,
@@ -56,7 +40,7 @@ def start_local_ranks(nnodes: int, node_rank: int, nproc: int, master_addr: str,
 
 def stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
     """Stop what is still running: the ranks exit on the controller's "shutdown"
-    within grace_s, else SIGKILL (they ignore SIGTERM, runtime/signals.py)."""
+    within grace_s, else SIGKILL (they ignore SIGTERM, procs/signals.py)."""
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:

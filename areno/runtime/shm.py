@@ -1,8 +1,9 @@
 """The run's shared memory on this host, checked before any rank starts.
 
 What lives in /dev/shm (each sized here as its owner sizes it):
-- split placement's weight regions: K + 1 slots of the full weights in the
-  engines' dtype (`publish_weights(slot=v % (K + 1))`, made one per publish);
+- split placement's weight regions: max(2, K + 1) slots of the full weights in the
+  engines' dtype (`publish_weights(slot=v % slots)`, config.offpolicy.weight_slots, made one per publish);
+  under LoRA each slot holds the adapter alone (the engines keep the base);
 - the engines' result segments: one per rollout in flight (K + 1 under split
   placement, 1 colocated), int32 ids + float32 log-probs for every sampled token;
 - the pack the controller hands the ranks (`backend/handoff.py`): 25 bytes per
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 
 from areno.config.env import trajectory_tokens
+from areno.config.offpolicy import weight_slots
 from areno.config.train import TrainConfig
 from areno.errors import UserError
 
@@ -43,12 +45,13 @@ def shm_footprint(cfg: TrainConfig, weight_bytes: int, lora_bytes: int, engines_
     weight_bytes: the full weights in the engines' dtype; lora_bytes: one adapter
     in that dtype (0 without LoRA); engines_here: rollout engines on this host."""
     split = cfg.rollout_world_size > 0
-    slots = cfg.off_policy_steps + 1 if split else 0
+    slots = weight_slots(cfg.off_policy_steps) if split else 0
     in_flight = cfg.off_policy_steps + 1 if split else 1
     samples = cfg.batch_size * cfg.n_samples
     response = trajectory_tokens(cfg)
     parts = {
-        f"{slots} weight slot(s) (--off-policy-steps {cfg.off_policy_steps} + 1)": slots * weight_bytes,
+        f"{slots} weight slot(s) (--off-policy-steps {cfg.off_policy_steps}: max(2, K + 1))":
+            slots * (lora_bytes or weight_bytes),
         f"{in_flight} rollout result segment(s)": int(in_flight * samples * response * RESULT_BYTES_PER_TOKEN
                                                      * HEADROOM),
         "the pack": int(samples * (cfg.max_prompt_len + response) * PACK_BYTES_PER_TOKEN * HEADROOM),

@@ -1,5 +1,5 @@
 """bench_longcot's run: the modes, one measured step, the rounds (their checks: report.py).
-areno/bench/longcot/cli.py (the CLI, and what is measured) calls `run_bench`.
+scripts/arenobench/longcot/cli.py (the CLI, and what is measured) calls `run_bench`.
 
 Imported only by the bench's main process: the ranks and reward workers are
 spawned, and spawn imports the main script in every child, so bench_longcot.py
@@ -24,16 +24,16 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from areno.bench.lib import cpu_in, loadavg, proc_kb, reset_peak_rss, union_in
-from areno.bench.longcot.ranks import HOOKS_SPEC, MICRO_LIMIT_ENV, PROBE_DIR_ENV, RankLog, rank_figures
-from areno.bench.longcot.ref import ref_train_step
-from areno.bench.longcot.report import HIDDEN_SLACK_S, evaluate_targets, hidden_checks, identity_checks, summarize
-from areno.bench.longcot.sim import (ENGINE_SPEC_ENV, REWARD_COST_ENV, REWARD_PLUGIN, SyntheticEngine, set_reward_cost,
+from arenobench.lib import cpu_in, loadavg, proc_kb, reset_peak_rss, union_in
+from arenobench.longcot.ranks import HOOKS_SPEC, MICRO_LIMIT_ENV, PROBE_DIR_ENV, RankLog, rank_figures
+from arenobench.longcot.ref import ref_train_step
+from arenobench.longcot.report import HIDDEN_SLACK_S, evaluate_targets, hidden_checks, identity_checks, summarize
+from arenobench.longcot.sim import (ENGINE_SPEC_ENV, REWARD_COST_ENV, REWARD_PLUGIN, SyntheticEngine, set_reward_cost,
                          write_dataset, write_engine_spec)
 
 from areno.backend.hooks import RANK_HOOKS_ENV
 from areno.run import open_run
-from areno.trainer import PhaseTimer, train_step, train_step_ahead
+from areno.trainer import PhaseTimer, train_step
 
 MODES = {
     # key: (label, kind, overlap, reward cost)
@@ -268,7 +268,7 @@ class SnapTimer(PhaseTimer):
 
 
 def measure_async_step(run: Any, step: int, ranks: RankLog) -> dict:
-    """One step of the K = 1 loop (trainer.train_step_ahead). The controller's
+    """One step of the K = 1 loop (trainer.train_step). The controller's
     critical work is its window from the batch whole (the end of the collect's
     wait) to the hand-off written: the same phases as the synchronous modes' critical path.
     The figures of the rollout generated meanwhile (step + 1's) are added by
@@ -278,7 +278,7 @@ def measure_async_step(run: Any, step: int, ranks: RankLog) -> dict:
     rss0, load = proc_kb("VmRSS"), os.getloadavg()[0]
     timer = SnapTimer(run.backend)
     t_step = time.monotonic()
-    m = train_step_ahead(run, step, timer)
+    m = train_step(run, step, timer)
     t_end = time.monotonic()
     hwm = proc_kb("VmHWM") if peak_ok else 0
     spans = timer.spans
@@ -358,7 +358,7 @@ def run_async(args: argparse.Namespace, tmp: Path, cost_file: Path) -> tuple[lis
                       f"  train {r['train_s']:5.2f} s  publish {r['export_s'] * 1e3:6.1f} ms  wait_batch "
                       f"{r['wait_batch_s'] * 1e3:7.1f} ms  step {r['step_s']:5.2f} s  load {r['loadavg_1m']:.1f}",
                       flush=True)
-            run.ahead.ready_for_eval()  # the rollouts in flight, collected: the last step's margins
+            run.rollouts.ready_for_eval()  # the rollouts in flight, collected: the last step's margins
     finally:
         os.environ.pop(ENGINE_SPEC_ENV, None)
     rollouts = [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()]

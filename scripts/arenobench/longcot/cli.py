@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Long-CoT step benchmark: the real trainer loop at ~1M response tokens per step,
 with a synthetic rollout engine and the real backend on CPU ranks, against the
-list-based reference of areno/bench/listref.py wired into the same loop.
+list-based reference of scripts/arenobench/listref.py wired into the same loop.
 
 What runs (one process tree, one run):
 
@@ -52,7 +52,7 @@ last_timings) come from the bench's own engine; the rank figures from RankHooks
 (areno/backend/hooks.py) that ranks.py installs through ARENO_RANK_HOOKS.
 Where the parts live: run.py (modes, one step, rounds),
 sim.py (engine, reward, data), ranks.py, ref.py,
-report.py (medians, checks, targets, tables), areno/bench/lib.py and listref.py (shared).
+report.py (medians, checks, targets, tables), scripts/arenobench/lib.py and listref.py (shared).
 
 Modes (one step of each per round, rounds repeated --steps times, after a
 warm-up round; each round replays the same prompts in every mode):
@@ -66,7 +66,7 @@ warm-up round; each round replays the same prompts in every mode):
   areno_plain_5ms      no overlap, --reward-ms per sample
   areno_async_free     K = 1, a Run of its own after the others: split placement
                        (--rollout-world-size 1 --off-policy-steps 1, which turns
-                       on --recompute-logprobs), trainer.train_step_ahead, free
+                       on --recompute-logprobs), trainer.train_step, free
                        reward; 1 warm-up step then --steps consecutive steps. The
                        synthetic engine runs in the engine process
                        (sim.ProcEngine, built there by the RankHooks'
@@ -153,9 +153,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from areno.bench.lib import check_finite, write_json
-    from areno.bench.longcot.report import format_report
-    from areno.bench.longcot.run import run_bench
+    from arenobench.lib import check_finite, write_json
+    from arenobench.longcot.report import format_report
+    from arenobench.longcot.run import run_bench
 
     args = parse_args(argv)
     out = run_bench(args)

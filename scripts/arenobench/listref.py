@@ -2,8 +2,8 @@
 per-sample Python lists (the shape most trainers use today), and the checks
 that it computes exactly what areno's array path computes.
 
-Used by areno/bench/materialize.py (function by function) and
-areno/bench/longcot/ (wired into the real loop). A ratio against this
+Used by scripts/arenobench/materialize.py (function by function) and
+scripts/arenobench/longcot/ (wired into the real loop). A ratio against this
 reference only means something if the outputs are equal, so every benchmark
 compares them (compare_*) before timing.
 """

@@ -2,6 +2,8 @@
 
 Source: the trainer's gathered full tensors (`weights.iter_full_state`) in the
 engine's dtype with their fingerprint (`WeightStream`; copied only to convert).
+Under LoRA the engines hold the frozen base from their start and the source is
+the adapter alone (backend.adapter_sync), on both transports.
 
 Transports:
 - in-process (colocated engines, `RankWorker.cmd_sync_weights`): every rank
@@ -21,14 +23,13 @@ tolerance of rollout/probe.py.
 from __future__ import annotations
 
 from collections.abc import Mapping, Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from areno.backend.lora import head_weight
+from areno.fleet.adapter_sync import load_adapter
 from areno.rollout.engine import check_weight_names
 from areno.rollout.probe import (
     Fingerprint, check_fingerprint, check_logprobs, probe_due, probe_tolerance, sum_squares,
@@ -97,12 +98,17 @@ class ProbeRef:
 class WeightRegion:
     """A published set of weights: the segment rank 0 wrote, its layout, the
     fingerprint of what was written (None: not fingerprinted) and the probe
-    reference when this sync runs the probe."""
+    reference when this sync runs the probe. Under LoRA the region holds the
+    adapter only (peft's saved names): `adapter` is its peft LoraConfig and
+    `version` the adapter's version on the engines (the publish count, strictly
+    increasing); the fingerprint is then the adapter's (rollout.lora)."""
 
     segment: str
     layout: WeightLayout
     fingerprint: Fingerprint | None
     probe: ProbeRef | None
+    adapter: Any = None
+    version: int = 0
 
 
 class SyncCheck:
@@ -150,17 +156,25 @@ def region_tensors(buf: Any, layout: WeightLayout) -> Iterator[tuple[str, torch.
 
 def load_region(engine: Any, region: WeightRegion, check: SyncCheck) -> dict:
     """Reader side of the shared-memory transport: load every tensor of `region`
-    into `engine`, then run `check` -> its result."""
-    from areno.backend.handoff import map_region
+    into `engine` (under LoRA: the adapter, as a colocated rank loads it,
+    adapter_sync.load_adapter), then run `check` -> its result. An adapter is
+    checked against the sender's fingerprint, so a region damaged in between
+    fails the check as a full one does."""
+    from areno.procs.segment import map_region
 
     mem = map_region(region.segment, 0, region.layout.nbytes)
     tensors = region_tensors(mem, region.layout)
+    held = None
     try:
-        engine.load_weights(tensors)
+        if region.adapter is not None:  # the base is in the engine since its start
+            load_adapter(engine, tensors, region.adapter, region.version, fingerprint=False)
+            held = engine.adapter_fingerprint() if check.fingerprinted else None
+        else:
+            engine.load_weights(tensors)
     finally:
         tensors.close()  # drops its last view: the map closes
         mem.close()
-    return check.check(engine, region.fingerprint, region.probe)
+    return check.check(engine, region.fingerprint, region.probe, held=held)
 
 
 def check_engine_names(engine: Any, names: Iterable[str]) -> None:
@@ -231,22 +245,3 @@ def reports_fingerprint(engine: Any) -> bool:
     """Whether `engine` can report an exact fingerprint of what it holds (decided
     once: it turns on the stream's sums, the exact check and the probe schedule)."""
     return hasattr(engine, "weights_fingerprint") and getattr(engine, "fingerprint_exact", True)
-
-
-@contextmanager
-def logit_scale_of(hf: torch.nn.Module) -> Iterator[list[float]]:
-    """Within: every forward of `hf.model` appends max |logit| of its last hidden
-    states through `hf.lm_head` (the probe's rounding scale). Read inside the
-    forward, where FSDP2 has gathered the lm_head and autocast is on."""
-    scales: list[float] = []
-
-    def grab(_module, _args, out) -> None:
-        h = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        with torch.no_grad():
-            scales.append(float(torch.nn.functional.linear(h, head_weight(hf.lm_head)).abs().max()))
-
-    handle = hf.model.register_forward_hook(grab)
-    try:
-        yield scales
-    finally:
-        handle.remove()

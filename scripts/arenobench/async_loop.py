@@ -57,9 +57,9 @@ from pathlib import Path
 import numpy as np
 
 from areno.backend.hooks import RankHooks
-from areno.bench.lib import child_env
+from arenobench.lib import child_env
 
-HOOKS_SPEC = "areno.bench.async_loop:FixedCostHooks"  # the value of ARENO_RANK_HOOKS
+HOOKS_SPEC = "arenobench.async_loop:FixedCostHooks"  # the value of ARENO_RANK_HOOKS
 ROLLOUT_ENV, TRAIN_ENV, LOG_ENV = "ARENO_BENCH_ASYNC_ROLLOUT_S", "ARENO_BENCH_ASYNC_TRAIN_S", "ARENO_BENCH_ASYNC_LOG"
 TIMES_ENV = "ARENO_BENCH_ASYNC_ROLLOUT_TIMES"  # a JSON list: rollout i's seconds (the tail)
 WARMUP = 2

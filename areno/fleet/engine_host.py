@@ -47,7 +47,7 @@ def generate_into(engine: Any, ids: np.ndarray, offsets: np.ndarray, n: int, sam
     uint8, start (token cursor in the region)} (+ ids/logprobs inline when the
     region has no segment). emit None: a non-leader TP rank (runs, reports
     nothing). Returns the tokens written."""
-    from areno.backend.handoff import map_region
+    from areno.procs.segment import map_region
 
     region = map_region(out.segment, out.offset, out.nbytes, writable=True) \
         if emit is not None and out.segment else None

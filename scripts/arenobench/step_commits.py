@@ -2,7 +2,7 @@
 
 Each revision gets a `git worktree` in a temp dir; every run is the real CLI
 (`python -m areno.cli train`, PYTHONPATH = that worktree, this interpreter) on
-SmolLM2-135M-Instruct (areno/models/smol.py builds it once into --cache), fp32,
+SmolLM2-135M-Instruct (scripts/arenobench/smol.py builds it once into --cache), fp32,
 the vLLM CPU engine, --prompts x --samples (8 x 8), 16 new tokens, --steps
 seeded steps (3) of a short addition task (~25-token prompts, so vLLM never
 chunks a prefill). Per run the median over steps 2.. of each phase's `time/*`
@@ -33,8 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from areno.bench.refs import CURRENT, rev_id, worktrees
-from areno.bench.refs import label as rev_label
+from arenobench.refs import CURRENT, rev_id, worktrees
+from arenobench.refs import label as rev_label
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_REVS = ("42b2f93", "HEAD")
@@ -187,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from areno.models.smol import smol_model_path
+    from arenobench.smol import smol_model_path
 
     model = smol_model_path(args.cache)
     env = dict(kv.split("=", 1) for kv in args.env)
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = summarize(results, revs)
     print(markdown(rows, revs))
     if args.out:
-        from areno.bench.lib import write_json
+        from arenobench.lib import write_json
 
         write_json(args.out, {"revs": revs, "env": env, "busy": args.busy, "summary": rows,
                               "runs": [{"rev": s.rev, "threads": s.threads_label, **m} for s, m in results]})

@@ -28,8 +28,8 @@ What is measured (same synthetic rollouts for both paths, outputs checked equal)
                touched buffers (and, for information, a copy into a fresh
                allocation, which pays the page faults a new pack also pays).
 
-The list reference and the equality checks live in areno/bench/listref.py (shared
-with bench_longcot.py); timing and output helpers in areno/bench/lib.py.
+The list reference and the equality checks live in scripts/arenobench/listref.py (shared
+with bench_longcot.py); timing and output helpers in scripts/arenobench/lib.py.
 
 Both paths start from their native rollout form (the reference from Python lists
 as an engine returns them, areno from a RolloutBatch); building those is not
@@ -58,15 +58,15 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from areno.bench.lib import (
+from arenobench.lib import (
     SPECIALS, Pairs, build_tokenizer, fmt_k, loadavg, median, target, target_lines, write_json,
 )
-from areno.bench.listref import (
+from arenobench.listref import (
     PAD_ID, ListRollouts, compare_advantages, compare_e2e, compare_pack, compare_padded, compare_split,
     compare_stats, ref_advantages, ref_e2e, ref_pack, ref_padded, ref_split_pack, ref_stats, to_lists,
 )
 
-from areno.bench.nearlimit import nl_advantages, nl_pack, nl_padded
+from arenobench.nearlimit import nl_advantages, nl_pack, nl_padded
 
 from areno.advantages import group_advantages
 from areno.pack import PACKED_TOKEN_FIELDS, TrainPack, Workspace, build_train_pack
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ref-rounds", type=int, default=2, help="with --ref: runs of each tree (default 2)")
     args = ap.parse_args(argv)
     if args.ref:
-        from areno.bench.materialize_ref import against_ref
+        from arenobench.materialize_ref import against_ref
         return against_ref(args)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")

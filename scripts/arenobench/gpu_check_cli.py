@@ -36,7 +36,7 @@ RATIO_KEYS = ("train/clip_frac", "train/ratio_std", "train/ratio_max", "train/lo
 
 
 def build(out: Path, smoke: bool) -> None:
-    from areno.bench.gpu_check import QWEN3_06B, TINY, build_model_dir
+    from arenobench.gpu_check import QWEN3_06B, TINY, build_model_dir
 
     out.mkdir(parents=True, exist_ok=True)
     build_model_dir(TINY if smoke else QWEN3_06B, "cpu" if smoke else "cuda", out / "model")

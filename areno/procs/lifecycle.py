@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from areno.runtime.signals import STOP_SIGNAL
+from areno.procs.signals import STOP_SIGNAL
 
 
 def die_with_parent(parent_pid: int, use_pdeathsig: bool = True, group: bool = False) -> None:
@@ -114,7 +114,7 @@ def exit_text(code: int | None) -> str:
 
 
 def stop_processes(procs: list, conns: list, segments: list) -> None:
-    """Stop every process (STOP_SIGNAL: they ignore SIGTERM, runtime/signals.py),
+    """Stop every process (STOP_SIGNAL: they ignore SIGTERM, procs/signals.py),
     close and forget their pipes, then unlink `segments` (shared memory). Idempotent.
     A caller that can first asks them to exit (a "shutdown" message) and waits."""
     try:

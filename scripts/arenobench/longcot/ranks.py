@@ -1,6 +1,6 @@
 """bench_longcot's probes inside the backend's rank processes, through areno's
 RankHooks (areno/backend/hooks.py): the bench sets ARENO_RANK_HOOKS to
-"areno.bench.longcot.ranks:LongcotRankHooks" and every rank builds one at startup (spawned
+"arenobench.longcot.ranks:LongcotRankHooks" and every rank builds one at startup (spawned
 ranks inherit the controller's environment). Per train command
 each rank appends one JSON record to PROBE_DIR/rank<r>.jsonl:
 
@@ -11,7 +11,7 @@ each rank appends one JSON record to PROBE_DIR/rank<r>.jsonl:
                rank's work before it (map + device copies of every
                micro-batch) in wall and thread CPU time (prep_cpu_s).
   readbacks    Tensor.item/tolist/cpu calls from the first forward to the
-               reply, with call sites (areno.bench.lib.ReadbackCounter, a torch
+               reply, with call sites (arenobench.lib.ReadbackCounter, a torch
                function mode). It starts after the device copies: under the
                mode every torch call pays a Python dispatch, which doubled the
                map + copy time the prep figures measure (0.65 -> 1.24 ms for 10
@@ -44,8 +44,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from areno.bench.lib import ReadbackCounter
-from areno.bench.longcot.sim import ENGINE_SPEC_ENV
+from arenobench.lib import ReadbackCounter
+from arenobench.longcot.sim import ENGINE_SPEC_ENV
 
 from areno.backend.handoff import LocalPack
 from areno.backend.hooks import RankHooks
@@ -53,7 +53,7 @@ from areno.pack import TrainPack
 
 PROBE_DIR_ENV = "ARENO_BENCH_LONGCOT_PROBE_DIR"
 MICRO_LIMIT_ENV = "ARENO_BENCH_LONGCOT_MICRO_LIMIT"
-HOOKS_SPEC = "areno.bench.longcot.ranks:LongcotRankHooks"  # the value of ARENO_RANK_HOOKS
+HOOKS_SPEC = "arenobench.longcot.ranks:LongcotRankHooks"  # the value of ARENO_RANK_HOOKS
 
 
 class LongcotRankHooks(RankHooks):
@@ -70,7 +70,7 @@ class LongcotRankHooks(RankHooks):
         if not spec:
             return None
         from areno.rollout.factory import make_engine
-        from areno.bench.longcot.sim import ProcEngine
+        from arenobench.longcot.sim import ProcEngine
 
         inner, kind = make_engine(cfg.engine, cfg.model_path, device)
         return ProcEngine(inner, Path(spec)), f"synthetic({kind})"

@@ -12,8 +12,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from areno.bench.lib import median, write_json
-from areno.bench.refs import CURRENT, rev_id, worktrees
+from arenobench.lib import median, write_json
+from arenobench.refs import CURRENT, rev_id, worktrees
 
 
 def against_ref(args: argparse.Namespace) -> int:

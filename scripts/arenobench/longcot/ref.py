@@ -1,4 +1,4 @@
-"""The list reference of areno/bench/listref.py wired into bench_longcot's loop:
+"""The list reference of scripts/arenobench/listref.py wired into bench_longcot's loop:
 `ref_train_step` has train_step's shape (rollout, decode, reward, advantages,
 pack, backend.train, weight export) in the same Run (same engine, reward
 workers and backend ranks), with a list-based trainer's host work:
@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from areno.bench.listref import ListRollouts, ref_advantages, ref_decode, ref_pack, ref_sequence_lists, ref_stats
+from arenobench.listref import ListRollouts, ref_advantages, ref_decode, ref_pack, ref_sequence_lists, ref_stats
 
 from areno.pack import PACKED_TOKEN_FIELDS, TrainPack
 from areno.data.prompts import select

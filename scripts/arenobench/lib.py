@@ -27,11 +27,13 @@ from torch.overrides import TorchFunctionMode
 
 # -- CLI and output -------------------------------------------------------------
 def child_env(*paths: str | Path, **extra: str) -> dict[str, str]:
-    """os.environ + extra, with PYTHONPATH led by the directory that holds this
-    areno (then `paths`): a child process (`python -m areno.cli`, a script)
+    """os.environ + extra, with PYTHONPATH led by the checkout that holds this
+    arenobench and its scripts/ (then `paths`): a child process (`python -m
+    areno.cli`, a script, ranks whose ARENO_RANK_HOOKS name an arenobench module)
     imports the same checkout as its parent, installed or not."""
-    root = Path(__file__).resolve().parents[2]
-    path = os.pathsep.join(filter(None, [str(root), *map(str, paths), os.environ.get("PYTHONPATH")]))
+    scripts = Path(__file__).resolve().parents[1]
+    path = os.pathsep.join(filter(None, [str(scripts.parent), str(scripts), *map(str, paths),
+                                         os.environ.get("PYTHONPATH")]))
     return {**os.environ, **extra, "PYTHONPATH": path}
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from areno.backend.model import chunked_logprobs
-from areno.bench.lib import table, time_interleaved, write_json
+from arenobench.lib import table, time_interleaved, write_json
 
 SHAPES = {  # tokens N, hidden H, vocab V, positions per lm_head chunk
     "smoke": dict(tokens=256, hidden=64, vocab=1024, chunk=128),

@@ -244,7 +244,7 @@ def peer_ignores() -> None:
     """In a rank, engine process or worker, first thing: ignore HELD (a pending
     one is dropped) and unblock them. A signal to the whole job then leaves the
     controller to save and stop the run; SIGKILL (STOP_SIGNAL) and the parent's
-    death (runtime/procs.py) still end this process."""
+    death (procs/lifecycle.py) still end this process."""
     for s in HELD:
         signal.signal(s, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)

@@ -78,7 +78,7 @@ def stuck_rank_error(watch: "HeartbeatWatch | None", procs: list, what: str, lab
     import os
     import signal
 
-    from areno.backend.errors import BackendError
+    from areno.procs.errors import BackendError
 
     found = watch.silent() if watch is not None else None
     if found is None:

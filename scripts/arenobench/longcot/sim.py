@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
-from areno.bench.lib import sleep_until
-from areno.bench.listref import ListRollouts
+from arenobench.lib import sleep_until
+from arenobench.listref import ListRollouts
 
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths
 

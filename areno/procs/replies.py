@@ -30,10 +30,10 @@ from collections.abc import Callable, Iterable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from areno.backend.errors import USER_ERROR, BackendError, RankUserError
-from areno.backend.heartbeat import HeartbeatWatch, stuck_rank_error
-from areno.runtime.signals import signals_held
-from areno.runtime.procs import exit_text
+from areno.procs.errors import USER_ERROR, BackendError, RankUserError
+from areno.procs.heartbeat import HeartbeatWatch, stuck_rank_error
+from areno.procs.signals import signals_held
+from areno.procs.lifecycle import exit_text
 
 
 class ReplyStream:

@@ -1,0 +1,253 @@
+"""Where a round of rollouts comes from: one protocol over every placement and
+every kind of episode, so the scheduler (scheduler.py) never asks which.
+
+A round is --batch-size prompts, n samples each, generated and scored: a
+`dynsample.Round`. Every rollout is an episode: single-turn (a completion,
+scored by the reward plugin: a one-step environment) or multi-turn (the
+episode driver, envs/driver.py, stepping the environment between turns).
+Where the engines live decides when a round runs:
+
+  colocated (engines in the ranks)    the round runs when collected: the
+                                      engines sleep while the ranks train,
+                                      so nothing overlaps it (depth 0)
+  split (engine processes)            the round is sent at start and runs
+                                      while the controller does anything
+                                      else; single-turn parts are decoded and
+                                      scored as they come (scoring.PartScorer),
+                                      multi-turn rounds run the episode driver
+                                      in each engine process, beside its engine
+                                      (EngineWorker.cmd_episodes), and come back
+                                      scored
+
+`Pending` is a round started and not yet collected; the scheduler holds them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from areno.data.prompts import PromptSet, select
+from areno.data.rows import RowSet
+from areno.dynsample import Round
+from areno.envs.driver import EpisodeSpec, env_states, observation_format, rollout_multiturn
+from areno.rewards import RewardCounts, RewardError, RewardResult
+from areno.rollout.batch import RolloutBatch
+from areno.rollout.engine import SamplingConfig
+from areno.scoring import PartScorer, score
+from areno.timing import PhaseTimer
+
+
+@dataclass(frozen=True)
+class Data:
+    """The rows and prompts a round draws from (the training set or the eval set)."""
+
+    rows: RowSet
+    prompts: PromptSet
+
+
+class Producer:
+    """The run's engines as the scheduler sees them, wherever they live: start a
+    round (-> Pending: stream, wait with a deadline, collect, drop), publish the
+    weights of version v, load a published version now. background: rounds run
+    while the controller does other work (engine processes); else at collect."""
+
+    def __init__(self, run: Any, episodes: EpisodeSpec | None) -> None:
+        self.run, self.episodes = run, episodes
+        self.background = bool(run.cfg.rollout_world_size) and hasattr(run.engine, "start_rollout")
+
+    def publish(self, version: int, slot: int) -> tuple[Any, dict[str, float]]:
+        """The trainer's weights of `version` for the engines -> (the region engine
+        processes load with their next round, None when colocated engines loaded
+        and checked them now; that sync's figures)."""
+        if self.background:
+            be = self.run.backend
+            return be.publish_weights(fingerprinted=be.engine_procs_fingerprinted, slot=slot), {}
+        return None, self.run.engine.sync_weights() or {}
+
+    def load(self, region: Any) -> None:
+        """Engine processes load a published region now, checked (before an eval)."""
+        self.run.backend.load_engine_procs(region)
+
+    def start(self, data: Data, prompt_idx: np.ndarray, n: int, sampling: SamplingConfig,
+              region: Any = None, overlap: bool = True) -> "Pending":
+        """Round of prompts `prompt_idx` of `data`, n samples each; region: the
+        weights engine processes load first (None: those they hold); overlap:
+        score single-turn parts as they come (--overlap-rewards)."""
+        if not self.background:
+            return NowPending(self, data, prompt_idx, n, sampling, overlap)
+        return SentPending(self, data, prompt_idx, n, sampling, region, overlap)
+
+
+class Pending:
+    """A round started: `collect` -> the scored Round (waits for it); `wait`,
+    `batch` and `drop` serve checkpoints and interrupts."""
+
+    prompt_idx: np.ndarray
+    info: dict          # from the engines: idle_s, sync_load_s
+    wait_s: float = 0.0  # how long collect waited for the engines
+
+    def engines_done(self) -> None:
+        """Wait until the engines have finished it (at once where it runs at collect)."""
+
+    def collect(self, timer: PhaseTimer) -> Round:
+        raise NotImplementedError
+
+    def wait(self, until: float) -> bool:
+        """Whole by time.monotonic() `until` (True), or not yet (False)."""
+        return True
+
+    def batch(self) -> tuple[RolloutBatch, RewardResult | None]:
+        """The whole batch, waited for (a checkpoint saves it), and its rewards when
+        they cannot be computed again from it (an environment's)."""
+        raise NotImplementedError
+
+    def drop(self) -> None:
+        """Leave it (Ctrl-C): its engines take no more commands."""
+
+
+class NowPending(Pending):
+    """Colocated: the round runs when collected, on the engines in the ranks."""
+
+    def __init__(self, producer: Producer, data: Data, prompt_idx: np.ndarray, n: int,
+                 sampling: SamplingConfig, overlap: bool) -> None:
+        self.producer, self.data, self.prompt_idx = producer, data, prompt_idx
+        self.n, self.sampling, self.overlap, self.info = n, sampling, overlap, {}
+
+    def collect(self, timer: PhaseTimer) -> Round:
+        run, data, idx = self.producer.run, self.data, self.prompt_idx
+        ids, offsets = select(data.prompts, idx)
+        spec = self.producer.episodes
+        if spec is not None:  # multi-turn: the driver on the controller, the engines in the ranks
+            states = env_states(data.rows, data.prompts, idx, self.n)
+            with timer("rollout"):  # generation and the env calls overlap: one phase
+                out = rollout_multiturn(run.engine, run.envs, run.tokenizer,
+                                        observation_format(run.tokenizer, spec.chat_template),
+                                        ids, offsets, states, self.n, self.sampling, spec.bounds)
+            return Round(idx, out.batch, out.scored, out.metrics())
+        if not self.overlap:  # generate everything, decode in one call, then score
+            with timer("rollout"):
+                batch = run.engine.generate(ids, offsets, self.n, self.sampling)
+            return Round(idx, batch, score(run, data, idx, batch, timer))
+        # Every finished group goes out at once: the last part, whose scoring cannot
+        # hide behind generation, stays as small as possible.
+        scorer = PartScorer(run, data, idx, timer, self.n)
+        with timer("rollout"):
+            for pos, part in run.engine.generate_stream(ids, offsets, self.n, self.sampling, min_groups=1):
+                scorer.add(pos, part)
+        return Round(idx, *scorer.finish(timer))
+
+
+class SentPending(Pending):
+    """Split placement: sent to the engine processes at once; its parts are read
+    during every wait of the controller (rank_engines.PendingRollout)."""
+
+    def __init__(self, producer: Producer, data: Data, prompt_idx: np.ndarray, n: int,
+                 sampling: SamplingConfig, region: Any, overlap: bool) -> None:
+        run = producer.run
+        self.producer, self.data, self.prompt_idx, self.n, self.info = producer, data, prompt_idx, n, {}
+        self.timer = PhaseTimer(keep_spans=True)  # its decode and rewards, wherever they ran
+        ids, offsets = select(data.prompts, prompt_idx)
+        episodes = None
+        if producer.episodes is not None:
+            self.sink: Any = EpisodeParts()
+            episodes = EpisodeShare(producer.episodes, env_states(data.rows, data.prompts, prompt_idx, n), n)
+        else:
+            self.sink = PartScorer(run, data, prompt_idx, self.timer, n) if overlap else None
+        self.pending = run.engine.start_rollout(ids, offsets, n, sampling, region, self.sink, episodes=episodes)
+        self.sink = self.pending.sink
+        self.whole_batch: RolloutBatch | None = None
+
+    def engines_done(self) -> None:
+        """Wait for the engines; an environment's failure there (fail) is raised here."""
+        if self.pending is not None:
+            t0 = time.perf_counter()
+            self.info = self.pending.collect()
+            self.wait_s, self.pending = time.perf_counter() - t0, None
+            if "reward_error" in self.info:
+                raise RewardError(self.info["reward_error"])
+
+    def collect(self, timer: PhaseTimer) -> Round:
+        self.engines_done()
+        if isinstance(self.sink, PartScorer):
+            batch, scored = self.sink.finish(self.timer)
+            extra: dict = {}
+        elif isinstance(self.sink, EpisodeParts):
+            batch, scored, extra = self.sink.merge_scored()
+        else:
+            batch = self.whole_batch or self.sink.merge()[0]
+            scored, extra = score(self.producer.run, self.data, self.prompt_idx, batch, self.timer), {}
+        timer.absorb(self.timer)
+        return Round(self.prompt_idx, batch, scored, extra)
+
+    def wait(self, until: float) -> bool:
+        return self.pending is None or self.pending.wait(until)
+
+    def batch(self) -> tuple[RolloutBatch, RewardResult | None]:
+        self.engines_done()
+        if isinstance(self.sink, EpisodeParts):
+            batch, scored, _ = self.sink.merge_scored()
+            return batch, scored
+        self.whole_batch = self.whole_batch or self.sink.merge()[0]
+        return self.whole_batch, None
+
+    def drop(self) -> None:
+        if self.pending is not None:
+            self.pending.drop()
+
+
+@dataclass
+class EpisodeShare:
+    """A multi-turn round's arguments for engine process g of E: the episode spec,
+    the EnvStates of its groups' trajectories, its place (rank_engines.Episodes)."""
+
+    spec: EpisodeSpec
+    states: list
+    n: int
+
+    def share(self, g: int, num_engines: int, positions: np.ndarray) -> dict:
+        traj = (positions[:, None] * self.n + np.arange(self.n)).ravel()
+        return {"states": [self.states[i] for i in traj.tolist()], "share": (g, num_engines)}
+
+
+@dataclass
+class EpisodeParts:
+    """A multi-turn round's parts from the engine processes, scored there: each
+    part's rewards and env/* metrics come in its message (EngineWorker.cmd_episodes)."""
+
+    parts: list = field(default_factory=list)
+    positions: list = field(default_factory=list)
+    results: list = field(default_factory=list)
+    metrics: list = field(default_factory=list)
+
+    def keep(self, pos: np.ndarray, part: RolloutBatch, meta: dict | None = None) -> None:
+        self.parts.append(part)
+        self.positions.append(pos)
+        self.results.append(RewardResult(meta["rewards"], meta["valid"], meta["counts"], meta["messages"]))
+        self.metrics.append((meta["env"], meta["turns"]))
+
+    def score(self, pos: np.ndarray, part: RolloutBatch) -> None:
+        """Scored where it ran."""
+
+    def merge_scored(self) -> tuple[RolloutBatch, RewardResult, dict[str, float]]:
+        batch, perm = RolloutBatch.merge_parts(self.parts, self.positions)
+        merged = RewardResult.concat(self.results) if self.results else \
+            RewardResult(np.zeros(0, np.float32), np.zeros(0, bool), RewardCounts(), ())
+        return batch, RewardResult(merged.rewards[perm], merged.valid[perm], merged.counts,
+                                   merged.messages), env_totals(self.metrics)
+
+
+def env_totals(parts: list[tuple[dict[str, float], np.ndarray]]) -> dict[str, float]:
+    """The env/* metrics of a round from its engines' parts: counts and seconds
+    summed (seconds: the slowest engine's), turns_mean over every trajectory."""
+    if not parts:
+        return {}
+    out = {k: sum(m[k] for m, _ in parts) for k in parts[0][0]}
+    turns = np.concatenate([t for _, t in parts])
+    out["env/turns_mean"] = float(turns.mean()) if turns.size else 0.0
+    for k in ("env/engine_idle_s", "env/generate_s"):
+        out[k] = max(m[k] for m, _ in parts)
+    return out

@@ -1,0 +1,351 @@
+"""The rollout scheduler: every run has one (`Rollouts`), with a depth
+K = --off-policy-steps >= 0. It holds the rounds in flight, their admission,
+the weight versions the engines were sent, the checkpoint of work in flight
+and what an interrupt does to it. A round is --batch-size prompts generated
+and scored (producers.py: single-turn or multi-turn, on engines in the ranks
+or in engine processes); a step trains on one round, or with
+--dynamic-sampling on as many as fill its batch with informative groups
+(dynsample.fill_batch: a refill is one more round under the same admission).
+
+One step, as the trainer runs it (docs/DESIGN.md, "The timeline of a step"):
+
+    next_batch(step)   take the oldest round in flight (or start one now),
+                       then the next ones while the filter wants more; each
+                       take admits the rounds the trainer's version allows
+    (the ranks learn)  engine processes generate the admitted rounds meanwhile
+    publish(step)      the new weights: colocated engines load them now (they
+                       slept while the ranks trained); engine processes get
+                       them with the next round sent, never inside one; then
+                       the rounds they admit start
+
+Colocated engines live in the ranks, so colocated runs are depth 0 and a round
+runs when it is taken (producers.NowPending); K >= 1 needs engine processes.
+
+Versions count updates: the trainer's weights are version u after u updates,
+and a round sampled with version v and trained at version u has policy lag
+u - v. A round is tagged with the step it serves if every step takes one round;
+admission (`admitted`) starts it only when its lag at that step is <= K. A
+step that takes more rounds (a refill) trains the later ones earlier than
+their tag, never later, so the bound holds. It samples with the newest
+published weights, decided when it is sent: which weights a round samples with
+depends on the loop's order, not on timing, so a seeded run is reproducible and
+a resume exact. In steady state every round lags exactly K (0, 1, .., K, K, ..).
+
+Why the engines queue the rounds rather than the controller holding them back
+until an engine is free: the next round is there the moment one ends (no bubble
+while the controller packs or scores), and its weights are fixed at admission
+either way. A version's region must outlive the rounds queued before the one
+that loads it: the regions rotate over K + 1 slots, so version v is rewritten by
+v + K + 1, published only after the round carrying v was collected (K + 1
+copies of the weights in /dev/shm).
+
+Checkpoints: a save (periodic, or the interrupt's) waits for every round in
+flight and saves each one (`inflight.npz`; a multi-turn round with its
+environment's rewards, which cannot be computed again), so the resumed run
+trains on the very samples the uninterrupted one did. An interrupt waits at
+most INTERRUPT_WAIT_S for them: one still generating then is dropped with
+every later one, their prompts go back, and the resumed run samples them again
+from the checkpoint's weights (deterministic, with a smaller lag).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zipfile
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from areno.procs.errors import BackendError
+from areno.config.offpolicy import weight_slots
+from areno.envs.driver import episode_spec
+from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
+from areno.errors import UserError, one_line
+from areno.metrics import policy_lag_metrics, wait_metrics
+from areno.producers import Data, Pending, Producer
+from areno.rewards import RewardCounts, RewardResult
+from areno.rollout.batch import RolloutBatch
+from areno.rundir.checkpoint import STATE_FILE
+from areno.scoring import score
+from areno.timing import PhaseTimer
+
+INFLIGHT_FILE = "inflight.npz"  # each round's RolloutBatch and prompt indices (and env rewards)
+INFLIGHT_META = "inflight.json"  # each one's tag, weight version, the sampler before its prompts
+INTERRUPT_WAIT_S = 5.0  # how long a Ctrl-C waits for the rounds in flight before dropping them
+
+
+def admitted(updates_at_train: int, version: int, k: int) -> bool:
+    """Whether a round sampled with weights `version` may be trained once the
+    trainer holds `updates_at_train` updates: its lag is at most k."""
+    return updates_at_train - version <= k
+
+
+@dataclass
+class Inflight:
+    """A round: started (pending), or whole from a checkpoint (saved), or taken (round)."""
+
+    step: int                        # its tag: the step it serves if every step takes one round
+    prompt_idx: np.ndarray           # int64 [P]
+    sampler_before: dict             # the sampler's state before these prompts were drawn
+    version: int                     # the weights it samples with
+    pending: Pending | None = None
+    saved: tuple[RolloutBatch, RewardResult | None] | None = None  # read from a checkpoint
+    round: Round | None = None       # collected and scored
+
+
+class Rollouts:
+    """The scheduler of a run (module docstring). `updates`: the trainer's version
+    (the checkpoint's); saved: the rounds a checkpoint held in flight."""
+
+    def __init__(self, run: Any, producer: Producer, updates: int, saved: list[Inflight] | None = None) -> None:
+        self.run, self.producer, self.k = run, producer, run.cfg.off_policy_steps
+        self.data = Data(run.rows, run.prompts)
+        self.updates = updates
+        self.engine_version = updates  # engine processes start from the checkpoint's weights
+        self.published: tuple[int, Any] | None = None  # (version, WeightRegion) not sent yet
+        self.inflight: list[Inflight] = list(saved or [])
+        self.taken: list[Inflight] = []  # the rounds of the step in progress (put back if it is undone)
+        self.updates_at_train = updates
+
+    # -- the step ------------------------------------------------------------------
+    def next_batch(self, step: int, timer: PhaseTimer) -> tuple[Filled, dict[str, float]]:
+        """Step's batch: its round, or rounds until --dynamic-sampling fills it ->
+        (the Filled batch, the loop's metrics: lag and waits under engine processes)."""
+        self.taken, self.updates_at_train = [], self.updates
+        cfg = self.run.cfg
+        if cfg.dynamic_sampling == "off":
+            filled = Filled.whole(self.take(step, 0, timer))
+        else:
+            def informative(r: Round) -> np.ndarray:
+                return informative_groups(r.scored.rewards + self.run.shaping(r.batch), r.scored.valid,
+                                          r.batch.group_index, r.batch.num_prompts, cfg.dynamic_sampling)
+            filled = fill_batch(lambda r: self.take(step, r, timer), cfg.batch_size,
+                                cfg.max_sampling_rounds, informative)
+        return filled, self.loop_metrics()
+
+    def take(self, step: int, r: int, timer: PhaseTimer) -> Round:
+        """Round r of `step`: the oldest in flight, else one started now (seeded as
+        round r of the step); the rounds its collection admits start before its
+        outstanding rewards are waited for."""
+        cur = self.inflight.pop(0) if self.inflight else self.start(step, r)
+        self.taken.append(cur)  # an interrupt from here on puts it back
+        if cur.round is None:
+            if cur.pending is not None:
+                cur.pending.engines_done()
+            self.admit(step)
+            if cur.saved is not None:
+                batch, scored = cur.saved
+                cur.round = Round(cur.prompt_idx, batch, scored if scored is not None else
+                                  score(self.run, self.data, cur.prompt_idx, batch, timer))
+            else:
+                cur.round = cur.pending.collect(timer)
+        return cur.round
+
+    def publish(self, step: int, updated: bool) -> dict[str, float]:
+        """After step's update (updated: an optimizer step ran): the new weights to
+        the engines -> the sync's figures (colocated), and the rounds they admit
+        start (engine processes: the weights go with the next one sent)."""
+        synced: dict[str, float] = {}
+        if updated:
+            self.updates += 1
+            region, synced = self.producer.publish(self.updates, self.updates % weight_slots(self.k))
+            if region is not None:
+                self.published = (self.updates, region)
+            else:
+                self.engine_version = self.updates
+        self.taken = []
+        # A step that took refills trained rounds tagged for later steps: each round
+        # left serves at latest the step its place says, so the tags come down to
+        # that bound (admission stays safe and keeps K rounds ahead).
+        for i, cur in enumerate(self.inflight):
+            cur.step = min(cur.step, step + 1 + i)
+        self.admit(step + 1)
+        return synced
+
+    def loop_metrics(self) -> dict[str, float]:
+        """The policy lag of every sample the step's rounds generated (per trajectory
+        under --env-path), the waits: engine processes only (colocated: lag 0, no wait)."""
+        if not self.producer.background:
+            return {}
+        lag = np.concatenate([np.full(c.round.batch.num_responses, self.updates_at_train - c.version)
+                              for c in self.taken])
+        pend = [c.pending for c in self.taken if c.pending is not None]
+        return policy_lag_metrics(lag, self.k) | wait_metrics([p.wait_s for p in pend],
+                                                              [p.info.get("idle_s", 0.0) for p in pend])
+
+    def admit(self, at_step: int) -> None:
+        """Start every round after those in flight that is admitted while the trainer
+        is at `at_step` holding self.updates updates (one update a step from here
+        on: a skipped one only lowers the lag). Colocated: none (rounds run when taken)."""
+        if not self.producer.background:
+            return
+        nxt = self.inflight[-1].step + 1 if self.inflight else at_step + 1
+        while nxt <= self.run.total_steps and admitted(self.updates + nxt - at_step, self.newest, self.k):
+            self.inflight.append(self.start(nxt, 0))
+            nxt += 1
+
+    @property
+    def newest(self) -> int:
+        return self.published[0] if self.published else self.engine_version
+
+    def take_published(self) -> Any:
+        """The published region for the next round sent or load (None: the engines
+        have the newest weights); from here on they count as holding its version."""
+        if self.published is None:
+            return None
+        (self.engine_version, region), self.published = self.published, None
+        return region
+
+    def start(self, step: int, r: int) -> Inflight:
+        """Draw the prompts of round r of `step` and start it, with the newest
+        weights when the engines were not sent them yet."""
+        run = self.run
+        before = run.sampler.state_dict()
+        prompt_idx = run.sampler.next_batch()
+        region = self.take_published()
+        pending = self.producer.start(self.data, prompt_idx, run.cfg.n_samples,
+                                      round_sampling(run.sampling_for(step), r), region,
+                                      overlap=run.cfg.overlap_rewards)
+        return Inflight(step, prompt_idx, before, self.engine_version, pending)
+
+    # -- around the loop -------------------------------------------------------------
+    def ready_for_eval(self) -> None:
+        """The engines free and holding the newest weights: every round in flight is
+        waited for (and kept for its step), the published weights loaded."""
+        for cur in self.inflight:
+            if cur.pending is not None:
+                cur.pending.engines_done()
+        if (region := self.take_published()) is not None:
+            self.producer.load(region)
+
+    def run_round(self, data: Data, n: int, sampling: Any) -> Round:
+        """Every prompt of `data`, n samples each, now, with the weights the engines
+        hold (eval: called after ready_for_eval)."""
+        idx = np.arange(len(data.prompts), dtype=np.int64)
+        return self.producer.start(data, idx, n, sampling, None, overlap=False).collect(PhaseTimer())
+
+    def put_back(self) -> None:
+        """The step in progress did not update the weights (interrupted): its rounds
+        are taken again by the next step (colocated: its prompts drawn again)."""
+        taken, self.taken = self.taken, []
+        if not taken:
+            return
+        if self.producer.background:
+            self.inflight[:0] = taken
+        else:
+            self.run.sampler.load_state_dict(taken[0].sampler_before)
+
+    def settle_interrupt(self, after_step: int, wait_s: float = INTERRUPT_WAIT_S) -> dict | None:
+        """After an interrupt, with step `after_step` the last one finished: keep the
+        rounds in flight that are whole within wait_s (a second Ctrl-C: none more),
+        drop the others (left to run; their engines take no more commands) -> the
+        sampler state before the first one dropped, or None when none was."""
+        self.taken = []
+        until, kept = time.monotonic() + wait_s, 0
+        for cur in self.inflight:
+            try:
+                if cur.pending is not None and cur.round is None:
+                    if not cur.pending.wait(until):
+                        break
+                    cur.pending.engines_done()
+            except (KeyboardInterrupt, BackendError):  # a second interrupt, or the backend it aborted
+                break
+            kept += 1
+        dropped, self.inflight = self.inflight[kept:], self.inflight[:kept]
+        for cur in dropped:
+            if cur.pending is not None:
+                cur.pending.drop()
+        return dropped[0].sampler_before if dropped else None
+
+    def checkpoint_state(self, path: Path) -> dict:
+        """Save every round in flight into checkpoint dir `path`, waiting for each
+        -> the sampler state to save (after the prompts of the last one)."""
+        arrays = {}
+        for i, cur in enumerate(self.inflight):
+            if cur.round is not None:
+                batch, scored = cur.round.batch, cur.round.scored
+            elif cur.saved is not None:
+                batch, scored = cur.saved
+            else:
+                batch, scored = cur.pending.batch()
+            arrays |= {f"{i}/{f.name}": getattr(batch, f.name) for f in fields(RolloutBatch)
+                       if getattr(batch, f.name) is not None}  # response_mask: multi-turn only
+            arrays[f"{i}/prompt_idx"] = cur.prompt_idx
+            if scored is not None and batch.response_mask is not None:  # an environment's rewards
+                arrays[f"{i}/rewards"], arrays[f"{i}/valid"] = scored.rewards, scored.valid
+        if self.inflight:
+            np.savez(path / INFLIGHT_FILE, **arrays)
+            (path / INFLIGHT_META).write_text(json.dumps({"rollouts": [
+                {"step": c.step, "version": c.version, "sampler_before": c.sampler_before}
+                for c in self.inflight]}))
+        return self.run.sampler.state_dict()
+
+
+def rollouts_for(run: Any, updates: int, saved: list[Inflight], tokenizer_path: str) -> Rollouts:
+    """A run's scheduler over its engines (multi-turn under --env-path), with a
+    checkpoint's rounds in flight (`saved`, load_inflight; `updates`: its weight
+    version) kept, or, at K = 0 (a K = 0 save holds one sampled with the
+    checkpoint's weights), sampled again."""
+    cfg = run.cfg
+    producer = Producer(run, episode_spec(cfg, tokenizer_path) if cfg.env_path else None)
+    if saved and not cfg.off_policy_steps:
+        run.sampler.load_state_dict(saved[0].sampler_before)
+        saved = []
+    return Rollouts(run, producer, updates, saved)
+
+
+def load_inflight(ckpt: Path | None, expected: int | None = None, instead: str = "") -> list[Inflight]:
+    """The rollouts a checkpoint saved in flight (checkpoint_state), oldest first,
+    read whole before anything starts: without them the resumed run would train on
+    other prompts than the saved one (the sampler's cursor is past theirs), so a
+    missing, truncated or short file is a UserError naming it (instead: what to
+    pass then). expected: the count the trainer state records (None: a checkpoint
+    from before it did; then the files are read when there). A checkpoint of the
+    one-rollout loop (one unprefixed rollout) reads too."""
+    if ckpt is None:
+        return []
+    npz, meta_path = ckpt / INFLIGHT_FILE, ckpt / INFLIGHT_META
+    if not expected and not npz.exists() and not meta_path.exists():
+        return []
+    try:
+        return _read_inflight(npz, meta_path, expected)
+    except _Damaged as e:
+        name, problem = e.args
+        raise UserError(f"--resume {ckpt}: {name} (the rollouts in flight when it was saved) {problem}; "
+                        f"{instead or 'resume from another checkpoint'}") from None
+
+
+class _Damaged(Exception):
+    """An in-flight file's name and what is wrong with it."""
+
+
+def _read_inflight(npz: Path, meta_path: Path, expected: int | None) -> list[Inflight]:
+    for f in (meta_path, npz):
+        if not f.is_file():
+            raise _Damaged(f.name, "is missing")
+    try:
+        meta = json.loads(meta_path.read_text())
+        rollouts, prefix = (meta["rollouts"], "{}/") if "rollouts" in meta else ([meta], "")
+        for m in rollouts:
+            m["step"], m["version"], m["sampler_before"]  # noqa: B018  (each one whole)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _Damaged(meta_path.name, f"is truncated or unreadable ({one_line(e)})") from None
+    if expected is not None and len(rollouts) != expected:
+        raise _Damaged(meta_path.name, f"lists {len(rollouts)} rollouts, {STATE_FILE} {expected}")
+    out = []
+    try:
+        with np.load(npz) as z:
+            for i, m in enumerate(rollouts):
+                p = prefix.format(i)
+                # Indexing reads and CRC-checks each array: a cut file fails here.
+                batch = RolloutBatch(**{f.name: z[p + f.name] for f in fields(RolloutBatch) if p + f.name in z})
+                scored = RewardResult(z[p + "rewards"], z[p + "valid"], RewardCounts()) \
+                    if p + "rewards" in z else None  # an environment's: they cannot be computed again
+                out.append(Inflight(m["step"], z[p + "prompt_idx"], m["sampler_before"], m["version"],
+                                    saved=(batch, scored)))
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
+        raise _Damaged(npz.name, f"is truncated or unreadable ({one_line(e)})") from None
+    return out
