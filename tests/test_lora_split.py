@@ -45,6 +45,7 @@ def test_at_k0_an_engine_process_repeats_the_colocated_lora_run_and_resumes_it(t
     assert_same_steps(split, resumed, [3, 4])
 
 
+@pytest.mark.faults  # K = 0 (above) proves the adapter path in the default tier; K = 1 resumes in this one
 def test_at_k1_a_lora_run_lags_one_version_and_resumes_exactly(tmp_path, areno_cache):
     """The checkpoint is an adapter over the base with two rollouts in flight; the
     resumed run's engine process starts from the base and gets the checkpoint's
