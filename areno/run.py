@@ -205,8 +205,8 @@ def load_data(cfg: TrainConfig, tokenizer: Any) -> tuple[RowSet, PromptSet]:
 
 
 def load_eval_data(cfg: TrainConfig, tokenizer: Any) -> tuple[RowSet, PromptSet]:
-    rows = load_rows(cfg.eval_dataset_path, split=cfg.eval_split,
-                     loader_fn=cfg.dataset_loader_fn, skip_bad_rows=cfg.skip_bad_rows)
+    rows = load_rows(cfg.eval_dataset_path, split=cfg.eval_split, loader_fn=cfg.dataset_loader_fn,
+                     skip_bad_rows=cfg.skip_bad_rows, flag="--eval-dataset-path")
     if cfg.eval_max_prompts:
         rows.rows[:] = rows.rows[: cfg.eval_max_prompts]
     prompts = tokenize_prompts(rows, tokenizer, use_chat_template=cfg.chat_template,

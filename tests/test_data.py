@@ -438,3 +438,17 @@ def test_cli_reports_a_broken_line_in_one_line_with_exit_2(tmp_path, capsys, tin
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert f"dataset {f}: line 2: not valid JSON" in err[0]
+
+
+def test_a_mistake_in_the_eval_set_names_its_own_flag(tmp_path, capsys, monkeypatch, areno_cache, tiny_arith_path):
+    """--eval-dataset-path goes through the same loader as --dataset-path; its
+    mistakes name --eval-dataset-path (they once said --dataset-path). The demo
+    model is built first (tiny_arith_path), so the run writes nothing else."""
+    from helpers import refused
+
+    with pytest.raises(UserError, match="--eval-dataset-path: file not found: /nope/eval.jsonl"):
+        load_rows("/nope/eval.jsonl", flag="--eval-dataset-path")
+    monkeypatch.setenv("ARENO_CACHE", str(areno_cache))
+    line = refused(["--eval-dataset-path", "/nope/eval.jsonl", "--reward-fn-path", "builtin:arith",
+                    "--output-dir", str(tmp_path / "run")], capsys)
+    assert "--eval-dataset-path: file not found: /nope/eval.jsonl" in line, line

@@ -188,9 +188,11 @@ def load_rows(
     split: str = "train",
     loader_fn: str | None = None,
     skip_bad_rows: bool = False,
+    flag: str = "--dataset-path",
 ) -> RowSet:
-    """Load a dataset spec and normalize its rows (see the module docstring)."""
-    ds = parse_dataset_spec(spec, split)
+    """Load a dataset spec and normalize its rows (see the module docstring); flag:
+    the option it came from, named by a mistake in the spec."""
+    ds = parse_dataset_spec(spec, split, flag)
     fn = load_loader_fn(loader_fn) if loader_fn else None  # fail before loading data
     raw = read_raw(ds, skip_bad_rows=skip_bad_rows)
     return normalize_rows(

@@ -65,48 +65,49 @@ def _looks_like_path(s: str) -> bool:
     )
 
 
-def _local_spec(p: Path, config: str | None, split: str, spec: str) -> DatasetSpec:
+def _local_spec(p: Path, config: str | None, split: str, spec: str, flag: str) -> DatasetSpec:
     if p.is_dir():
         if (p / "dataset_dict.json").is_file() or (p / "state.json").is_file():
             if config:
                 raise UserError(
-                    f"--dataset-path {spec}: {p} is a save_to_disk directory, it takes no config "
+                    f"{flag} {spec}: {p} is a save_to_disk directory, it takes no config "
                     f"(use '{p}' or '{p}::SPLIT')"
                 )
             return DatasetSpec("disk", str(p), None, split)
         return DatasetSpec("dir", str(p), config, split)
     if config:
-        raise UserError(f"--dataset-path {spec}: a local file takes no ':config' part")
+        raise UserError(f"{flag} {spec}: a local file takes no ':config' part")
     suffix = p.suffix.lower()
     if suffix not in FILE_BUILDERS:
         raise UserError(
-            f"--dataset-path {p}: unsupported file type '{suffix or '(none)'}'; "
+            f"{flag} {p}: unsupported file type '{suffix or '(none)'}'; "
             "use .jsonl, .json, .parquet, .csv or a save_to_disk directory"
         )
     return DatasetSpec("file", str(p), None, split)
 
 
-def parse_dataset_spec(spec: str, split: str = "train") -> DatasetSpec:
-    """Parse a dataset spec (see the module docstring). Touches only the filesystem."""
+def parse_dataset_spec(spec: str, split: str = "train", flag: str = "--dataset-path") -> DatasetSpec:
+    """Parse a dataset spec (see the module docstring). Touches only the filesystem.
+    flag: the option the spec came from, which a mistake names (--eval-dataset-path)."""
     s = str(spec).strip()
     if not s:
-        raise UserError("--dataset-path is empty: pass a file, a directory or a hub id like gsm8k:main")
+        raise UserError(f"{flag} is empty: pass a file, a directory or a hub id like gsm8k:main")
     whole = Path(s).expanduser()
     if whole.exists():
-        return _local_spec(whole, None, split, s)
+        return _local_spec(whole, None, split, s, flag)
     head, *rest = s.split(":")
     if len(rest) > 2 or not head:
-        raise UserError(f"--dataset-path '{s}': expected NAME[:CONFIG[:SPLIT]] or a local path")
+        raise UserError(f"{flag} '{s}': expected NAME[:CONFIG[:SPLIT]] or a local path")
     config = (rest[0] or None) if rest else None
     if len(rest) == 2 and rest[1]:
         split = rest[1]
     local = Path(head).expanduser()
     if local.exists():
-        return _local_spec(local, config, split, s)
+        return _local_spec(local, config, split, s, flag)
     if head in DATASET_ALIASES:
         return DatasetSpec("hub", DATASET_ALIASES[head], config, split)
     if _looks_like_path(head):
-        raise UserError(f"--dataset-path: file not found: {head}")
+        raise UserError(f"{flag}: file not found: {head}")
     return DatasetSpec("hub", head, config, split)
 
 
