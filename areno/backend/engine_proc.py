@@ -37,7 +37,7 @@ from areno.procs.device import claim_device
 from areno.fleet.engine_host import OutRegion, generate_into
 from areno.backend.hooks import load_rank_hooks
 from areno.fleet.weight_sync import SyncCheck, WeightRegion, load_region, reports_fingerprint
-from areno.rollout.engine import prompt_seeds
+from areno.rollout.engine import engine_sampling
 from areno.rollout.factory import make_engine
 
 
@@ -109,7 +109,7 @@ class EngineWorker:
         trajectory samples with the weights just loaded. The whole rollout goes back
         as one part with its arrays inline (response_mask, rewards). share: (g, E),
         this engine's place among E: each generate call's seed becomes
-        prompt_seeds(seed, E)[g], as the controller gives an engine group its seed
+        engine_sampling's, as the controller gives an engine group its seed
         (rank_engines.RankEngines._send), so one engine process samples what one
         colocated engine does. A failed environment under --on-reward-error fail
         comes back as `reward_error` (the controller raises it: the run's exit 2)."""
@@ -151,15 +151,12 @@ def episode_part(done) -> dict:
 
 class _SeedShare:
     """An engine whose generate calls sample as engine g of E does under the
-    controller's split (seed -> prompt_seeds(seed, E)[g])."""
+    controller's split (rollout.engine.engine_sampling)."""
 
     def __init__(self, engine, g: int, num: int) -> None:
         self.engine, self.g, self.num = engine, g, num
         self.max_model_len = engine.max_model_len
 
     def generate_stream(self, ids, offsets, n, sampling, min_groups: int = 1):
-        from dataclasses import replace
-
-        if sampling.seed is not None:
-            sampling = replace(sampling, seed=int(prompt_seeds(sampling.seed, self.num)[self.g]))
-        return self.engine.generate_stream(ids, offsets, n, sampling, min_groups=min_groups)
+        return self.engine.generate_stream(ids, offsets, n, engine_sampling(sampling, self.g, self.num),
+                                           min_groups=min_groups)

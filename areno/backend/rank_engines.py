@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
@@ -28,7 +28,7 @@ from areno.procs.replies import ReplyStream
 from areno.procs.signals import signals_held
 from areno.fleet.weight_sync import WeightRegion
 from areno.rollout.batch import RolloutBatch, csr_take, offsets_from_lengths
-from areno.rollout.engine import SamplingConfig, prompt_seeds, validate_prompts
+from areno.rollout.engine import SamplingConfig, engine_sampling, validate_prompts
 
 if TYPE_CHECKING:
     from areno.backend.controller import TorchBackend
@@ -158,12 +158,10 @@ class RankEngines:
         starts = np.cumsum([0] + [-(-8 * c // _PAGE) * _PAGE for c in caps]).tolist()
         seg = seg or be.rollout_segment
         seg.ensure(max(starts[-1], 1))
-        seeds = prompt_seeds(sampling.seed, self.num_engines) \
-            if sampling.seed is not None and per_engine is None else None
         for r, g in self._group_of.items():
             sub_ids, sub_off = csr_take(ids, offsets, members[g])
             out = OutRegion(None if self._remote[r] else seg.name, starts[g], caps[g])
-            s = sampling if seeds is None else replace(sampling, seed=int(seeds[g]))
+            s = sampling if per_engine is not None else engine_sampling(sampling, g, self.num_engines)
             lead = {"leader": r == self.groups[g][0]} if cmd == "generate" else {}
             own = per_engine(g, self.num_engines, members[g]) if per_engine is not None else {}
             stream.send(r, cmd, ids=sub_ids, offsets=sub_off, n=n, sampling=s, out=out, **lead, **extra, **own)

@@ -8,7 +8,7 @@ transformers.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -189,6 +189,16 @@ def check_weight_names(names: Iterable[str], expected: set[str], optional: set[s
 def _few(names: set[str], k: int = 5) -> str:
     s = sorted(names)
     return ", ".join(s[:k]) + (f", ... (+{len(s) - k})" if len(s) > k else "")
+
+
+def engine_sampling(sampling: SamplingConfig, g: int, num_engines: int) -> SamplingConfig:
+    """The sampling engine g of `num_engines` gets for its share of a call: its own
+    stream, prompt_seeds(seed, E)[g] (unseeded stays unseeded). The controller's
+    split (RankEngines) and an engine process's episode driver both use it, so one
+    engine samples the same either way."""
+    if sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=int(prompt_seeds(sampling.seed, num_engines)[g]))
 
 
 def prompt_seeds(seed: int, num_prompts: int) -> np.ndarray:
