@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import json
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,7 +33,7 @@ from areno.data.prompts import PromptSet, tokenize_prompts
 from areno.data.rows import RowSet, load_rows, normalize_rows
 from areno.data.sampler import PromptSampler
 from areno.errors import UserError
-from areno.data.hub import check_model_id
+from areno.data.tokenizer import load_tokenizer
 from areno.runtime.interrupt import made_run_dir
 from areno.procs.signals import signals_held
 from areno.runtime.leftovers import clean_leftovers
@@ -223,33 +222,6 @@ def model_path_for(cfg: TrainConfig) -> str:
 def total_steps_for(cfg: TrainConfig, sampler: PromptSampler) -> int:
     by_epochs = cfg.epochs * sampler.batches_per_epoch
     return min(cfg.max_steps, by_epochs) if cfg.max_steps else by_epochs
-
-
-# Classes AutoTokenizer resolves to themselves: loaded by name, they skip its
-# import of transformers' auto machinery (torch and every model config: ~3 s).
-PLAIN_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
-
-
-def tokenizer_class(model_path: str) -> str | None:
-    """tokenizer_config.json's tokenizer_class in a local model directory, else None."""
-    try:
-        return json.loads((Path(model_path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def load_tokenizer(model_path: str) -> Any:
-    check_model_id(model_path)  # a hub id with no network: one line now, not a minute of retries
-    with signals_held():  # seconds to import: a Ctrl-C lands after it, never inside (procs/signals.py)
-        if tokenizer_class(model_path) in PLAIN_TOKENIZER_CLASSES:
-            from transformers import PreTrainedTokenizerFast as Tokenizer
-        else:
-            from transformers import AutoTokenizer as Tokenizer
-    try:
-        return Tokenizer.from_pretrained(model_path)
-    except OSError as e:
-        raise UserError(f"--ckpt {model_path}: cannot load a tokenizer from it "
-                        f"({' '.join(str(e).split())[:200]})") from None
 
 
 @contextlib.contextmanager

@@ -151,7 +151,7 @@ def test_a_plain_tokenizer_loads_by_name_and_equals_autotokenizers(tiny_chat_pat
 
     from transformers import AutoTokenizer
 
-    from areno.run import load_tokenizer, tokenizer_class
+    from areno.data.tokenizer import load_tokenizer, tokenizer_class
 
     path = str(tiny_chat_path)
     assert tokenizer_class(path) == "PreTrainedTokenizerFast" and tokenizer_class("org/model") is None

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from areno.data.tokenizer import load_tokenizer
 from areno.envs.plugin import EnvState
 from areno.envs.pool import EnvPool, Outcome
 from areno.envs.trajectory import ObservationFormat, Trajectories
@@ -259,10 +260,8 @@ class EpisodeHost:
     def run(self, engine: Any, spec: EpisodeSpec, ids: np.ndarray, offsets: np.ndarray,
             states: list[EnvState], n: int, sampling: SamplingConfig) -> EnvRollout:
         if spec != self.spec:
-            from transformers import AutoTokenizer
-
             self.close()
-            self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
+            self.tokenizer = load_tokenizer(spec.tokenizer_path)
             self.fmt = observation_format(self.tokenizer, spec.chat_template)
             self.pool = EnvPool(spec.env_path, workers=spec.workers, timeout=spec.timeout, on_error=spec.on_error)
             self.spec = spec
