@@ -163,6 +163,26 @@ def test_a_dead_engine_process_stops_the_run_within_seconds(tiny_chat_path):
 
 
 @pytest.mark.timing
+def test_a_stopped_engine_process_stops_the_run_at_its_heartbeat_bound(tiny_chat_path):
+    """SIGSTOP: no death to see, only a silence. The engine processes' heartbeats are
+    watched by their own watchdog: past the bound it kills the stopped process
+    and interrupts the main thread, naming it."""
+    cfg = backend_config(tiny_chat_path, 1, heartbeat_timeout_s=2.0, shutdown_grace_s=2.0)
+    with split_placement(cfg) as (be, fleet, engines):
+        pid = fleet.pids[0]
+        stopped = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                time.sleep(30)
+        finally:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+        assert time.monotonic() - stopped < 8
+        assert "engine process 0" in str(fleet.dead) and "no heartbeat" in str(fleet.dead)
+
+
+@pytest.mark.timing
 def test_an_engine_process_dying_while_the_ranks_train_stops_the_train_call(tiny_chat_path):
     """The ranks' waits read the engines' pipes and sentinels too (Peers.neighbours):
     an engine process killed during a rollout in flight is reported by the wait
