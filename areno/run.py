@@ -288,16 +288,18 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
         if cfg.nnodes > 1:  # node 0: the controller, plus this node's ranks
             bcfg = replace(bcfg, launcher="external", listen_port=controller_port(cfg.master_port))
             stack.callback(stop_ranks, start_local_ranks(cfg.nnodes, 0, nproc, cfg.master_addr, cfg.master_port))
+        fleet = None
+        if cfg.rollout_world_size and engine is None:  # split placement: the engine processes, apart
+            # Their config first: they build their engines while the ranks load the policy.
+            fleet = EngineProcs(bcfg.engine_procs(), early.engines if early is not None else None, wait=False)
+            stack.callback(fleet.close)
         backend = TorchBackend(bcfg, early)
         startup_mark("backend ready")
         stack.callback(backend.close)
         resume.restore_backend(backend)
-        fleet = None
-        if cfg.rollout_world_size and engine is None:  # split placement: the engine processes, apart
-            fleet = EngineProcs(bcfg.engine_procs(), early.engines if early is not None else None)
-            stack.callback(fleet.close)
+        if fleet is not None:
+            engine = ProcEngines(fleet, backend)  # once every engine process said hello
             startup_mark("engine processes ready")
-            engine = ProcEngines(fleet, backend)
         if engine is None:
             engine = RankEngines(backend, cfg.tensor_parallel_size)
         logger = stack.enter_context(RunLogger(out, total, cfg.report_to, config=cfg.to_dict(),

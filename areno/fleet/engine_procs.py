@@ -144,9 +144,11 @@ def engine_gpu(shape: EngineShape, i: int, visible: str | None) -> str:
 class EngineProcs:
     """M engine processes serving rollouts. Use as a context manager, or call close()."""
 
-    def __init__(self, config: EngineProcsConfig, early: SpawnedEngines | None = None) -> None:
+    def __init__(self, config: EngineProcsConfig, early: SpawnedEngines | None = None, wait: bool = True) -> None:
         """early: processes spawn_engine_procs started already (the run's start-up
-        overlaps their imports with its own), adopted here; else spawned now."""
+        overlaps their imports with its own), adopted here; else spawned now. Each
+        gets its config at once; wait: also wait for their hellos now, else at
+        ready() (run.py: they load their engines while the ranks load the policy)."""
         self.config = config
         self.count = config.count
         self._closed = False
@@ -156,6 +158,8 @@ class EngineProcs:
         self._segments = [self.rollout_segment]
         self._procs: list = []
         self._conns: list[Connection | None] = [None] * config.count
+        self.hellos: list[dict] = []  # one per engine process, once ready()
+        self._beats: HeartbeatWatch | None = None
         self._finalizer = weakref.finalize(self, stop_processes, self._procs, self._conns, self._segments)
         self.peers = Peers(self._conns, self._procs, self._abort, lambda: self._closed,
                            label=lambda i: f"engine process {i}")
@@ -166,13 +170,27 @@ class EngineProcs:
             self._conns[:] = early.conns
             for c in self._conns:
                 c.send(config)
-            self.hellos: list[dict] = self.peers.open("startup", pending=range(self.count)).gather(
-                config.startup_timeout_s)
-            self.peers.beats = early.beats
+            self._beats = early.beats
         except BaseException:
             self._abort()
             raise
+        if wait:
+            self.ready()
+
+    def ready(self) -> "EngineProcs":
+        """Wait for every engine process's hello (its engine built), then watch them
+        (heartbeats, watchdog). Idempotent."""
+        if self.hellos:
+            return self
+        try:
+            self.hellos = self.peers.open("startup", pending=range(self.count)).gather(
+                self.config.startup_timeout_s)
+        except BaseException:
+            self._abort()
+            raise
+        self.peers.beats = self._beats
         start_watchdog(self.peers, lambda: self._closed, self._abort, self._died, "areno-engine-watchdog")
+        return self
 
     def _respawn(self, early: SpawnedEngines | None) -> SpawnedEngines:
         if early is not None:  # spawned for another shape (a user mistake found since is not this)

@@ -221,7 +221,7 @@ class ProcEngines(PeerEngines):
     if any, inside it): rank 0 of `ranks` publishes, every engine process loads."""
 
     def __init__(self, fleet: "EngineProcs", ranks: RankSide) -> None:
-        super().__init__(fleet, [[i] for i in range(fleet.count)], fleet.hellos, ranks.vocab_size)
+        super().__init__(fleet, [[i] for i in range(fleet.count)], fleet.ready().hellos, ranks.vocab_size)
         self.fleet, self.ranks = fleet, ranks
         # A rollout in flight is read while the controller waits on the ranks (a
         # train step): its parts are scored meanwhile and the engines never block
