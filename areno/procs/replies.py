@@ -204,10 +204,7 @@ class Peers:
                                f"within {timeout_s:g}s ({flag})")
         what = stream.what
         groups = [self, *self.neighbours]
-        readers = [(self, r) for r in sorted(stream.pending - self.stale)]
-        for g in groups:  # still in a dropped command (stale): what they send is nobody's
-            readers += [(g, r) for r in sorted(set().union(*(s.pending for s in g.streams.values()
-                                                            if s.background)) - g.stale) if (g, r) not in readers]
+        readers = self.readers(stream)
         sentinels = {p.sentinel: (g, r) for g in groups for r, p in enumerate(g.procs)}
         # Only while in here: a caller may hold a streamed command open for long
         # (scoring a part in-process), and then the watchdog must act. A death seen
@@ -247,6 +244,16 @@ class Peers:
                 g.busy = False
         for s in fed:  # outside the held block: a consumer may take its time (decode, submit)
             s.on_message()
+
+    def readers(self, stream: ReplyStream) -> list[tuple["Peers", int]]:
+        """Whom a wait on `stream` reads: its pending peers and, of this group and
+        its neighbours, every background stream's; (group, peer index) pairs. A
+        peer still in a dropped command (stale) is left out: what it sends is nobody's."""
+        out = [(self, r) for r in sorted(stream.pending - self.stale)]
+        for g in (self, *self.neighbours):
+            owing = set().union(*(s.pending for s in g.streams.values() if s.background)) - g.stale
+            out += [(g, r) for r in sorted(owing) if (g, r) not in out]
+        return out
 
     def route(self, r: int, msg: tuple, waiting: ReplyStream) -> ReplyStream:
         """Put peer r's message into the inbox of the oldest open stream r owes a
