@@ -64,13 +64,12 @@ class Producer:
         processes load with their next round, None when colocated engines loaded
         and checked them now; that sync's figures)."""
         if self.background:
-            be = self.run.backend
-            return be.publish_weights(fingerprinted=be.engine_procs_fingerprinted, slot=slot), {}
+            return self.run.backend.publish_weights(fingerprinted=self.run.fleet.fingerprinted, slot=slot), {}
         return None, self.run.engine.sync_weights() or {}
 
     def load(self, region: Any) -> None:
         """Engine processes load a published region now, checked (before an eval)."""
-        self.run.backend.load_engine_procs(region)
+        self.run.fleet.load(region)
 
     def start(self, data: Data, prompt_idx: np.ndarray, n: int, sampling: SamplingConfig,
               region: Any = None, overlap: bool = True) -> "Pending":
@@ -143,7 +142,7 @@ class NowPending(Pending):
 
 class SentPending(Pending):
     """Split placement: sent to the engine processes at once; its parts are read
-    during every wait of the controller (rank_engines.PendingRollout)."""
+    during every wait of the controller (fleet/engines.py, PendingRollout)."""
 
     def __init__(self, producer: Producer, data: Data, prompt_idx: np.ndarray, n: int,
                  sampling: SamplingConfig, region: Any, overlap: bool) -> None:
@@ -202,7 +201,7 @@ class SentPending(Pending):
 @dataclass
 class EpisodeShare:
     """A multi-turn round's arguments for engine process g of E: the episode spec,
-    the EnvStates of its groups' trajectories, its place (rank_engines.Episodes)."""
+    the EnvStates of its groups' trajectories, its place (fleet/engines.py, Episodes)."""
 
     spec: EpisodeSpec
     states: list

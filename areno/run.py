@@ -24,7 +24,9 @@ from areno.producers import Data
 from areno.scheduler import Rollouts, load_inflight, rollouts_for
 from areno import settings
 from areno.backend.launch import EarlyPeers
-from areno.backend.rank_engines import EngineView, RankEngines
+from areno.backend.rank_engines import RankEngines
+from areno.fleet.engine_procs import EngineProcs
+from areno.fleet.engines import EngineView, ProcEngines
 from areno.rundir import lock as runlock
 from areno.rundir.checkpoint import (Resume, check_free_space, checkpoint_bytes, checkpoint_root, instead_of,
                                     save_checkpoint)
@@ -84,6 +86,14 @@ class Run:
     workspace: Workspace = field(default_factory=Workspace)  # pack buffers reused every step
     max_tokens_per_micro: int = 8192  # --max-tokens-per-micro, or the device's default
     rollouts: Rollouts = None  # type: ignore[assignment]  # the scheduler: set once the engines are up
+    fleet: EngineProcs | None = None  # split placement's engine processes (the engines run apart)
+
+    @property
+    def dead(self) -> Any:
+        """Why a watchdog stopped the run (a rank or an engine process died or went
+        silent: a BackendError), else None: the interrupt was the user's."""
+        found = [p.dead for p in (self.backend, self.fleet) if p is not None and p.dead is not None]
+        return found[0] if found else None
 
     def evaluate(self, step: int) -> None:
         """Score the eval set (--eval-dataset-path; nothing without one) through the
@@ -278,17 +288,25 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
         if cfg.nnodes > 1:  # node 0: the controller, plus this node's ranks
             bcfg = replace(bcfg, launcher="external", listen_port=controller_port(cfg.master_port))
             stack.callback(stop_ranks, start_local_ranks(cfg.nnodes, 0, nproc, cfg.master_addr, cfg.master_port))
+        fleet = None
+        if cfg.rollout_world_size and engine is None:  # split placement: the engine processes, apart
+            # Their config first: they build their engines while the ranks load the policy.
+            fleet = EngineProcs(bcfg.engine_procs(), early.engines if early is not None else None, wait=False)
+            stack.callback(fleet.close)
         backend = TorchBackend(bcfg, early)
         startup_mark("backend ready")
         stack.callback(backend.close)
         resume.restore_backend(backend)
+        if fleet is not None:
+            engine = ProcEngines(fleet, backend)  # once every engine process said hello
+            startup_mark("engine processes ready")
         if engine is None:
             engine = RankEngines(backend, cfg.tensor_parallel_size)
         logger = stack.enter_context(RunLogger(out, total, cfg.report_to, config=cfg.to_dict(),
                                                start_step=resume.step, completions=bool(cfg.log_completions)))
         run = Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows, prompts=prompts,
                   sampler=sampler, sampling=settings.sampling(cfg), scorer=scorer, envs=envs, backend=backend,
-                  engine=engine,
+                  engine=engine, fleet=fleet,
                   logger=logger, world_size=world_size, total_steps=total, step=resume.step, evalset=evalset,
                   max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
         logger.info(start_line(run, resume, device))

@@ -196,8 +196,8 @@ def run_training(cfg: TrainConfig, engine: Any = None, early: EarlyPeers | None 
         except KeyboardInterrupt:  # the loop handles its own: this one came before its first step
             if run is not None and run.step > started:  # or once the run was done, as it closed
                 interrupted(run)
-            if run is not None and run.backend.dead is not None:  # a rank died, not a Ctrl-C
-                stopped(run, run.backend.dead)
+            if run is not None and run.dead is not None:  # a rank or engine process died, not a Ctrl-C
+                stopped(run, run.dead)
             interrupted_at_startup(cfg)
 
 
@@ -225,8 +225,8 @@ def train_loop(run: Run) -> None:
     except RewardError as e:  # the plugin's failure (exit 2); the steps before it are saved
         raise RewardError(f"{e}{resume_note(run)}") from None
     except KeyboardInterrupt:  # Ctrl-C, SIGTERM, or the backend's watchdog (a rank died)
-        if run.backend is not None and run.backend.dead is not None:
-            stopped(run, run.backend.dead)
+        if run.dead is not None:
+            stopped(run, run.dead)
         settle_interrupted_step(run, before)
         interrupted(run)
     # The end: the last step is evaluated and saved, unless the loop just did (or --no-save).
@@ -241,8 +241,8 @@ def train_loop(run: Run) -> None:
     except (BackendError, WeightSyncError) as e:
         stopped(run, e)
     except KeyboardInterrupt:
-        if run.backend is not None and run.backend.dead is not None:
-            stopped(run, run.backend.dead)
+        if run.dead is not None:
+            stopped(run, run.dead)
         settle_interrupted_step(run, None)
         interrupted(run)
     run.logger.info(f"done: {steps_text(run.step)}; metrics in {run.logger.metrics_path}")

@@ -23,7 +23,7 @@ import pytest
 
 from areno.scheduler import INFLIGHT_FILE, INFLIGHT_META, admitted, load_inflight
 from areno.errors import UserError
-from areno.backend.rank_engines import Parts
+from areno.fleet.engines import Parts
 from areno.rundir.checkpoint import latest_checkpoint, read_state
 from test_backend_units import make_split
 from test_demo_learns import MASTERED, WINDOW
@@ -31,7 +31,7 @@ from test_faults import assert_complete, wait_for
 from test_interrupt import interrupt_after, resume_line
 from test_resume import (FLAGS, HF1, REPO, assert_resume_repeats, assert_same_steps, cli, cli_env,
                          eval_flags, expected_prompt_hashes, ok, popen_train, train_steps)  # noqa: F401 (fixture)
-from test_split_placement import PROMPTS, backend_config
+from test_split_placement import PROMPTS, backend_config, split_placement
 
 K1 = ["--rollout-world-size", "1", "--off-policy-steps", "1"]
 LEARNED_AT_300 = 0.6  # the 20-step mean reward at step 300 of the demo
@@ -89,14 +89,11 @@ def test_a_checkpoints_damaged_in_flight_files_are_refused_in_one_line_naming_th
 
 
 def test_a_rollout_runs_beside_a_train_command_and_loads_the_published_weights_first(tiny_chat_path):
-    from areno.backend.controller import TorchBackend
     from areno.procs.errors import BackendError
-    from areno.backend.rank_engines import RankEngines
     from areno.rollout.engine import SamplingConfig
 
     sampling = SamplingConfig(max_tokens=4, seed=3)
-    with TorchBackend(backend_config(tiny_chat_path, 1)) as be:
-        engines = RankEngines(be)
+    with split_placement(backend_config(tiny_chat_path, 1)) as (be, fleet, engines):
         v0 = engines.generate(*PROMPTS, 2, sampling)
         pending = engines.start_rollout(*PROMPTS, 2, sampling, None)
         steps = be.train(make_split(1))  # the ranks answer on the main lane while the rollout is out
@@ -142,16 +139,13 @@ def test_a_rollouts_parts_reach_the_controller_while_it_runs_and_while_the_ranks
     (gated_rollout_hooks.py) generates the rest only once the first part was
     taken: with parts sent only in the final reply, this waits out the gate and
     fails."""
-    from areno.backend.controller import TorchBackend
-    from areno.backend.rank_engines import RankEngines
     from areno.rollout.engine import SamplingConfig
 
     gate = tmp_path / "gate"
     monkeypatch.setenv("ARENO_RANK_HOOKS", "gated_rollout_hooks:GatedParts")
     monkeypatch.setenv("ARENO_TEST_PART_GATE", str(gate))
     sampling = SamplingConfig(max_tokens=4, seed=3)
-    with TorchBackend(backend_config(tiny_chat_path, 1)) as be:
-        engines = RankEngines(be)
+    with split_placement(backend_config(tiny_chat_path, 1)) as (be, fleet, engines):
         sink = _Sink(gate)
         sink.pending = pending = engines.start_rollout(*PROMPTS, 2, sampling, None, sink)
         sink.waiting = "train"
@@ -316,18 +310,17 @@ def test_an_abandoned_rollout_leaves_the_ranks_usable_and_its_engine_takes_no_mo
     (settled) with the engine still busy. The ranks must still train and save
     (the interrupt's checkpoint), the engine refuses further commands, and
     close() does not wait for its rollout."""
-    from areno.backend.controller import TorchBackend
     from areno.procs.errors import BackendError
 
-    with TorchBackend(backend_config(tiny_chat_path, 1)) as be:
-        stream = be.open_stream("rollout", lane="rollout", detach=True)
-        stream.send(1, "debug", action="sleep", seconds=60.0)  # a rollout that will not end soon
+    with split_placement(backend_config(tiny_chat_path, 1)) as (be, fleet, engines):
+        stream = fleet.open_stream("rollout", lane="rollout", detach=True)
+        stream.send(0, "debug", action="sleep", seconds=60.0)  # a rollout that will not end soon
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C in the wait
         with pytest.raises(KeyboardInterrupt):
             stream.gather(120)
         assert be.train(make_split(1))  # the ranks answer on the main lane
         with pytest.raises(BackendError, match="engine process 0 is still in an abandoned command"):
-            be.open_stream("generate").send(1, "debug", action="sleep", seconds=0.0)
+            fleet.open_stream("generate").send(0, "debug", action="sleep", seconds=0.0)
         t0 = time.monotonic()
     assert time.monotonic() - t0 < 3.0  # close() killed the busy engine instead of waiting 60 s
 

@@ -101,7 +101,7 @@ class EngineHooks(RankHooks):
     seen: list = []
 
     def make_engine(self, cfg, device):
-        EngineHooks.seen.append((cfg.world_size, str(device)))
+        EngineHooks.seen.append((cfg.count, str(device)))
         return StubEngine(), "stub"
 
 
@@ -111,16 +111,16 @@ def test_an_engine_process_builds_the_engine_its_hooks_make(tiny_chat_path, monk
     before anything is built, and the hello reports its kind."""
     from test_split_placement import backend_config
 
-    from areno.backend.engine_proc import EngineWorker
+    from areno.fleet.engine_proc import EngineWorker
 
     assert RankHooks().make_engine(None, None) is None
     monkeypatch.setenv(RANK_HOOKS_ENV, f"{__name__}:EngineHooks")
-    monkeypatch.setenv("ARENO_PEER_INDEX", "1")
+    monkeypatch.setenv("ARENO_ENGINE_INDEX", "0")
     import torch
 
     EngineHooks.seen = []
     threads = torch.get_num_threads()  # EngineWorker sets the process's (its own, in an engine process)
-    worker = EngineWorker(backend_config(tiny_chat_path, 1))
+    worker = EngineWorker(backend_config(tiny_chat_path, 1).engine_procs())
     try:
         assert isinstance(worker.engine, StubEngine) and EngineHooks.seen == [(1, "cpu")]
         hello = worker.hello()

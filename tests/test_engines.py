@@ -14,7 +14,7 @@ import pytest
 
 from areno.procs.errors import BackendError
 from areno.backend.launch import free_port
-from areno.backend.rank_engines import assign_groups
+from areno.fleet.engines import assign_groups
 from areno.rollout.probe import PROBE_ROUNDING_UNITS, probe_tolerance
 from helpers import rank_debug
 

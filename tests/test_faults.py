@@ -207,6 +207,30 @@ def test_killed_rank_stops_the_run_within_seconds_cleanly_and_resumably(tmp_path
     assert sorted(train_steps(out)) == [1, 2, 3, 4]
 
 
+def test_a_killed_engine_process_stops_the_run_within_seconds_cleanly_and_resumably(tmp_path, areno_cache):
+    """Split placement: the engine processes are a fleet apart from the backend, with
+    their own watchdog; killing one mid-run stops the run with one line naming it
+    and the checkpoint to resume from, and leaves no process behind."""
+    out = tmp_path / "run"
+    flags = [*HF1, "--rollout-world-size", "1", "--max-steps", "4", "--save-interval", "1", "--output-dir", str(out)]
+    proc = popen_train(flags, areno_cache)
+    wait_for(lambda: (out / "checkpoints" / "step_000002").is_dir(), proc)
+    engines = [p for p in rank_pids(proc.pid) if Path(f"/proc/{p}/comm").read_text().startswith("areno-engine")]
+    assert len(engines) == 1, engines
+    killed = time.monotonic()
+    os.kill(engines[0], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - killed < 15
+    assert proc.returncode == 1, err[-3000:]
+    line = one_error_line(err)
+    assert "engine process 0" in line and "--resume" in line and "step_00000" in line, line
+    assert wait_group_gone(proc.pid, 5) == [], "orphan processes after an engine process died"
+
+    res = ok(cli(["train", *flags, "--resume", "latest"], areno_cache))
+    assert "resumed at step" in res.stdout
+    assert sorted(train_steps(out)) == [1, 2, 3, 4]
+
+
 # -- disk full while saving ------------------------------------------------------------
 INJECT_ENOSPC = """
 import errno, sys

@@ -39,8 +39,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("envs/",),
     ("config/",),                                  # TrainConfig and its rules
     ("advantages.py", "losses.py", "pack.py", "split.py"),
-    ("fleet/",),                                   # an engine in a peer, weight and adapter sync
-    ("backend/",),                                 # ranks, engine processes, TorchBackend
+    ("fleet/",),                                   # the engines: in a peer, engine processes, sync
+    ("backend/",),                                 # the ranks and TorchBackend (never engine processes)
     ("settings.py", "runtime/", "scoring.py", "dynsample.py", "evaluate.py"),
     ("producers.py",),                             # where a round comes from, every placement
     ("scheduler.py",),                             # the rollout scheduler every run has

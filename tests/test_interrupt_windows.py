@@ -137,7 +137,7 @@ def test_an_interrupt_inside_a_periodic_save_waits_for_it(tmp_path, monkeypatch,
     sampler = SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda s: None)
     logger = SimpleNamespace(log=lambda *a, **k: None, info=print)
     run = SimpleNamespace(cfg=SimpleNamespace(no_save=False, save_interval=1, eval_interval=0, save_path=None),
-                          output_dir=tmp_path, step=0, total_steps=3, backend=backend, sampler=sampler,
+                          output_dir=tmp_path, step=0, total_steps=3, backend=backend, dead=None, sampler=sampler,
                           logger=logger, save=save,
                           rollouts=SimpleNamespace(taken=[], put_back=lambda: None,
                                                    settle_interrupt=lambda after_step: None))

@@ -65,7 +65,7 @@ def test_ranks_and_engine_processes_are_named_in_ps():
     early = spawn_peers(PeerShape(world_size=1, rollout_world_size=1))
     try:
         want = {early.procs[0].pid: ("areno-rank0", f"areno: rank 0 of run {os.getpid()}"),
-                early.procs[1].pid: ("areno-engine0", f"areno: engine 0 of run {os.getpid()}")}
+                early.engines.procs[0].pid: ("areno-engine0", f"areno: engine 0 of run {os.getpid()}")}
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and any(_comm(p) != c for p, (c, _) in want.items()):
             time.sleep(0.05)

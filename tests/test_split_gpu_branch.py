@@ -21,6 +21,7 @@ import torch
 
 from areno.backend.config import BackendConfig
 from areno.backend.launch import peer_env
+from areno.fleet.engine_procs import engine_env
 from areno import settings
 from areno.config.train import TrainConfig
 from areno.errors import UserError
@@ -51,22 +52,23 @@ def fake_gpu(monkeypatch):
 
 def test_each_engine_process_sees_only_its_own_gpu() -> None:
     cfg = gpu_cfg("m", n=2, m=2)
-    assert peer_env(cfg, 2, 1234, None) == {"ARENO_PEER_INDEX": "2", "CUDA_VISIBLE_DEVICES": "2"}
-    assert peer_env(cfg, 3, 1234, None)["CUDA_VISIBLE_DEVICES"] == "3"
+    shape = cfg.engine_procs().shape
+    assert engine_env(shape, 0, None) == {"ARENO_ENGINE_INDEX": "0", "CUDA_VISIBLE_DEVICES": "2"}
+    assert engine_env(shape, 1, None)["CUDA_VISIBLE_DEVICES"] == "3"
     # the controller's own restriction: engine 1 takes the 4th GPU it sees
-    assert peer_env(cfg, 3, 1234, "4,5,GPU-aa,7")["CUDA_VISIBLE_DEVICES"] == "7"
-    assert peer_env(cfg, 2, 1234, "4,5,GPU-aa,7")["CUDA_VISIBLE_DEVICES"] == "GPU-aa"
-    assert "CUDA_VISIBLE_DEVICES" not in peer_env(cfg, 0, 1234, None)  # ranks see every GPU (cuda:LOCAL_RANK)
-    assert peer_env(replace(cfg, engine_gpus=(0, 0)), 3, 1234, "4,5")["CUDA_VISIBLE_DEVICES"] == "4"
-    assert "CUDA_VISIBLE_DEVICES" not in peer_env(replace(cfg, device="cpu"), 2, 1234, None)
+    assert engine_env(shape, 1, "4,5,GPU-aa,7")["CUDA_VISIBLE_DEVICES"] == "7"
+    assert engine_env(shape, 0, "4,5,GPU-aa,7")["CUDA_VISIBLE_DEVICES"] == "GPU-aa"
+    assert "CUDA_VISIBLE_DEVICES" not in peer_env(cfg, 0, 1234)  # ranks see every GPU (cuda:LOCAL_RANK)
+    assert engine_env(replace(shape, engine_gpus=(0, 0)), 1, "4,5")["CUDA_VISIBLE_DEVICES"] == "4"
+    assert "CUDA_VISIBLE_DEVICES" not in engine_env(replace(shape, device="cpu"), 0, None)
 
 
 def test_engine_process_start_up_on_a_gpu(tiny_chat_path, fake_gpu, monkeypatch) -> None:
     import areno.rollout.vllm as vllm_mod
-    from areno.backend.engine_proc import EngineWorker
+    from areno.fleet.engine_proc import EngineWorker
 
-    cfg = gpu_cfg(str(tiny_chat_path), n=2, m=1)
-    for k, v in peer_env(cfg, 2, 0, "4,5,6").items():  # as rank.spawn_main applies it
+    cfg = gpu_cfg(str(tiny_chat_path), n=2, m=1).engine_procs()
+    for k, v in engine_env(cfg.shape, 0, "4,5,6").items():  # as engine_proc.spawn_main applies it
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # a GPU host's default: separate engine core
 
@@ -106,4 +108,4 @@ def test_one_gpu_placement_for_checks(fake_gpu, monkeypatch) -> None:
     monkeypatch.setenv("ARENO_ENGINE_GPUS", "0")
     check_placement(tcfg, 1, 1, "cuda")
     cfg = gpu_cfg("m", n=1, m=1)
-    assert cfg.engine_gpus == (0,) and peer_env(cfg, 1, 0, None)["CUDA_VISIBLE_DEVICES"] == "0"
+    assert cfg.engine_gpus == (0,) and engine_env(cfg.engine_procs().shape, 0, None)["CUDA_VISIBLE_DEVICES"] == "0"

@@ -5,6 +5,7 @@ them; a short demo run learns."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -28,6 +29,18 @@ def backend_config(path, m: int, **kw):
                          rollout_world_size=m, **kw)
 
 
+@contextlib.contextmanager
+def split_placement(cfg):
+    """(the backend of cfg's ranks, its engine processes, the loop's view of them),
+    the two started apart as a run starts them (run.py)."""
+    from areno.backend.controller import TorchBackend
+    from areno.fleet.engine_procs import EngineProcs
+    from areno.fleet.engines import ProcEngines
+
+    with TorchBackend(cfg) as be, EngineProcs(cfg.engine_procs()) as fleet:
+        yield be, fleet, ProcEngines(fleet, be)
+
+
 def test_engine_processes_sample_and_load_each_trained_version_checked(tiny_chat_path):
     from areno.backend.controller import TorchBackend
     from areno.backend.rank_engines import RankEngines
@@ -36,10 +49,10 @@ def test_engine_processes_sample_and_load_each_trained_version_checked(tiny_chat
     sampling = SamplingConfig(max_tokens=4, seed=3)
     with TorchBackend(backend_config(tiny_chat_path, 0)) as be:
         colocated = RankEngines(be).generate(*PROMPTS, 2, sampling)
-    with TorchBackend(backend_config(tiny_chat_path, 1)) as be:
-        assert be.hellos[0]["engine"] is None and be.engine_hellos[0]["engine"] == "hf"
-        engines = RankEngines(be)
-        assert engines.num_engines == 1 and engines.groups == [[1]]
+    with split_placement(backend_config(tiny_chat_path, 1)) as (be, fleet, engines):
+        # The backend drives its rank only; the engine process is the fleet's.
+        assert be.hellos[0]["engine"] is None and fleet.hellos[0]["engine"] == "hf"
+        assert len(be.peers.conns) == 1 and engines.num_engines == 1 and engines.groups == [[0]]
         before = engines.generate(*PROMPTS, 2, sampling)
         # Same weights, same seeds, same engine code: the same samples as colocated.
         np.testing.assert_array_equal(before.response_ids, colocated.response_ids)
@@ -50,7 +63,7 @@ def test_engine_processes_sample_and_load_each_trained_version_checked(tiny_chat
         assert be.publishes == 2 and all(t["sync_load_s"] > 0 for t in syncs)
         # Every load compares the sender's fingerprint (load_region raises on a
         # mismatch); the first also runs the probe, the second skips it (probe_due).
-        assert be.engine_procs_fingerprinted
+        assert fleet.fingerprinted
         assert syncs[0]["probe_diff"] <= syncs[0]["probe_tolerance"]
         assert "probe_diff" not in syncs[1]
         after = engines.generate(*PROMPTS, 2, sampling)
@@ -61,20 +74,18 @@ def test_engine_processes_sample_and_load_each_trained_version_checked(tiny_chat
 def test_a_corrupted_region_fails_the_engine_process_check(tiny_chat_path):
     """A sync after the first carries no probe (probe_due): the exact fingerprint
     alone must catch one flipped bit, on every load."""
-    from areno.backend.controller import TorchBackend
     from areno.procs.errors import BackendError
 
-    with TorchBackend(backend_config(tiny_chat_path, 1)) as be:
+    with split_placement(backend_config(tiny_chat_path, 1)) as (be, fleet, engines):
         be.train(make_split(1))
-        be.sync_engine_procs()  # the first sync: fingerprint and probe
+        engines.sync_weights()  # the first sync: fingerprint and probe
         be.train(make_split(1))
         region = be.publish_weights()
         assert region.probe is None and region.fingerprint is not None
         entry = next(e for e in region.layout.entries if ".layers." in e.name)
         be._weights[0].buf[entry.offset + 2] ^= 0x40  # one mantissa bit of one weight of a layer
-        stream = be.peers.broadcast("load_region", [1], region=region)
-        with pytest.raises(BackendError, match="WeightSyncError"):
-            stream.gather(60)
+        with pytest.raises(BackendError, match="engine process 0 failed: WeightSyncError"):
+            fleet.load(region)
 
 
 def lora_backend_config(path, kind: str = "hf", **kw):
@@ -93,22 +104,19 @@ def test_under_lora_engine_processes_load_each_trained_adapter_checked(tiny_chat
     """Only the adapter travels: the region holds peft's A/B tensors, and the engine
     process serves each trained version, its adapter fingerprint equal to rank 0's
     (load_region raises on a mismatch), the first load also probed."""
-    from areno.backend.controller import TorchBackend
-    from areno.backend.rank_engines import RankEngines
     from areno.rollout.engine import SamplingConfig
 
     if kind == "vllm":
         pytest.importorskip("vllm")
     sampling = SamplingConfig(max_tokens=4, seed=3)
-    with TorchBackend(lora_backend_config(tiny_chat_path, kind)) as be:
-        assert be.engine_hellos[0]["engine"] == kind
-        engines = RankEngines(be)
+    with split_placement(lora_backend_config(tiny_chat_path, kind)) as (be, fleet, engines):
+        assert fleet.hellos[0]["engine"] == kind
         before = engines.generate(*PROMPTS, 2, sampling)
         syncs, regions = [], []
         for _ in range(2):
             be.train(make_split(1))
-            regions.append(be.publish_weights(fingerprinted=be.engine_procs_fingerprinted))
-            syncs.append(be.load_engine_procs(regions[-1]))
+            regions.append(be.publish_weights(fingerprinted=fleet.fingerprinted))
+            syncs.append(fleet.load(regions[-1]))
         names = [e.name for e in regions[0].layout.entries]
         assert names and all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in names)
         assert [r.version for r in regions] == [1, 2] and regions[0].adapter.r == 8
@@ -116,7 +124,7 @@ def test_under_lora_engine_processes_load_each_trained_adapter_checked(tiny_chat
         assert trainable * 4 <= regions[0].layout.nbytes < trainable * 4 + 64 * len(names)
         assert trainable < be.hellos[0]["params"] / 2
         # Both loads compared rank 0's adapter fingerprint; the first also ran the probe.
-        assert be.engine_procs_fingerprinted and set(regions[0].fingerprint.sums) == \
+        assert fleet.fingerprinted and set(regions[0].fingerprint.sums) == \
             set(regions[1].fingerprint.sums)
         assert syncs[0]["probe_diff"] <= syncs[0]["probe_tolerance"] and "probe_diff" not in syncs[1]
         after = engines.generate(*PROMPTS, 2, sampling)
@@ -127,33 +135,70 @@ def test_under_lora_engine_processes_load_each_trained_adapter_checked(tiny_chat
 def test_a_corrupted_adapter_region_fails_the_engine_process_check(tiny_chat_path):
     """As for full weights: a load with no probe due is held to rank 0's exact
     adapter fingerprint, which one flipped bit of one B value breaks."""
-    from areno.backend.controller import TorchBackend
     from areno.procs.errors import BackendError
 
-    with TorchBackend(lora_backend_config(tiny_chat_path)) as be:
+    with split_placement(lora_backend_config(tiny_chat_path)) as (be, fleet, engines):
         be.train(make_split(1))
-        be.sync_engine_procs()  # the first sync: fingerprint and probe
+        engines.sync_weights()  # the first sync: fingerprint and probe
         be.train(make_split(1))
         region = be.publish_weights()
         assert region.probe is None and region.adapter is not None
         entry = next(e for e in region.layout.entries if e.name.endswith(".lora_B.weight"))
         be._weights[0].buf[entry.offset + 2] ^= 0x40  # one mantissa bit of one trained B value
-        stream = be.peers.broadcast("load_region", [1], region=region)
         with pytest.raises(BackendError, match="WeightSyncError"):
-            stream.gather(60)
+            fleet.load(region)
 
 
 @pytest.mark.timing
-def test_a_dead_engine_process_stops_the_backend_within_seconds(tiny_chat_path):
-    from areno.backend.controller import TorchBackend
-
-    with TorchBackend(backend_config(tiny_chat_path, 1, shutdown_grace_s=2.0)) as be:
+def test_a_dead_engine_process_stops_the_run_within_seconds(tiny_chat_path):
+    """Between commands: the engine processes' own watchdog interrupts the main thread."""
+    with split_placement(backend_config(tiny_chat_path, 1, shutdown_grace_s=2.0)) as (be, fleet, engines):
         killed = time.monotonic()
-        os.kill(be.engine_hellos[0]["pid"], signal.SIGKILL)
+        os.kill(fleet.pids[0], signal.SIGKILL)
         with pytest.raises(KeyboardInterrupt):  # the watchdog interrupts the main thread
             time.sleep(30)
         assert time.monotonic() - killed < 5
-        assert be.dead is not None and "engine process 0" in str(be.dead) and "died" in str(be.dead)
+        assert fleet.dead is not None and "engine process 0" in str(fleet.dead) and "died" in str(fleet.dead)
+        assert be.dead is None
+
+
+@pytest.mark.timing
+def test_a_stopped_engine_process_stops_the_run_at_its_heartbeat_bound(tiny_chat_path):
+    """SIGSTOP: no death to see, only a silence. The engine processes' heartbeats are
+    watched by their own watchdog: past the bound it kills the stopped process
+    and interrupts the main thread, naming it."""
+    cfg = backend_config(tiny_chat_path, 1, heartbeat_timeout_s=2.0, shutdown_grace_s=2.0)
+    with split_placement(cfg) as (be, fleet, engines):
+        pid = fleet.pids[0]
+        stopped = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                time.sleep(30)
+        finally:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+        assert time.monotonic() - stopped < 8
+        assert "engine process 0" in str(fleet.dead) and "no heartbeat" in str(fleet.dead)
+
+
+@pytest.mark.timing
+def test_an_engine_process_dying_while_the_ranks_train_stops_the_train_call(tiny_chat_path):
+    """The ranks' waits read the engines' pipes and sentinels too (Peers.neighbours):
+    an engine process killed during a rollout in flight is reported by the wait
+    the controller is in (a train command), with its own name."""
+    from areno.procs.errors import BackendError
+    from areno.rollout.engine import SamplingConfig
+
+    with split_placement(backend_config(tiny_chat_path, 1, shutdown_grace_s=2.0)) as (be, fleet, engines):
+        pending = engines.start_rollout(*PROMPTS, 2, SamplingConfig(max_tokens=4, seed=3), None)
+        pending.wait(time.monotonic() + 60)  # the engine is up and has answered once
+        pending.collect()
+        rank_debug(be, "noop")
+        engines.start_rollout(*PROMPTS, 2, SamplingConfig(max_tokens=64, seed=3), None)
+        os.kill(fleet.pids[0], signal.SIGKILL)
+        with pytest.raises(BackendError, match="engine process 0 .*died"):
+            rank_debug(be, "sleep", seconds=5.0)
 
 
 @pytest.mark.learning

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from areno.choices import Device, DType, Strategy  # light: TrainConfig names them too
+from areno.fleet.engine_procs import EngineProcsConfig
 from areno.rollout.factory import EngineSpec
 from areno.losses import LossConfig
 
@@ -132,8 +133,9 @@ class BackendConfig:
     """Each rank builds this rollout engine beside its policy (None: no engine;
     rollouts come from elsewhere and weights leave through publish_weights)."""
     rollout_world_size: int = 0
-    """Split placement: this many engine processes (backend/engine_proc.py) build
-    `engine` instead of the ranks; 0 = colocated (every rank builds its own)."""
+    """Split placement: this many engine processes (fleet/engine_procs.py, apart
+    from the ranks: engine_procs()) build `engine` instead of the ranks; 0 =
+    colocated (every rank builds its own)."""
     engine_gpus: tuple[int, ...] = ()
     """Split placement on GPU: the GPU of each engine process, as an index into the
     controller's visible GPUs; () = N + i, the GPUs after the ranks'. Sharing a
@@ -233,6 +235,16 @@ class BackendConfig:
         if self.strategy != "auto":
             return self.strategy
         return "fsdp2" if world_size > 1 else "single"
+
+    def engine_procs(self) -> EngineProcsConfig:
+        """The engine processes' own config (split placement): the engine, where
+        they go, and the same bounds as the ranks'."""
+        return EngineProcsConfig(
+            count=self.rollout_world_size, model_path=self.model_path, engine=self.engine, ranks=self.world_size,
+            device=self.device, engine_gpus=tuple(self.engine_gpus), cpu_threads=self.cpu_threads,
+            startup_timeout_s=self.startup_timeout_s, command_timeout_s=self.command_timeout_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s, shutdown_grace_s=self.shutdown_grace_s,
+            run_log=self.run_log)
 
     @property
     def dist_backend(self) -> str:

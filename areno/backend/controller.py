@@ -18,12 +18,10 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
-import threading
 import time
 import weakref
 from dataclasses import replace
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -32,10 +30,11 @@ from areno.backend.config import BackendConfig
 from areno.procs.errors import BackendError
 from areno.backend.handoff import PackWriter
 from areno.procs.segment import ShmSegment
-from areno.procs.heartbeat import HeartbeatWatch, stuck_rank_error
+from areno.procs.heartbeat import HeartbeatWatch
 from areno.backend.launch import EarlyPeers, PeerShape, accept_ranks, early_peers_for, free_port  # noqa: F401 (re-exported)
 from areno.procs.replies import Peers, ReplyStream
-from areno.fleet.weight_sync import WeightLayout, WeightRegion, sync_line
+from areno.procs.watchdog import start_watchdog
+from areno.fleet.weight_sync import WeightLayout, WeightRegion, log_sync
 from areno.backend.weights import probe_ids
 from areno.fileperms import replace_dir
 from areno.perf import pack_train_perf
@@ -65,24 +64,22 @@ class TorchBackend:
         self.config = config
         self.world_size = config.world_size
         self._procs: list = []
-        self.num_engine_procs = config.rollout_world_size  # split placement (engine_proc.py): peers N..N+M-1
-        peers = config.world_size + self.num_engine_procs
-        self._conns: list[Connection | None] = [None] * peers
+        self._conns: list[Connection | None] = [None] * config.world_size
         self._pack = PackWriter("pack")
         # Weight regions by slot: the asynchronous loop publishes version v into slot
-        # v % (K + 1) while the engine processes may still have to load the K before
-        # it (scheduler.py); two to begin with, more made as a slot is first used.
+        # v % (K + 1) while the engine processes (fleet/engine_procs.py) may still
+        # have to load the K before it (scheduler.py); two to begin with, more made
+        # as a slot is first used.
         self._weights = [ShmSegment("weights"), ShmSegment("weights1")]
         self._marker = ShmSegment("marker")
-        self.rollout_segment = ShmSegment("rollout")  # engines' results (backend/rank_engines.py)
+        self.rollout_segment = ShmSegment("rollout")  # the ranks' engines' results (fleet/engines.py)
         self._closed = False
         self.step = 0
         self.last_timings: dict[str, float] = {}
         self.last_perf: dict[str, float] = {}  # perf/train_tokens_per_s, perf/mfu of the last train()
         self.publishes = 0  # weight regions published (the probe runs when due)
-        self.syncs = 0  # weight syncs into the engines (each one a line in run.log)
-        self.peers = Peers(self._conns, self._procs, self._abort, lambda: self._closed,
-                           label=self._peer_name)
+        self.syncs = 0  # weight syncs into the ranks' engines (each one a line in run.log)
+        self.peers = Peers(self._conns, self._procs, self._abort, lambda: self._closed)
         # Every segment, unlinked on any exit; weight and rollout segments join it as made.
         self._segments = [self._pack.segment, *self._weights, self._marker, self.rollout_segment]
         self._finalizer = weakref.finalize(
@@ -93,16 +90,15 @@ class TorchBackend:
                 beats = self._adopt(early or early_peers_for(config))
             else:
                 accept_ranks(config, self._conns, self._marker)
-            hellos = self.peers.open("startup", pending=range(peers)).gather(config.startup_timeout_s)
-            self.hellos: list[dict] = hellos[: self.world_size]
-            self.engine_hellos: list[dict] = hellos[self.world_size :]
+            self.hellos: list[dict] = self.peers.open("startup", pending=range(self.world_size)).gather(
+                config.startup_timeout_s)
             self.peers.beats = beats
         except BaseException:
             self._abort()
             raise
         self.dead: BackendError | None = None  # set by the watchdog
         if self._procs:
-            threading.Thread(target=self._watch, name="areno-rank-watchdog", daemon=True).start()
+            start_watchdog(self.peers, lambda: self._closed, self._abort, self._died, "areno-rank-watchdog")
         h0 = self.hellos[0]
         self.vocab_size: int = h0["vocab_size"]
         self.strategy: str = h0["strategy"]
@@ -110,7 +106,8 @@ class TorchBackend:
         self._probe_ids = probe_ids(self.vocab_size)
 
     def _adopt(self, early: EarlyPeers) -> HeartbeatWatch:
-        """Take over spawned peers and send each its config -> their heartbeat watch."""
+        """Take over spawned ranks and send each its config -> their heartbeat watch
+        (the engine processes spawned with them are EngineProcs')."""
         if not early.fits(self.config):
             early.close()
             raise ValueError(f"early peers are {early.shape}; the config asks for {PeerShape.of(self.config)}")
@@ -120,10 +117,6 @@ class TorchBackend:
         for c in self._conns:
             c.send(self.config)
         return early.beats
-
-    def _peer_name(self, r: int) -> str:
-        """How messages name peer r: a rank, or an engine process of split placement."""
-        return f"rank {r}" if r < self.world_size else f"engine process {r - self.world_size}"
 
     # -- lifecycle -----------------------------------------------------------
     def close(self) -> None:
@@ -145,26 +138,8 @@ class TorchBackend:
         self._closed = True
         self._finalizer()
 
-    def _watch(self) -> None:
-        """Between commands (during a rollout, say) nobody waits on the ranks: a
-        rank that dies then would only be noticed at the next call, minutes later
-        on a long rollout. Notice it within a second and interrupt the main thread
-        (SIGINT: KeyboardInterrupt there); the caller finds the reason in `self.dead`."""
-        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
-        while not self._closed:
-            ready = wait(list(sentinels), timeout=1.0)
-            if self._closed or self.peers.busy:  # wait_some reports it, with the rank's own last words
-                time.sleep(0.2 if ready else 0.0)
-                continue
-            self.dead = (self.peers.death(sentinels[ready[0]], "between commands", []) if ready else
-                         stuck_rank_error(self.peers.beats, self._procs, "between commands", self.peers.label))
-            if self.dead is None:
-                continue
-            self._abort()
-            # A real signal (not _thread.interrupt_main, which is only seen at the
-            # next bytecode) so that a blocking call in the main thread returns too.
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-            return
+    def _died(self, err: BackendError) -> None:
+        self.dead = err  # the watchdog's finding (procs/watchdog.py)
 
     def __enter__(self) -> "TorchBackend":
         return self
@@ -275,40 +250,10 @@ class TorchBackend:
                                      probe_tolerance=min(r["probe_tolerance"] for r in probed))
         return self.log_sync(self.last_timings)
 
-    def sync_engine_procs(self) -> dict[str, float]:
-        """Split placement: publish the weights (rank 0 writes the region), then
-        every engine process loads and checks them (load_region); timings and
-        probe figures as sync_weights'."""
-        t0 = time.perf_counter()
-        region = self.publish_weights(fingerprinted=self.engine_procs_fingerprinted)
-        publish_s = time.perf_counter() - t0
-        self.last_timings = self.load_engine_procs(region) | {"sync_publish_s": publish_s,
-                                                               "sync_s": time.perf_counter() - t0}
-        return self.log_sync(self.last_timings)
-
     def log_sync(self, timings: dict[str, float]) -> dict[str, float]:
         """A sync's figures, also as one line in run.log (weight_sync.sync_line)."""
         self.syncs += 1
-        # fd 2, not sys.stderr: during a run fd 2 is run.log and sys.stderr the terminal (rundir/log.py)
-        os.write(2, (sync_line(self.syncs, timings) + "\n").encode())
-        return timings
-
-    @property
-    def engine_procs_fingerprinted(self) -> bool:
-        """Whether every engine process reports an exact fingerprint (the probe schedule)."""
-        return all(h["fingerprinted"] for h in self.engine_hellos)
-
-    def load_engine_procs(self, region: WeightRegion) -> dict[str, float]:
-        """Every engine process loads and checks a published region (load_region)."""
-        stream = self.peers.broadcast("load_region", range(self.world_size, len(self._conns)), drain_s=5.0,
-                                      region=region)
-        replies = stream.gather(self.config.command_timeout_s)
-        self.last_timings = {"sync_load_s": max(r["load_s"] for r in replies)}
-        probed = [r for r in replies if "probe_diff" in r]
-        if probed:
-            self.last_timings.update(probe_diff=max(r["probe_diff"] for r in probed),
-                                     probe_tolerance=min(r["probe_tolerance"] for r in probed))
-        return self.last_timings
+        return log_sync(self.syncs, timings)
 
     def save_pretrained(self, path: str | os.PathLike) -> Path:
         """Full HF checkpoint (safetensors, config, tokenizer files) written by rank 0."""

@@ -18,48 +18,30 @@ Calls per train command, in order, on every rank:
   train_end(rank, local, reply)
                            the reply is ready; not called if the command raised
 
-Calls per rollout command on every engine process of split placement
-(EngineWorker in engine_proc.py builds its hooks the same way; its
-cmd_generate, and cmd_rollout after loading the weights it was sent):
-  rollout_begin(peer)      the engine is about to generate this command's prompts
-  rollout_end(peer, tokens)
-                           generation is done (`tokens` response tokens written);
-                           the reply's generate_s includes the time spent here
-scripts/arenobench/async_loop.py is the user: its hooks make each train command and each
-rollout take a fixed time (sleeping the remainder), stand-ins of given cost.
+Engine processes (fleet/engine_proc.py) call the hooks of fleet/hooks.py,
+which RankHooks extends (rollout_begin/end, command, make_engine): one class
+named in ARENO_RANK_HOOKS serves both.
 
 Any command the controller sends that the worker has no cmd_<name> for:
   command(name) -> fn or None
                            fn(worker, **kwargs) runs it (the suite's fault
                            injection and state reads, tests/rank_test_hooks.py)
-
-Once per engine process, at startup (EngineWorker.__init__, before any command):
-  make_engine(cfg, device) -> (engine, kind) or None
-                           None (the base): the engine rollout.factory.make_engine
-                           builds from cfg.engine; a benchmark may return its own
-                           RolloutEngine instead (scripts/arenobench/longcot/ranks.py: the
-                           long-CoT bench's synthetic engine, so its modelled
-                           generation runs inside the engine process at K = 1)
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from areno.fleet.hooks import RANK_HOOKS_ENV, EngineHooks, load_hooks
 
 if TYPE_CHECKING:
-    import torch
-
-    from areno.backend.config import BackendConfig
     from areno.backend.handoff import LocalPack
     from areno.backend.step import Micro
 
-RANK_HOOKS_ENV = "ARENO_RANK_HOOKS"
+__all__ = ["RANK_HOOKS_ENV", "RankHooks", "load_rank_hooks"]
 
 
-class RankHooks:
+class RankHooks(EngineHooks):
     """No-op base: subclass and name it in ARENO_RANK_HOOKS (see the module docstring)."""
 
     def train_begin(self, rank: int) -> None:
@@ -76,33 +58,7 @@ class RankHooks:
     def train_end(self, rank: int, local: LocalPack, reply: dict) -> None:
         """The command's reply ({"steps", "map_s", "train_s", ...}) is about to be sent."""
 
-    def rollout_begin(self, peer: int) -> None:
-        """An engine process starts generating (split placement; `peer` = N + i)."""
-
-    def rollout_end(self, peer: int, tokens: int) -> None:
-        """The engine process finished generating: `tokens` response tokens."""
-
-    def command(self, name: str) -> Callable[..., Any] | None:
-        """A command these hooks add to the rank or engine process (the suite's
-        'debug' and 'full_state', tests/rank_test_hooks.py), called as
-        fn(worker, **kwargs) when the worker has no cmd_<name>; None: none (the base)."""
-        return None
-
-    def make_engine(self, cfg: BackendConfig, device: torch.device) -> tuple[Any, str] | None:
-        """An engine process's rollout engine and its kind (the hello's "engine"),
-        or None for the one cfg.engine names (the base)."""
-        return None
-
 
 def load_rank_hooks() -> RankHooks:
     """The hooks ARENO_RANK_HOOKS names, built here; the no-op base when unset."""
-    spec = os.environ.get(RANK_HOOKS_ENV, "")
-    if not spec:
-        return RankHooks()
-    module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"{RANK_HOOKS_ENV}={spec!r}: expected 'module:attr'")
-    hooks = getattr(importlib.import_module(module), attr)()
-    if not isinstance(hooks, RankHooks):
-        raise TypeError(f"{RANK_HOOKS_ENV}={spec!r} built a {type(hooks).__name__}, not a RankHooks")
-    return hooks
+    return load_hooks(RankHooks)

@@ -1,4 +1,6 @@
-"""Starting ranks: spawn them here (one node) or accept ranks torchrun started (multi-node)."""
+"""Starting ranks: spawn them here (one node) or accept ranks torchrun started
+(multi-node). Split placement's engine processes are spawned right after the
+ranks, in the same start-up (fleet/engine_procs.py owns them from then on)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from multiprocessing.connection import Connection, Listener, answer_challenge, d
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from areno.fleet.engine_procs import EngineShape, SpawnedEngines, spawn_engine_procs
 from areno.procs.errors import BackendError
 from areno.procs.heartbeat import HeartbeatWatch
 from areno.procs.lifecycle import stop_processes
@@ -133,21 +136,25 @@ class PeerShape:
 
 @dataclass
 class EarlyPeers:
-    """Rank and engine processes spawned before their BackendConfig exists: they
-    import torch, transformers and their worker module while the controller
-    loads the tokenizer and the data (the run's start-up), then take the config
-    from their pipe (`TorchBackend(config, early=...)` sends it and adopts them).
-    close() stops them unless a backend adopted them (a user mistake found
-    meanwhile). beats: their heartbeat slots (heartbeat.py)."""
+    """Rank and engine processes spawned before their configs exist: they import
+    torch, transformers and their worker module while the controller loads the
+    tokenizer and the data (the run's start-up), then take their config from
+    their pipe (`TorchBackend(config, early=...)` adopts the ranks,
+    `EngineProcs(config, early=early.engines)` the engine processes). close()
+    stops those not adopted (a user mistake found meanwhile). beats: the ranks'
+    heartbeat slots (heartbeat.py)."""
 
     procs: list
     conns: list[Connection]
     beats: HeartbeatWatch
     shape: PeerShape
-    adopted: bool = False
+    engines: SpawnedEngines | None = None  # split placement's engine processes
+    adopted: bool = False  # the ranks, by a TorchBackend
     temp_log: str | None = None  # their output until the run dir exists (runtime/early.py)
 
     def close(self) -> None:
+        if self.engines is not None:
+            self.engines.close()
         if not self.adopted:
             stop_processes(self.procs, self.conns, [])
             if self.temp_log:  # an adopted peer moves it into run.log itself
@@ -155,46 +162,52 @@ class EarlyPeers:
                     os.unlink(self.temp_log)
 
     def fits(self, cfg: BackendConfig) -> bool:
-        return self.shape == PeerShape.of(cfg)
+        """Whether the ranks fit cfg (the engine processes' fit is EngineProcs')."""
+        mine, want = self.shape, PeerShape.of(cfg)
+        return (mine.world_size, mine.device, mine.master_addr) == (want.world_size, want.device, want.master_addr)
 
 
 def spawn_peers(shape: PeerShape, master_port: int | None = None, heartbeat_timeout_s: float = 0.0,
                 extra_env: dict[str, str] | None = None) -> EarlyPeers:
-    """Start shape.world_size rank processes, then shape.rollout_world_size engine
-    processes (spawn context), each waiting for its BackendConfig on its pipe.
-    extra_env: added to each one's peer_env (runtime/early.py: its temporary log)."""
+    """Start shape.world_size rank processes (spawn context), each waiting for its
+    BackendConfig on its pipe, then shape.rollout_world_size engine processes
+    (fleet/engine_procs.py). extra_env: added to each one's environment
+    (runtime/early.py: its temporary log)."""
     import multiprocessing  # not torch's: this may run before torch is imported (runtime/early.py)
 
     ctx = multiprocessing.get_context("spawn")
     world_size, rollout_world_size = shape.world_size, shape.rollout_world_size
     port = master_port or free_port(shape.master_addr)
-    beats = HeartbeatWatch(world_size + rollout_world_size, heartbeat_timeout_s)
+    beats = HeartbeatWatch(world_size, heartbeat_timeout_s)
     # PR_SET_PDEATHSIG fires when the spawning *thread* exits: only safe from the main thread
     pdeathsig = threading.current_thread() is threading.main_thread()
     procs, conns = [], []
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     # In the environment a child starts with, not its spawn_main's update: its
     # target (_spawn_main) imports torch before that update, and OpenMP reads its
     # settings then.
     omp = rank_omp_env(shape.device, os.environ)
     os.environ.update(omp)
+    engines = None
     try:
-        for r in range(world_size + rollout_world_size):
+        for r in range(world_size):
             parent, child = ctx.Pipe(duplex=True)
-            env = {**peer_env(shape, r, port, visible), **(extra_env or {})}
+            env = {**peer_env(shape, r, port), **(extra_env or {})}
             p = ctx.Process(
                 target=_spawn_main, args=(child, env, os.getpid(), pdeathsig, beats.slots),
-                name=f"areno-rank{r}" if r < world_size else f"areno-engine{r - world_size}", daemon=True,
+                name=f"areno-rank{r}", daemon=True,
             )
             with spawning():  # the child ignores HELD before it unblocks them
                 p.start()
             child.close()
             procs.append(p)
             conns.append(parent)
+        if rollout_world_size:
+            engines = spawn_engine_procs(EngineShape(rollout_world_size, world_size, shape.device, shape.engine_gpus),
+                                         heartbeat_timeout_s, extra_env)
     finally:
         for k in omp:  # the controller's own environment stays the user's
             os.environ.pop(k, None)
-    return EarlyPeers(procs, conns, beats, shape)
+    return EarlyPeers(procs, conns, beats, shape, engines)
 
 
 def _spawn_main(*args: Any) -> None:
@@ -205,36 +218,18 @@ def _spawn_main(*args: Any) -> None:
 
 
 def early_peers_for(cfg: BackendConfig) -> EarlyPeers:
-    """spawn_peers with cfg's shape, rendezvous and heartbeat bound."""
-    return spawn_peers(PeerShape.of(cfg), cfg.master_port, cfg.heartbeat_timeout_s)
+    """spawn_peers with cfg's shape, rendezvous and heartbeat bound: the ranks only
+    (a backend started without early peers; EngineProcs spawns its own)."""
+    shape = PeerShape(cfg.world_size, 0, cfg.device, (), cfg.master_addr)
+    return spawn_peers(shape, cfg.master_port, cfg.heartbeat_timeout_s)
 
 
-def peer_env(cfg: PeerShape | BackendConfig, r: int, port: int, visible: str | None) -> dict[str, str]:
-    """The environment peer r starts with (rank.spawn_main applies it first, before
-    anything can touch CUDA). A rank: torch.distributed's. Engine process i = r - N
-    (engine_proc.py, no process group): its peer index and, on GPU, only its own
-    device visible, since vLLM takes device 0 whatever torch.cuda.set_device says.
-    visible: the controller's CUDA_VISIBLE_DEVICES (None: every GPU)."""
-    if r < cfg.world_size:
-        return {"MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "RANK": str(r),
-                "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(cfg.world_size)}
-    env = {"ARENO_PEER_INDEX": str(r)}
-    if cfg.device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = engine_gpu(cfg, r - cfg.world_size, visible)
-    return env
-
-
-def engine_gpu(cfg: PeerShape | BackendConfig, i: int, visible: str | None) -> str:
-    """CUDA_VISIBLE_DEVICES of engine process i: the (N + i)-th GPU the controller sees
-    (cfg.engine_gpus[i] when given), as the controller's own list names it."""
-    index = cfg.engine_gpus[i] if cfg.engine_gpus else cfg.world_size + i
-    if visible is None:
-        return str(index)
-    names = [v.strip() for v in visible.split(",") if v.strip()]
-    if index >= len(names):
-        raise BackendError(f"engine process {i} needs GPU {index}; CUDA_VISIBLE_DEVICES={visible!r} "
-                           f"lists {len(names)}")
-    return names[index]
+def peer_env(cfg: PeerShape | BackendConfig, r: int, port: int) -> dict[str, str]:
+    """The environment rank r starts with (rank.spawn_main applies it first, before
+    anything can touch CUDA): torch.distributed's. The ranks see every GPU
+    (cuda:LOCAL_RANK)."""
+    return {"MASTER_ADDR": cfg.master_addr, "MASTER_PORT": str(port), "RANK": str(r),
+            "WORLD_SIZE": str(cfg.world_size), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(cfg.world_size)}
 
 
 def accept_connections(listener: Listener, n: int, key: bytes, timeout_s: float) -> list[Connection]:

@@ -16,34 +16,19 @@ region to map (or, for a rank on another host, one raw bytes message follows).
 from __future__ import annotations
 
 import argparse
-import functools
 import os
-import queue
 import socket
 import sys
-import threading
 import time
-import traceback
-from collections.abc import Callable
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
 from areno.backend.config import BackendConfig
 from areno.procs.heartbeat import start_beating
 from areno.procs.lifecycle import die_with_parent, set_title
-from areno.procs.signals import peer_ignores
+from areno.procs.serve import quiet_peer, serve_worker
 from areno.rundir.log import move_child_output, redirect_child_output
 from areno.timing import startup_mark
-
-
-# -- process hygiene ---------------------------------------------------------
-def _quiet() -> None:
-    # Ctrl-C, a scheduler's SIGTERM, a closed terminal's SIGHUP reach the whole
-    # job; the controller owns shutdown (procs/signals.py). Library output
-    # (weight-loading bars, engine logs) goes to RUN_DIR/run.log, or to the
-    # terminal with --verbose (areno/rundir/log.py), so it is not silenced here.
-    peer_ignores()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 # -- entry points --------------------------------------------------------------
@@ -52,15 +37,15 @@ def spawn_main(conn: Connection, env: dict[str, str], parent_pid: int, use_pdeat
     """Target of the controller's spawn processes (launch.spawn_peers): the heavy
     imports first, then the BackendConfig from the pipe (the controller may still
     be loading its tokenizer and data meanwhile); beats: heartbeat slots."""
-    os.environ.update(env)  # first: an engine process's CUDA_VISIBLE_DEVICES (launch.peer_env)
-    _quiet()  # before any thread starts: they inherit the signal mask
+    os.environ.update(env)  # first: torch.distributed's variables (launch.peer_env)
+    quiet_peer()  # before any thread starts: they inherit the signal mask
     die_with_parent(parent_pid, use_pdeathsig)
     _name_process(env, parent_pid)
     if beats is not None:
-        start_beating(beats, int(env.get("ARENO_PEER_INDEX", env.get("RANK"))))
+        start_beating(beats, int(env["RANK"]))
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/rundir/log.py)
     startup_mark("peer imports")
-    worker_class("ARENO_PEER_INDEX" in env)  # torch, transformers, the worker: while the controller works
+    worker_class()  # torch, transformers, the worker: while the controller works
     startup_mark("peer imported")
     try:
         cfg = conn.recv()
@@ -71,21 +56,12 @@ def spawn_main(conn: Connection, env: dict[str, str], parent_pid: int, use_pdeat
 
 
 def _name_process(env: dict[str, str], parent_pid: int) -> None:
-    """`areno: rank i of run PID` / `areno: engine j of run PID` in ps (procs.set_title)."""
-    import multiprocessing
-
-    name = multiprocessing.current_process().name  # launch.spawn_peers: areno-rank{i}, areno-engine{j}
-    role = "engine " + name.removeprefix("areno-engine") if "ARENO_PEER_INDEX" in env else "rank " + env["RANK"]
-    set_title(f"areno: {role} of run {parent_pid}", name)
+    """`areno: rank i of run PID` in ps (procs.set_title)."""
+    set_title(f"areno: rank {env['RANK']} of run {parent_pid}", f"areno-rank{env['RANK']}")
 
 
-def worker_class(engine_proc: bool) -> type:
-    """The worker this process runs: an EngineWorker (split placement's engine
-    process) or a RankWorker; importing it imports torch and transformers."""
-    if engine_proc:
-        from areno.backend.engine_proc import EngineWorker
-
-        return EngineWorker
+def worker_class() -> type:
+    """The RankWorker; importing it imports torch and transformers."""
     import transformers
 
     from areno.backend.worker import RankWorker
@@ -108,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         if var not in os.environ:
             print(f"areno rank: {var} is not set; run under torchrun", file=sys.stderr)
             return 2
-    _quiet()
+    quiet_peer()
     conn = _dial(host, int(port), bytes.fromhex(key))
     conn.send(("hello", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), socket.gethostname()))
     cfg, marker = conn.recv()
@@ -140,85 +116,9 @@ def _sees_segment(marker: tuple[str, bytes]) -> bool:
 
 
 def serve(cfg: BackendConfig, conn: Connection, *, same_host: bool) -> None:
-    """Build the worker (a RankWorker, or an EngineWorker in an engine process of
-    split placement: ARENO_PEER_INDEX set), report ready, then run commands until
-    shutdown or EOF."""
-    engine_proc = "ARENO_PEER_INDEX" in os.environ
-    rank = int(os.environ["ARENO_PEER_INDEX" if engine_proc else "RANK"])
-    try:
-        worker = worker_class(engine_proc)(cfg, same_host=same_host)
-        worker.emit = lambda part: conn.send(("part", part))
-        startup_mark("peer ready")
-        conn.send(("ok", worker.hello()))
-    except BaseException as e:  # noqa: BLE001 - reported, then exit
-        _reply_error(conn, rank, e)
-        return
-    recv = queued_commands(conn) if engine_proc else conn.recv
-    while True:
-        try:
-            cmd, kwargs = recv()
-        except (EOFError, OSError):  # controller gone
-            os._exit(4)
-        if cmd == "shutdown":
-            worker.close()
-            conn.send(("ok", None))
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)  # nothing left to clean up; skip the slow interpreter teardown
-        try:
-            if kwargs.pop("payload", False):
-                buf = bytearray(kwargs["handoff"].nbytes)
-                conn.recv_bytes_into(buf)
-                kwargs["payload"] = buf
-            result = command_of(worker, cmd)(**kwargs)
-            conn.send(("ok", result))
-        except BaseException as e:  # noqa: BLE001
-            _reply_error(conn, rank, e)
-
-
-def command_of(worker: Any, cmd: str) -> Callable[..., Any]:
-    """worker.cmd_<cmd>, else the command its hooks add (RankHooks.command)."""
-    fn = getattr(worker, f"cmd_{cmd}", None)
-    if fn is not None:
-        return fn
-    extra = worker.hooks.command(cmd)
-    if extra is None:
-        raise AttributeError(f"{type(worker).__name__} has no command {cmd!r}")
-    return functools.partial(extra, worker)
-
-
-def queued_commands(conn: Connection) -> Callable[[], tuple]:
-    """An engine process's commands, read by a thread of their own as they come ->
-    the call that takes the next: the controller queues rollouts here while one
-    runs (scheduler.py), and a command bigger than the pipe's buffer must not
-    hold the controller's send until this rollout ends (while its parts fill
-    the other direction). Reading and sending on one pipe from two threads is
-    safe: the two directions share no state."""
-    inbox: queue.Queue = queue.Queue()
-
-    def read() -> None:
-        while True:
-            try:
-                inbox.put(conn.recv())
-            except (EOFError, OSError) as e:
-                inbox.put(e)
-                return
-
-    threading.Thread(target=read, name="areno-engine-commands", daemon=True).start()
-
-    def take() -> tuple:
-        item = inbox.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
-    return take
-
-
-def _reply_error(conn: Connection, rank: int, e: BaseException) -> None:
-    try:
-        conn.send(("err", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
-    except (OSError, EOFError):
-        pass
+    """Build the RankWorker, report ready, then run commands until shutdown or EOF
+    (procs/serve.py)."""
+    serve_worker(lambda: worker_class()(cfg, same_host=same_host), conn, int(os.environ["RANK"]))
 
 
 if __name__ == "__main__":

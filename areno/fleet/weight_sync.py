@@ -22,6 +22,8 @@ tolerance of rollout/probe.py.
 
 from __future__ import annotations
 
+import os
+
 from collections.abc import Mapping, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -239,6 +241,13 @@ def sync_line(index: int, timings: Mapping[str, float]) -> str:
     size = f", {timings['sync_mb']:.1f} MiB" if "sync_mb" in timings else ""
     times = ", ".join(f"{k} {v:.3f}" for k, v in timings.items() if k.endswith("_s"))
     return f"areno: weight sync {index}: {probe}{size}; {times}"
+
+
+def log_sync(index: int, timings: dict[str, float]) -> dict[str, float]:
+    """Write sync `index`'s line (sync_line) to run.log -> timings. fd 2, not
+    sys.stderr: during a run fd 2 is run.log and sys.stderr the terminal (rundir/log.py)."""
+    os.write(2, (sync_line(index, timings) + "\n").encode())
+    return timings
 
 
 def reports_fingerprint(engine: Any) -> bool:

@@ -1,7 +1,7 @@
 """Peers and ReplyStream: the controller's side of the command pipes.
 
-`Peers` holds the pipes and processes of the ranks (and, with split placement,
-of the engine processes): it sends commands and reads replies with
+`Peers` holds the pipes and processes of one group of peers (the ranks, or
+split placement's engine processes): it sends commands and reads replies with
 `multiprocessing.connection.wait` over the result pipes AND the process
 sentinels, in slices of at most a second, so a peer that raises is reported
 with its traceback, one that is SIGKILLed at once, one whose heartbeat stops
@@ -17,9 +17,10 @@ in flight. Those are `background` streams: whatever stream the controller waits
 on, their peers are read too, and each background stream's `on_message` hook
 runs after the read (outside the held block), also while the stream itself is
 waited on, so the engines never block on a full pipe and their parts are
-scored as they come, while the controller waits for the ranks or for them. The owner (TorchBackend) and the loop-side
-engine view (backend/rank_engines.py) both use these objects, never each
-other's internals.
+scored as they come, while the controller waits for the ranks or for them: the
+ranks' Peers read the background streams of their `neighbours` (the engine
+processes' Peers) too. The owners (TorchBackend, EngineProcs) and the loop-side
+engine view (fleet/engines.py) use these objects, never each other's internals.
 """
 
 from __future__ import annotations
@@ -128,6 +129,10 @@ class Peers:
         # engine processes run while the ranks answer main-lane commands.
         self.streams: dict[str, ReplyStream] = {}
         self.stale: set[int] = set()  # peers that owe a detached stream its replies
+        # Other groups whose background streams are read during this group's waits
+        # (the engine processes' rollouts while the ranks train); a failure there
+        # tears both down.
+        self.neighbours: list[Peers] = []
 
     def open(self, what: str, drain_s: float = 0.0, pending: Iterable[int] = (),
              lane: str = "main", detach: bool = False, background: bool = False) -> ReplyStream:
@@ -198,43 +203,57 @@ class Peers:
             raise BackendError(f"{stream.what}: rank(s) {sorted(stream.pending)} did not answer "
                                f"within {timeout_s:g}s ({flag})")
         what = stream.what
-        readers = set(stream.pending).union(*(s.pending for s in self.streams.values() if s.background))
-        readers -= self.stale  # still in a dropped command: what they send is nobody's
-        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        groups = [self, *self.neighbours]
+        readers = self.readers(stream)
+        sentinels = {p.sentinel: (g, r) for g in groups for r, p in enumerate(g.procs)}
         # Only while in here: a caller may hold a streamed command open for long
         # (scoring a part in-process), and then the watchdog must act. A death seen
         # here closes the owner before the flag drops, so the watchdog, which sees
         # the same sentinel, never interrupts a run that is already stopping.
-        self.busy = True
+        for g in groups:
+            g.busy = True
         fed: list[ReplyStream] = []
         try:
-            ready = set(wait([self.conns[r] for r in readers] + list(sentinels), timeout=min(left, 1.0)))
+            conns = {g.conns[r]: (g, r) for g, r in readers}
+            ready = set(wait(list(conns) + list(sentinels), timeout=min(left, 1.0)))
             errors = []
             with signals_held():  # a reply read is a reply counted
-                for r in sorted(readers):
-                    if self.conns[r] in ready:
+                for c, (g, r) in conns.items():
+                    if c in ready:
                         try:
-                            msg = self.recv(r, what)
+                            msg = g.recv(r, what)
                         except BackendError as e:
                             errors.append(e)
                             continue
-                        owner = self.route(r, msg, stream)
+                        owner = g.route(r, msg, stream)
                         if owner.on_message is not None and owner not in fed:
                             fed.append(owner)
-            dead = [r for s, r in sentinels.items() if s in ready]
+            dead = [gr for s, gr in sentinels.items() if s in ready]
             if errors and not dead and sentinels:
                 # A peer's error is often the echo of another's death (gloo: "connection
                 # closed by peer"); look briefly so the root cause is what gets reported.
                 dead = [sentinels[s] for s in wait(list(sentinels), timeout=0.5)]
-            err = (self.death(dead[0], what, errors) if dead else errors[0] if errors else
-                   stuck_rank_error(self.beats, self.procs, what, self.label))
+            err = (dead[0][0].death(dead[0][1], what, errors) if dead else errors[0] if errors else
+                   next(filter(None, (stuck_rank_error(g.beats, g.procs, what, g.label) for g in groups)), None))
             if err is not None:
-                self.abort()
+                for g in groups:
+                    g.abort()
                 raise err
         finally:
-            self.busy = False
+            for g in groups:
+                g.busy = False
         for s in fed:  # outside the held block: a consumer may take its time (decode, submit)
             s.on_message()
+
+    def readers(self, stream: ReplyStream) -> list[tuple["Peers", int]]:
+        """Whom a wait on `stream` reads: its pending peers and, of this group and
+        its neighbours, every background stream's; (group, peer index) pairs. A
+        peer still in a dropped command (stale) is left out: what it sends is nobody's."""
+        out = [(self, r) for r in sorted(stream.pending - self.stale)]
+        for g in (self, *self.neighbours):
+            owing = set().union(*(s.pending for s in g.streams.values() if s.background)) - g.stale
+            out += [(g, r) for r in sorted(owing) if (g, r) not in out]
+        return out
 
     def route(self, r: int, msg: tuple, waiting: ReplyStream) -> ReplyStream:
         """Put peer r's message into the inbox of the oldest open stream r owes a
@@ -264,10 +283,10 @@ class Peers:
         try:
             msg = self.conns[r].recv()
         except (EOFError, OSError):
-            raise BackendError(f"{what}: rank {r} closed its connection (died?)", rank=r) from None
+            raise BackendError(f"{what}: {self.label(r)} closed its connection (died?)", rank=r) from None
         if msg[0] == "err":
             _, rank, message, tb = msg
             if message.startswith(USER_ERROR):  # the user's to fix: their one line, exit 2
                 raise RankUserError(message[len(USER_ERROR):], rank=rank)
-            raise BackendError(f"{what}: rank {rank} failed: {message}", rank=rank, remote_traceback=tb)
+            raise BackendError(f"{what}: {self.label(rank)} failed: {message}", rank=rank, remote_traceback=tb)
         return msg

@@ -194,7 +194,7 @@ def _few(names: set[str], k: int = 5) -> str:
 def engine_sampling(sampling: SamplingConfig, g: int, num_engines: int) -> SamplingConfig:
     """The sampling engine g of `num_engines` gets for its share of a call: its own
     stream, prompt_seeds(seed, E)[g] (unseeded stays unseeded). The controller's
-    split (RankEngines) and an engine process's episode driver both use it, so one
+    split (PeerEngines) and an engine process's episode driver both use it, so one
     engine samples the same either way."""
     if sampling.seed is None:
         return sampling

@@ -11,7 +11,7 @@ when one is due: then it is saved whole); during a rollout the ranks are drained
 save, aborts the backend, and the newest existing checkpoint is named instead.
 
 The backend's watchdog also SIGINTs the main thread when a rank dies; the
-caller tells that apart by `backend.dead` before calling `interrupted`.
+caller tells that apart by `run.dead` before calling `interrupted`.
 """
 
 from __future__ import annotations

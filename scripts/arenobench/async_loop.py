@@ -138,7 +138,7 @@ def run_one(k: int, rollout_s: float, train_s: float, steps: int, tmp: Path,
     measured = [r for r in recs if r["step"] > min(WARMUP, steps - 1)]  # at least the last step
     return {"k": k, "rollout_s": rollout_s, "train_s": train_s, "run_s": time.perf_counter() - t0,
             "steps": measured, "train_cmds": read_jsonl(log / "train0.jsonl"),
-            "rollout_cmds": read_jsonl(log / "rollout1.jsonl")}
+            "rollout_cmds": read_jsonl(log / "rollout0.jsonl")}  # engine process 0
 
 
 def med(run: dict, key: str) -> float:

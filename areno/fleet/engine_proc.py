@@ -1,11 +1,12 @@
-"""Split placement: rollout engines in processes of their own, beside the ranks.
+"""Split placement: one engine process, beside the ranks (fleet/engine_procs.py
+starts M of them and holds their pipes).
 
-With `BackendConfig.rollout_world_size` M > 0 the controller spawns M engine
-processes after the N ranks (launch.spawn_peers). Each runs the rank process's
-command loop (rank.serve) around an `EngineWorker` instead of a RankWorker: it
-trains nothing and joins no process group. On CPU the processes share the
-cores; on GPU engine i takes GPU N + i of the controller's (BackendConfig.engine_gpus
-to place it elsewhere), the only one it sees (launch.peer_env sets its
+It trains nothing and joins no process group: `spawn_main` does a peer's start-up
+(signals, parent watch, heartbeat, the heavy imports while the controller loads
+its data), takes its EngineProcsConfig from its pipe and serves an `EngineWorker`
+(procs/serve.py). On CPU the processes share the cores; on GPU engine i takes
+GPU N + i of the controller's (EngineProcsConfig.engine_gpus to place it
+elsewhere), the only one it sees (engine_procs.engine_env sets its
 CUDA_VISIBLE_DEVICES: vLLM takes device 0 whatever torch.cuda.set_device says).
 Its start-up is one code path on CPU and GPU up to the device call
 (procs.device.claim_device); the vLLM engine is in-process on every device
@@ -21,48 +22,84 @@ and runs the same check (exact fingerprint, the probe when due) as a rank's
 own engine. Under LoRA the engine is built on the base model serving adapters
 (`EngineSpec.max_lora_rank`, as the ranks' engines), and the region holds the
 adapter alone, which load_region hands to `load_adapter` as a colocated sync
-does (backend.adapter_sync). Its heartbeat and sentinel are watched with the ranks'.
+does (fleet.adapter_sync).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from areno.backend.config import BackendConfig
-from areno.procs.device import claim_device
 from areno.fleet.engine_host import OutRegion, generate_into
-from areno.backend.hooks import load_rank_hooks
+from areno.fleet.hooks import EngineHooks, load_hooks
+from areno.procs.device import claim_device
+from areno.procs.heartbeat import start_beating
+from areno.procs.lifecycle import die_with_parent, set_title
+from areno.procs.serve import quiet_peer, serve_worker
+from areno.rundir.log import move_child_output, redirect_child_output
+from areno.timing import startup_mark
 from areno.fleet.weight_sync import SyncCheck, WeightRegion, load_region, reports_fingerprint
 from areno.rollout.engine import engine_sampling
 from areno.rollout.factory import make_engine
 
+if TYPE_CHECKING:
+    from areno.fleet.engine_procs import EngineProcsConfig
+
+INDEX_ENV = "ARENO_ENGINE_INDEX"  # i of the M engine processes (engine_procs.engine_env)
+
+
+def spawn_main(conn: Connection, env: dict[str, str], parent_pid: int, use_pdeathsig: bool,
+               beats: Any = None) -> None:
+    """Target of engine_procs.spawn_engine_procs: the heavy imports first, then the
+    EngineProcsConfig from the pipe (the controller may still be loading its
+    tokenizer and data meanwhile); beats: heartbeat slots."""
+    os.environ.update(env)  # first: its CUDA_VISIBLE_DEVICES (engine_procs.engine_env)
+    quiet_peer()  # before any thread starts: they inherit the signal mask
+    die_with_parent(parent_pid, use_pdeathsig)
+    i = int(env[INDEX_ENV])
+    set_title(f"areno: engine {i} of run {parent_pid}", f"areno-engine{i}")
+    if beats is not None:
+        start_beating(beats, i)
+    redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/rundir/log.py)
+    startup_mark("peer imports")
+    import transformers  # the heavy imports (torch came with this module), while the controller works
+
+    transformers.AutoModelForCausalLM  # noqa: B018 - the lazy module's heavy import, now
+    startup_mark("peer imported")
+    try:
+        cfg = conn.recv()
+    except (EOFError, OSError):  # the controller stopped first (a user mistake in its data)
+        os._exit(4)
+    move_child_output(cfg.run_log)  # started before the run dir existed (runtime/early.py)
+    serve_worker(lambda: EngineWorker(cfg), conn, i, queued=True)
+
 
 class EngineWorker:
-    """One engine process: peer index `ARENO_PEER_INDEX` (N + i) of the controller."""
+    """One engine process: engine `INDEX_ENV` (i) of the M."""
 
-    def __init__(self, cfg: BackendConfig, *, same_host: bool = True) -> None:
+    def __init__(self, cfg: EngineProcsConfig, *, same_host: bool = True) -> None:
         self.cfg = cfg
-        self.peer = int(os.environ["ARENO_PEER_INDEX"])
-        self.index = self.peer - cfg.world_size  # i of the M engine processes
+        self.index = int(os.environ[INDEX_ENV])
         self.same_host = same_host
-        # GPU: device 0, the one GPU it sees (launch.peer_env: GPU N + i of the
-        # controller's). TP inside one is refused (config/offpolicy.py).
-        self.device = claim_device(cfg.device, cfg.cpu_threads, 0, cfg.rollout_world_size)
-        self.hooks = load_rank_hooks()  # no-ops unless ARENO_RANK_HOOKS names some (benchmarks)
+        # GPU: device 0, the one GPU it sees (engine_procs.engine_env: GPU N + i of
+        # the controller's). TP inside one is refused (config/offpolicy.py).
+        self.device = claim_device(cfg.device, cfg.cpu_threads, 0, cfg.count)
+        self.hooks = load_hooks(EngineHooks)  # no-ops unless ARENO_RANK_HOOKS names some (benchmarks)
         made = self.hooks.make_engine(cfg, self.device)  # None but in benchmarks (hooks.py)
         self.engine, self.engine_kind = made if made is not None else \
             make_engine(cfg.engine, cfg.model_path, self.device)
-        self.sync_check = SyncCheck(reports_fingerprint(self.engine), self.peer)
+        self.sync_check = SyncCheck(reports_fingerprint(self.engine), self.index)
         self.emit = None  # set by serve(): sends one ("part", ...) message mid-command
         self._idle_since: float | None = None  # the end of the last rollout (cmd_rollout)
         self._episodes = None  # envs.driver.EpisodeHost, at the first `episodes` command
 
     def hello(self) -> dict:
-        return {"rank": self.peer, "pid": os.getpid(), "host": os.uname().nodename, "same_host": self.same_host,
+        return {"rank": self.index, "pid": os.getpid(), "host": os.uname().nodename, "same_host": self.same_host,
                 "engine": self.engine_kind, "engine_max_model_len": getattr(self.engine, "max_model_len", None),
                 "engine_note": getattr(self.engine, "note", None),
                 "fingerprinted": self.sync_check.fingerprinted, "cpu_threads": torch.get_num_threads()}
@@ -76,9 +113,9 @@ class EngineWorker:
                      out: OutRegion, leader: bool) -> dict:
         """Sample these prompts, streaming finished parts back (engine_host.generate_into)."""
         t0 = time.perf_counter()
-        self.hooks.rollout_begin(self.peer)
+        self.hooks.rollout_begin(self.index)
         tokens = generate_into(self.engine, ids, offsets, n, sampling, out, self.emit) if offsets.size > 1 else 0
-        self.hooks.rollout_end(self.peer, tokens)
+        self.hooks.rollout_end(self.index, tokens)
         return {"tokens": tokens, "generate_s": time.perf_counter() - t0}
 
     def cmd_rollout(self, region: WeightRegion | None, ids: np.ndarray, offsets: np.ndarray, n: int,
@@ -88,16 +125,16 @@ class EngineWorker:
         then sample, streaming each finished part as `generate` does: the
         controller reads the rollout's lane during every wait (replies.Peers), so
         it decodes and scores the parts while this engine generates. Rollouts
-        queue here (rank.serve reads commands as they come): up to
+        queue here (procs.serve.queued_commands reads commands as they come): up to
         --off-policy-steps of them run back to back. idle_s: how long this engine
         waited since its last rollout ended (for the next weights: the loop sends
         a rollout once it is admitted)."""
         idle_s = 0.0 if self._idle_since is None else max(0.0, time.monotonic() - self._idle_since)
         loaded = self.cmd_load_region(region) if region is not None else {}
         t1 = time.perf_counter()
-        self.hooks.rollout_begin(self.peer)
+        self.hooks.rollout_begin(self.index)
         tokens = generate_into(self.engine, ids, offsets, n, sampling, out, self.emit) if offsets.size > 1 else 0
-        self.hooks.rollout_end(self.peer, tokens)
+        self.hooks.rollout_end(self.index, tokens)
         self._idle_since = time.monotonic()
         return loaded | {"tokens": tokens, "idle_s": idle_s, "generate_s": time.perf_counter() - t1}
 
@@ -110,7 +147,7 @@ class EngineWorker:
         as one part with its arrays inline (response_mask, rewards). share: (g, E),
         this engine's place among E: each generate call's seed becomes
         engine_sampling's, as the controller gives an engine group its seed
-        (rank_engines.RankEngines._send), so one engine process samples what one
+        (fleet/engines.py, PeerEngines._send), so one engine process samples what one
         colocated engine does. A failed environment under --on-reward-error fail
         comes back as `reward_error` (the controller raises it: the run's exit 2)."""
         from areno.envs.driver import EpisodeHost

@@ -1,0 +1,110 @@
+"""A peer's command loop, the same for a rank and an engine process: report
+ready, then run `cmd_<name>` of the worker for each command until shutdown or
+EOF. Messages from the controller are small tuples (command, kwargs); replies
+are ("ok", result), ("part", meta) mid-command, or ("err", index, message,
+traceback) (procs/replies.py reads them)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from areno.procs.signals import peer_ignores
+from areno.timing import startup_mark
+
+
+def quiet_peer() -> None:
+    """Process hygiene of a peer, first thing (its threads inherit the signal mask).
+    Ctrl-C, a scheduler's SIGTERM, a closed terminal's SIGHUP reach the whole
+    job; the controller owns shutdown (procs/signals.py). Library output
+    (weight-loading bars, engine logs) goes to RUN_DIR/run.log, or to the
+    terminal with --verbose (areno/rundir/log.py), so it is not silenced here."""
+    peer_ignores()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def serve_worker(make: Callable[[], Any], conn: Connection, index: int, queued: bool = False) -> None:
+    """Build the worker (`make()`), send its hello, then serve its commands. index:
+    how its errors name it (a rank, or engine process i); queued: commands read by
+    a thread of their own as they come (queued_commands: an engine process)."""
+    try:
+        worker = make()
+        worker.emit = lambda part: conn.send(("part", part))
+        startup_mark("peer ready")
+        conn.send(("ok", worker.hello()))
+    except BaseException as e:  # noqa: BLE001 - reported, then exit
+        reply_error(conn, index, e)
+        return
+    recv = queued_commands(conn) if queued else conn.recv
+    while True:
+        try:
+            cmd, kwargs = recv()
+        except (EOFError, OSError):  # controller gone
+            os._exit(4)
+        if cmd == "shutdown":
+            worker.close()
+            conn.send(("ok", None))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)  # nothing left to clean up; skip the slow interpreter teardown
+        try:
+            if kwargs.pop("payload", False):
+                buf = bytearray(kwargs["handoff"].nbytes)
+                conn.recv_bytes_into(buf)
+                kwargs["payload"] = buf
+            result = command_of(worker, cmd)(**kwargs)
+            conn.send(("ok", result))
+        except BaseException as e:  # noqa: BLE001
+            reply_error(conn, index, e)
+
+
+def command_of(worker: Any, cmd: str) -> Callable[..., Any]:
+    """worker.cmd_<cmd>, else the command its hooks add (hooks.command)."""
+    fn = getattr(worker, f"cmd_{cmd}", None)
+    if fn is not None:
+        return fn
+    extra = worker.hooks.command(cmd)
+    if extra is None:
+        raise AttributeError(f"{type(worker).__name__} has no command {cmd!r}")
+    return functools.partial(extra, worker)
+
+
+def queued_commands(conn: Connection) -> Callable[[], tuple]:
+    """An engine process's commands, read by a thread of their own as they come ->
+    the call that takes the next: the controller queues rollouts there while one
+    runs (scheduler.py), and a command bigger than the pipe's buffer must not
+    hold the controller's send until this rollout ends (while its parts fill
+    the other direction). Reading and sending on one pipe from two threads is
+    safe: the two directions share no state."""
+    inbox: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        while True:
+            try:
+                inbox.put(conn.recv())
+            except (EOFError, OSError) as e:
+                inbox.put(e)
+                return
+
+    threading.Thread(target=read, name="areno-engine-commands", daemon=True).start()
+
+    def take() -> tuple:
+        item = inbox.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+    return take
+
+
+def reply_error(conn: Connection, index: int, e: BaseException) -> None:
+    try:
+        conn.send(("err", index, f"{type(e).__name__}: {e}", traceback.format_exc()))
+    except (OSError, EOFError):
+        pass
