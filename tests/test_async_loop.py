@@ -25,11 +25,12 @@ from areno.scheduler import INFLIGHT_FILE, INFLIGHT_META, admitted, load_infligh
 from areno.errors import UserError
 from areno.fleet.engines import Parts
 from areno.rundir.checkpoint import latest_checkpoint, read_state
+from inprocess import run_here
 from test_backend_units import make_split
 from test_demo_learns import MASTERED, WINDOW
 from test_faults import assert_complete, wait_for
 from test_interrupt import interrupt_after, resume_line
-from test_resume import (FLAGS, HF1, REPO, assert_resume_repeats, assert_same_steps, cli, cli_env,
+from test_resume import (FLAGS, HF1, REPO, assert_resume_repeats, assert_same_steps, cli_env,
                          eval_flags, expected_prompt_hashes, ok, popen_train, train_steps)  # noqa: F401 (fixture)
 from test_split_placement import PROMPTS, backend_config, split_placement
 
@@ -162,8 +163,8 @@ def test_a_rollouts_parts_reach_the_controller_while_it_runs_and_while_the_ranks
 
 
 def k1_run(out, areno_cache, *extra: str, steps: int = 6, k: list[str] = K1) -> dict[int, dict]:
-    ok(cli(["train", *HF1, *k, "--max-steps", str(steps), "--seed", "0", "--output-dir", str(out), *extra],
-           areno_cache, timeout=300))
+    ok(run_here(["train", *HF1, *k, "--max-steps", str(steps), "--seed", "0", "--output-dir", str(out),
+                 *extra], areno_cache))
     return train_steps(out)
 
 
@@ -218,8 +219,8 @@ def assert_damaged_inflight_refused(ckpt: Path, where: Path, damage: str, areno_
         npz.unlink()
     else:
         npz.write_bytes(npz.read_bytes()[: npz.stat().st_size // 2])
-    res = cli(["train", *HF1, *K2, "--max-steps", "6", "--seed", "0", "--output-dir", str(where / "run"),
-               "--resume", str(copy)], areno_cache)
+    res = run_here(["train", *HF1, *K2, "--max-steps", "6", "--seed", "0", "--output-dir", str(where / "run"),
+                    "--resume", str(copy)], areno_cache)
     lines = [ln for ln in res.stderr.splitlines() if ln.startswith("areno:")]
     assert res.returncode == 2 and "Traceback" not in res.stderr and len(lines) == 1, res.stderr[-3000:]
     assert f"--resume {copy}: {INFLIGHT_FILE} (the rollouts in flight when it was saved) is {damage}" \
@@ -233,7 +234,7 @@ def test_the_synchronous_loops_resume_test_passes_with_k1(tmp_path, areno_cache,
     first collects the rollout in flight and loads the newest weights."""
     flags = [*FLAGS, *eval_flags, *K1]
     full = tmp_path / "full"
-    ok(cli(["train", *flags, "--keep-last", "0", "--output-dir", str(full)], areno_cache))
+    ok(run_here(["train", *flags, "--keep-last", "0", "--output-dir", str(full)], areno_cache))
     assert train_steps(full)[4]["rollout/policy_lag_max"] == 1
     assert_resume_repeats(full, tmp_path / "resumed", flags, areno_cache)
 
@@ -280,8 +281,8 @@ def test_the_demo_learns_with_k1_and_an_engine_process(tmp_path, areno_cache):
     reward at step 300 is 0.87 (K = 0: 0.80); LEARNED_AT_300 is 0.27 below it. The
     mastery bar at 600 steps is held by K = 4 (below), whose samples are staler."""
     out = tmp_path / "demo"
-    ok(cli(["train", *K1, "--seed", "0", "--max-steps", "300", "--no-save", "--output-dir", str(out)],
-           areno_cache, timeout=1500))
+    ok(run_here(["train", *K1, "--seed", "0", "--max-steps", "300", "--no-save", "--output-dir", str(out)],
+                areno_cache))
     rewards = np.array([r["reward/mean"] for _, r in sorted(train_steps(out).items())])
     assert rewards.size == 300
     early, late = rewards[:WINDOW].mean(), rewards[-WINDOW:].mean()
@@ -296,8 +297,8 @@ def test_the_demo_learns_with_k4(tmp_path, areno_cache):
     ends at 400). Measured at seed 0: 0.057 -> 0.938, the 20-step mean at 0.9
     by step 273; at 600 steps 0.976 (issue 27)."""
     out = tmp_path / "demo"
-    ok(cli(["train", "--rollout-world-size", "1", "--off-policy-steps", "4", "--seed", "0", "--no-save",
-            "--max-steps", "400", "--output-dir", str(out)], areno_cache, timeout=1500))
+    ok(run_here(["train", "--rollout-world-size", "1", "--off-policy-steps", "4", "--seed", "0", "--no-save",
+                 "--max-steps", "400", "--output-dir", str(out)], areno_cache))
     steps = train_steps(out)
     rewards = np.array([r["reward/mean"] for _, r in sorted(steps.items())])
     assert rewards.size == 400 and steps[400]["rollout/policy_lag_max"] == 4

@@ -55,14 +55,15 @@ def test_the_overlong_punishment_reaches_the_advantages_of_a_run(tmp_path, areno
     the logged advantages are those of the punished rewards."""
     import json
 
-    from test_resume import HF1, cli, ok
+    from inprocess import run_here
+    from test_resume import HF1, ok
 
     from areno.advantages import group_advantages
 
     out = tmp_path / "run"
-    ok(cli(["train", *HF1, "--max-steps", "1", "--no-save", "--max-new-tokens", "8",
-            "--overlong-buffer", "1", "--overlong-penalty", "0.5", "--log-completions", "16",
-            "--output-dir", str(out)], areno_cache))
+    ok(run_here(["train", *HF1, "--max-steps", "1", "--no-save", "--max-new-tokens", "8",
+                 "--overlong-buffer", "1", "--overlong-penalty", "0.5", "--log-completions", "16",
+                 "--output-dir", str(out)], areno_cache))
     row = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
     recs = sorted((json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()),
                   key=lambda r: r["sample"])

@@ -5,14 +5,12 @@ one on the terminal every SAMPLE_EVERY steps; and the run's first line says when
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 
 from areno.rundir.completions import sample_indices
 from areno.rundir.reporting import LINE_LIMIT, SAMPLE_EVERY, format_sample_line, limit_note
-from test_resume import REPO, cli_env
+from inprocess import run_here
 
 FIELDS = {"step", "sample", "prompt", "completion", "reward", "advantage", "finish_reason"}
 
@@ -47,9 +45,8 @@ def test_limit_note_names_the_limit_that_cut_the_other():
 
 def test_a_run_writes_its_completions_and_says_when_epochs_cut_max_steps(tmp_path, areno_cache):
     out = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "areno.cli", "train", "--epochs", "1", "--max-steps", "5000",
-                          "--log-completions", "3", "--no-save", "--output-dir", str(out)],
-                         capture_output=True, text=True, cwd=REPO, env=cli_env(areno_cache), timeout=300)
+    res = run_here(["train", "--epochs", "1", "--max-steps", "5000", "--log-completions", "3", "--no-save",
+                    "--output-dir", str(out)], areno_cache)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.splitlines()
     note = ", 3 steps of 16x8 (--epochs 1 over 55 prompts at 16 per step ends before --max-steps 5000);"

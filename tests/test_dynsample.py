@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers import random_batch
-from test_resume import HF1, assert_same_steps, cli, ok, train_steps
+from inprocess import run_here
+from test_resume import HF1, assert_same_steps, ok, train_steps
 
 from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
 from areno.rewards import RewardCounts, RewardResult
@@ -116,7 +117,7 @@ DS = [*HF1, "--seed", "1", "--max-steps", "4"]
 
 def run_demo(tmp_path, cache, name, *extra):
     out = tmp_path / name
-    ok(cli(["train", *DS, *extra, "--output-dir", str(out)], cache))
+    ok(run_here(["train", *DS, *extra, "--output-dir", str(out)], cache))
     return out
 
 
@@ -148,8 +149,8 @@ def test_resume_with_dynamic_sampling_repeats_the_uninterrupted_run(tmp_path, ar
     flags = ["--dynamic-sampling", "reward", "--max-sampling-rounds", "8", "--save-interval", "2",
              "--keep-last", "0"]
     full_dir = run_demo(tmp_path, areno_cache, "full", *flags)
-    res = ok(cli(["train", *DS, *flags, "--resume", str(full_dir / "checkpoints" / "step_000002"),
-                  "--output-dir", str(tmp_path / "resumed")], areno_cache))
+    res = ok(run_here(["train", *DS, *flags, "--resume", str(full_dir / "checkpoints" / "step_000002"),
+                       "--output-dir", str(tmp_path / "resumed")], areno_cache))
     assert "resumed at step 2" in res.stdout
     full, resumed = train_steps(full_dir), train_steps(tmp_path / "resumed")
     assert sum(full[s]["sampling/rounds"] for s in (1, 2)) > 2  # the cursor moved past 2 batches

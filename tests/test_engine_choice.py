@@ -1,8 +1,9 @@
 """--rollout-engine where vLLM does not import (issue 26, 4): given explicitly,
 vllm is a one-line error with exit code 2; only the default falls back to
 transformers, and the start-up line says so. vLLM is made unimportable in the
-CLI's subprocess and in the ranks it spawns by a sitecustomize that sets
-sys.modules["vllm"] = None (`import vllm` then raises ModuleNotFoundError, an ImportError)."""
+ranks the CLI spawns (the engines are built there; the controller never imports
+vLLM: test_engines.py) by a sitecustomize that sets sys.modules["vllm"] = None
+(`import vllm` then raises ModuleNotFoundError, an ImportError)."""
 
 from __future__ import annotations
 
@@ -14,23 +15,21 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from inprocess import run_here
 
 
 def run_without_vllm(tmp_path: Path, tiny_arith_path: Path, *flags: str) -> subprocess.CompletedProcess:
+    """`areno train` (in this process: run_here) whose ranks cannot import vLLM."""
     blocker = tmp_path / "no_vllm"
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['vllm'] = None\n")
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(blocker), os.environ["PYTHONPATH"]]), "COLUMNS": "500",
-           "PYTHONUNBUFFERED": "1"}
     args = ["train", "--ckpt", str(tiny_arith_path), "--dataset-path", str(data), "--reward-fn-path",
             "builtin:arith", "--no-chat-template", "--batch-size", "1", "--n-samples", "2",
             "--max-new-tokens", "2", "--reward-workers", "0", "--max-steps", "1", "--no-save",
             "--output-dir", str(tmp_path / "run"), *flags]
-    return subprocess.run([sys.executable, "-m", "areno.cli", *args], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env=env)
+    return run_here(args, env={"PYTHONPATH": os.pathsep.join([str(blocker), os.environ["PYTHONPATH"]])})
 
 
 def test_the_blocker_makes_vllm_unimportable(tmp_path: Path) -> None:

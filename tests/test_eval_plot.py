@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from areno.rollout.batch import FINISH_STOP, RolloutBatch, offsets_from_lengths
-from test_resume import DIGIT_REWARD, EVAL_ROWS, HF1, cli, ok, read_metrics, train_steps
+from inprocess import run_here
+from test_resume import DIGIT_REWARD, EVAL_ROWS, HF1, ok, read_metrics, train_steps
 
 
 class ScriptedEngine:
@@ -87,9 +88,9 @@ def eval_run(tmp_path_factory, areno_cache) -> tuple[Path, Path, Path]:
     data, plugin, out = d / "eval.jsonl", d / "digit.py", d / "run"
     data.write_text("".join(json.dumps(r) + "\n" for r in EVAL_ROWS))
     plugin.write_text(DIGIT_REWARD)
-    res = ok(cli(["train", *HF1, "--max-steps", "3", "--eval-dataset-path", str(data),
-                  "--eval-interval", "2", "--eval-n", "2", "--reward-fn-path", str(plugin),
-                  "--output-dir", str(out)], areno_cache))
+    res = ok(run_here(["train", *HF1, "--max-steps", "3", "--eval-dataset-path", str(data),
+                       "--eval-interval", "2", "--eval-n", "2", "--reward-fn-path", str(plugin),
+                       "--output-dir", str(out)], areno_cache))
     (out / "stdout.txt").write_text(res.stdout)
     return out, data, plugin
 
@@ -117,10 +118,10 @@ def test_eval_runs_at_step_0_every_interval_and_at_the_end(eval_run):
 def test_eval_only_scores_a_checkpoint_as_the_run_did(eval_run, tmp_path, areno_cache):
     out, data, plugin = eval_run
     ckpt = out / "checkpoints" / "step_000003"
-    res = ok(cli(["train", "--eval-only", "--ckpt", str(ckpt), "--eval-dataset-path", str(data),
-                  "--reward-fn-path", str(plugin), "--no-chat-template", "--max-new-tokens", "3",
-                  "--max-prompt-len", "16", "--rollout-engine", "hf", "--reward-workers", "0",
-                  "--output-dir", str(tmp_path / "ev")], areno_cache))
+    res = ok(run_here(["train", "--eval-only", "--ckpt", str(ckpt), "--eval-dataset-path", str(data),
+                       "--reward-fn-path", str(plugin), "--no-chat-template", "--max-new-tokens", "3",
+                       "--max-prompt-len", "16", "--rollout-engine", "hf", "--reward-workers", "0",
+                       "--output-dir", str(tmp_path / "ev")], areno_cache))
     assert "eval step 0: pass@1" in res.stdout
     records = read_metrics(tmp_path / "ev")
     assert len(records) == 1 and "reward/mean" not in records[0]  # no training

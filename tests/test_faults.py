@@ -29,10 +29,10 @@ import pytest
 from areno.rundir.checkpoint import latest_checkpoint, list_checkpoints, read_state
 from areno.rundir.lock import LOCK_FILE
 from faults import is_peer
+from inprocess import run_here
 from test_resume import (
     HF1,
     REPO,
-    cli,
     cli_env,
     expected_prompt_hashes,
     ok,
@@ -109,7 +109,7 @@ def test_sigkill_mid_step_resumes_from_the_last_complete_checkpoint(tmp_path, ar
     for p in ckpts:
         assert_complete(p)
 
-    res = ok(cli(["train", *flags, "--resume", "latest"], areno_cache))
+    res = ok(run_here(["train", *flags, "--resume", "latest"], areno_cache))
     assert "resumed at step 2" in res.stdout
     steps = train_steps(out)
     assert [r["step"] for r in read_metrics(out) if "reward/mean" in r] == [1, 2, 3]  # no repeats
@@ -137,7 +137,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_and_no_visible_par
     assert latest_checkpoint(root) == root / "step_000001"
     assert_complete(root / "step_000001")
 
-    res = ok(cli(["train", *flags, "--resume", "latest"], areno_cache))
+    res = ok(run_here(["train", *flags, "--resume", "latest"], areno_cache))
     assert "resumed at step 1" in res.stdout
     # leftovers cleaned up; the lock file is the run's (rundir/lock.py: the save path is locked)
     assert sorted(os.listdir(root)) == [LOCK_FILE, "step_000001", "step_000002"]
@@ -163,9 +163,9 @@ def test_hanging_reward_is_killed_at_the_timeout_and_handled_by_policy(policy, t
     plugin.write_text(HANG)
     out = tmp_path / "run"
     t0 = time.monotonic()
-    res = cli(["train", *HF1, "--max-steps", "1", "--no-save", "--output-dir", str(out),
-               "--reward-fn-path", str(plugin), "--reward-workers", "1", "--reward-timeout", "1",
-               "--on-reward-error", policy], areno_cache, timeout=180)
+    res = run_here(["train", *HF1, "--max-steps", "1", "--no-save", "--output-dir", str(out),
+                    "--reward-fn-path", str(plugin), "--reward-workers", "1", "--reward-timeout", "1",
+                    "--on-reward-error", policy], areno_cache)
     assert time.monotonic() - t0 < 120
     if policy == "fail":
         assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
@@ -202,7 +202,7 @@ def test_killed_rank_stops_the_run_within_seconds_cleanly_and_resumably(tmp_path
     assert "rank" in line and "--resume" in line and "step_00000" in line, line
     assert wait_group_gone(proc.pid, 5) == [], "orphan processes after a rank died"
 
-    res = ok(cli(["train", *flags, "--resume", "latest"], areno_cache))
+    res = ok(run_here(["train", *flags, "--resume", "latest"], areno_cache))
     assert "resumed at step" in res.stdout
     assert sorted(train_steps(out)) == [1, 2, 3, 4]
 
@@ -268,7 +268,7 @@ def test_disk_full_while_saving_is_one_clear_error_and_keeps_the_previous_checkp
              "--output-dir", str(tmp_path / "run"), "--save-path", str(save)]
     try:
         if mounted:
-            res = cli(flags, areno_cache)
+            res = run_here(flags, areno_cache)
         else:
             res = subprocess.run([sys.executable, "-c", INJECT_ENOSPC, *flags], capture_output=True,
                                  text=True, timeout=300, cwd=REPO, env=cli_env(areno_cache))
@@ -319,7 +319,7 @@ def test_malformed_row_is_one_line_naming_row_and_field(bad, words, tmp_path, ca
 
 def test_skip_bad_rows_skips_and_counts_them(tmp_path, areno_cache, tiny_arith_path):
     rows = [*GOOD[:2], {"answer": "4"}, {"prompt": 7, "answer": "5"}, *GOOD[2:]]
-    res = ok(cli([*dataset_args(tmp_path, rows, tiny_arith_path), "--skip-bad-rows"], areno_cache))
+    res = ok(run_here([*dataset_args(tmp_path, rows, tiny_arith_path), "--skip-bad-rows"], areno_cache))
     assert f"{len(GOOD)} prompts (0 overlong dropped, 2 malformed rows skipped)" in res.stdout
     assert sorted(train_steps(tmp_path / "run")) == [1]
 

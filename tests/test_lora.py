@@ -243,9 +243,9 @@ def test_fsdp2_and_ddp_make_the_single_rank_lora_update(tiny_chat_path, tmp_path
      "LoRA with --tensor-parallel-size 2"),
 ])
 def test_bad_lora_options_are_one_line_user_errors(args, msg, areno_cache, tmp_path) -> None:
-    from test_resume import cli
+    from inprocess import run_here
 
-    res = cli(["train", *args, "--max-steps", "1", "--output-dir", str(tmp_path / "run")], areno_cache)
+    res = run_here(["train", *args, "--max-steps", "1", "--output-dir", str(tmp_path / "run")], areno_cache)
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and msg in lines[0], res.stderr
@@ -279,15 +279,16 @@ LORA_FLAGS = ["--lora-rank", "8", "--batch-size", "4", "--n-samples", "4", "--ro
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, areno_cache) -> tuple:
     """A 4-step LoRA run of the demo, checkpoints at 2 and 4 (all kept), merged weights too."""
-    from test_resume import cli, ok
+    from inprocess import run_here
+    from test_resume import ok
 
     d = tmp_path_factory.mktemp("lora")
     (d / "eval.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n"
                                           for a, b in [(1, 2), (3, 4), (0, 5), (2, 2)]))
     evalf = ["--eval-dataset-path", str(d / "eval.jsonl"), "--reward-fn-path", "builtin:arith"]
     out = d / "run"
-    res = ok(cli(["train", *LORA_FLAGS, "--keep-last", "0", "--save-merged", "--output-dir", str(out)],
-                 areno_cache))
+    res = ok(run_here(["train", *LORA_FLAGS, "--keep-last", "0", "--save-merged", "--output-dir", str(out)],
+                      areno_cache))
     return out, res, evalf
 
 
@@ -312,12 +313,13 @@ def test_lora_run_logs_its_parameters_and_saves_adapters(lora_run, tiny_arith_pa
 
 def test_lora_resume_repeats_the_uninterrupted_steps(lora_run, tmp_path, areno_cache) -> None:
     from safetensors.numpy import load_file
-    from test_resume import assert_same_steps, cli, ok, train_steps
+    from inprocess import run_here
+    from test_resume import assert_same_steps, ok, train_steps
 
     out, _, _ = lora_run
     ckpt = out / "checkpoints" / "step_000002"
     resumed = tmp_path / "resumed"
-    res = ok(cli(["train", *LORA_FLAGS, "--resume", str(ckpt), "--output-dir", str(resumed)], areno_cache))
+    res = ok(run_here(["train", *LORA_FLAGS, "--resume", str(ckpt), "--output-dir", str(resumed)], areno_cache))
     assert "resumed at step 2" in res.stdout
     full, again = train_steps(out), train_steps(resumed)
     assert sorted(again) == [3, 4]
@@ -330,20 +332,21 @@ def test_lora_resume_repeats_the_uninterrupted_steps(lora_run, tmp_path, areno_c
 
 
 def test_changing_the_lora_rank_on_resume_is_one_line(lora_run, tmp_path, areno_cache) -> None:
-    from test_resume import cli
+    from inprocess import run_here
 
     out, _, _ = lora_run
     flags = [*LORA_FLAGS]
     flags[1] = "16"
-    res = cli(["train", *flags, "--resume", str(out / "checkpoints" / "step_000002"),
-               "--output-dir", str(tmp_path / "r")], areno_cache)
+    res = run_here(["train", *flags, "--resume", str(out / "checkpoints" / "step_000002"),
+                    "--output-dir", str(tmp_path / "r")], areno_cache)
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "--lora-rank 8 -> 16" in lines[0] and "cannot change" in lines[0], res.stderr
 
 
 def test_eval_of_the_adapter_equals_eval_of_its_merged_model(lora_run, tmp_path, areno_cache) -> None:
-    from test_resume import cli, ok, read_metrics
+    from inprocess import run_here
+    from test_resume import ok, read_metrics
 
     out, _, evalf = lora_run
     ckpt = out / "checkpoints" / "step_000004"
@@ -351,8 +354,8 @@ def test_eval_of_the_adapter_equals_eval_of_its_merged_model(lora_run, tmp_path,
               "--reward-workers", "0"]
     evals = []
     for i, path in enumerate((ckpt, ckpt / "merged")):
-        res = ok(cli(["train", "--ckpt", str(path), *common, "--output-dir", str(tmp_path / f"e{i}")],
-                     areno_cache))
+        res = ok(run_here(["train", "--ckpt", str(path), *common, "--output-dir", str(tmp_path / f"e{i}")],
+                          areno_cache))
         assert (f"adapter from {ckpt}" in res.stdout) == (i == 0)
         evals.append({k: v for r in read_metrics(tmp_path / f"e{i}") for k, v in r.items()
                       if k.startswith("eval/")})

@@ -164,12 +164,13 @@ def test_an_adapter_of_some_layers_only_is_refused(tiny_chat_path, tmp_path) -> 
 
 
 def test_a_dora_adapter_on_the_cli_is_one_line_exit_2(tiny_arith_path, tmp_path, areno_cache) -> None:
-    from test_resume import cli
+    from inprocess import run_here
 
     adapter = saved_adapter(tiny_arith_path, tmp_path / "dora", use_dora=True)
     (tmp_path / "eval.jsonl").write_text(json.dumps({"prompt": "1+2=", "answer": "3"}) + "\n")
-    res = cli(["train", "--ckpt", str(adapter), "--eval-only", "--eval-dataset-path", str(tmp_path / "eval.jsonl"),
-               "--reward-fn-path", "builtin:arith", "--output-dir", str(tmp_path / "e")], areno_cache)
+    res = run_here(["train", "--ckpt", str(adapter), "--eval-only", "--eval-dataset-path",
+                    str(tmp_path / "eval.jsonl"), "--reward-fn-path", "builtin:arith",
+                    "--output-dir", str(tmp_path / "e")], areno_cache)
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "sets use_dora=true" in lines[0], res.stderr

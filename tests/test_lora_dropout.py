@@ -73,16 +73,17 @@ def test_cli_resume_of_a_dropout_run_with_recompute_is_exact(tmp_path, areno_cac
     from safetensors.numpy import load_file
 
     import numpy as np
-    from test_resume import assert_same_steps, cli, ok, train_steps
+    from inprocess import run_here
+    from test_resume import assert_same_steps, ok, train_steps
 
     flags = ["--lora-rank", "8", "--lora-dropout", "0.1", "--recompute-logprobs", "--batch-size", "4",
              "--n-samples", "4", "--rollout-engine", "hf", "--world-size", "1", "--seed", "3",
              "--save-interval", "2", "--min-lr-ratio", "1"]  # a flat LR: 2 + 1 steps is 3 steps
     full, cut = tmp_path / "full", tmp_path / "cut"
-    ok(cli(["train", *flags, "--max-steps", "3", "--output-dir", str(full)], areno_cache))
-    ok(cli(["train", *flags, "--max-steps", "2", "--output-dir", str(cut)], areno_cache))
-    res = ok(cli(["train", *flags, "--max-steps", "3", "--resume", "latest", "--output-dir", str(cut)],
-                 areno_cache))
+    ok(run_here(["train", *flags, "--max-steps", "3", "--output-dir", str(full)], areno_cache))
+    ok(run_here(["train", *flags, "--max-steps", "2", "--output-dir", str(cut)], areno_cache))
+    res = ok(run_here(["train", *flags, "--max-steps", "3", "--resume", "latest", "--output-dir", str(cut)],
+                      areno_cache))
     assert "resumed at step 2" in res.stdout
     a, b = train_steps(full), train_steps(cut)
     assert_same_steps(a, b, [1, 2, 3])

@@ -132,10 +132,10 @@ def test_a_tied_lm_head_is_refused(tiny_chat_path, tmp_path) -> None:
     ("all-linear,q_proj", "give it alone or with lm_head"),
 ])
 def test_bad_head_targets_are_one_line_user_errors(targets, msg, areno_cache, tmp_path) -> None:
-    from test_resume import cli
+    from inprocess import run_here
 
     args = ["--lora-rank", "8", "--lora-target-modules", *targets.split(" ")]
-    res = cli(["train", *args, "--max-steps", "1", "--output-dir", str(tmp_path / "run")], areno_cache)
+    res = run_here(["train", *args, "--max-steps", "1", "--output-dir", str(tmp_path / "run")], areno_cache)
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and msg in lines[0], res.stderr

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from test_async_loop import K1, saved_steps
-from test_resume import assert_same_steps, cli, ok, train_steps
+from inprocess import run_here
+from test_resume import assert_same_steps, ok, train_steps
 
 LORA = ["--lora-rank", "8", "--batch-size", "4", "--n-samples", "4", "--rollout-engine", "hf",
         "--world-size", "1", "--seed", "0"]
@@ -18,8 +19,7 @@ KEYS = ("reward/", "train/", "response/", "data/prompt_hash", "offpolicy/")
 
 
 def lora_run(out, areno_cache, *extra: str, steps: int = 4) -> dict[int, dict]:
-    ok(cli(["train", *LORA, "--max-steps", str(steps), "--output-dir", str(out), *extra], areno_cache,
-           timeout=300))
+    ok(run_here(["train", *LORA, "--max-steps", str(steps), "--output-dir", str(out), *extra], areno_cache))
     return train_steps(out)
 
 
@@ -74,8 +74,8 @@ def test_the_lora_demo_learns_with_k1_and_an_engine_process(tmp_path, areno_cach
     from test_lora import LEARN_LATE, LEARN_STEPS, LEARN_WINDOW
 
     out = tmp_path / "demo"
-    ok(cli(["train", "--lora-rank", "8", *K1, "--seed", "0", "--max-steps", str(LEARN_STEPS), "--no-save",
-            "--output-dir", str(out)], areno_cache, timeout=1500))
+    ok(run_here(["train", "--lora-rank", "8", *K1, "--seed", "0", "--max-steps", str(LEARN_STEPS), "--no-save",
+                 "--output-dir", str(out)], areno_cache))
     rewards = np.array([r["reward/mean"] for _, r in sorted(train_steps(out).items())])
     assert rewards.size == LEARN_STEPS
     early, late = rewards[:LEARN_WINDOW].mean(), rewards[-LEARN_WINDOW:].mean()

@@ -10,7 +10,8 @@ import math
 from pathlib import Path
 
 import pytest
-from test_train_e2e import GPU_ONLY_KEYS, areno_train, documented_metric_keys, read_metrics
+from inprocess import run_here
+from test_train_e2e import GPU_ONLY_KEYS, documented_metric_keys, read_metrics
 
 from arenobench.smol import VOCAB_SIZE
 
@@ -116,7 +117,7 @@ def test_real_model_trains_two_steps(engine, dtype, lora, tmp_path, smol_path):
     reaches the engine: a few MiB of the model's 257 (bf16)."""
     data, reward = _write_task(tmp_path)
     run_dir = tmp_path / "run"
-    res = areno_train([
+    res = run_here(["train",
         "--ckpt", str(smol_path), "--dataset-path", str(data), "--reward-fn-path", str(reward),
         "--rollout-engine", engine, "--dtype", dtype, "--system-prompt", SYSTEM,
         "--batch-size", "2", "--n-samples", "2", "--max-new-tokens", "8", "--max-steps", "2",

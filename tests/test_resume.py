@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from areno.rundir.lock import LOCK_FILE
+from inprocess import run_here
 
 # Two vLLM runs on 2 ranks (~2.5 min on 2 busy cores): the fault tier. The default
 # tier resumes exactly too, with the transformers engine (test_async_loop,
@@ -145,8 +146,8 @@ def eval_flags(tmp_path_factory) -> list[str]:
 def uninterrupted(tmp_path_factory, areno_cache, eval_flags) -> Path:
     """4 steps, checkpoints at 2 and 4 (all kept), eval at 0, 2, 4, vLLM rollouts, 2 ranks."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    ok(cli(["train", *FLAGS, *eval_flags, "--keep-last", "0", "--output-dir", str(out)],
-           areno_cache))
+    ok(run_here(["train", *FLAGS, *eval_flags, "--keep-last", "0", "--output-dir", str(out)],
+                areno_cache))
     return out
 
 
@@ -159,7 +160,7 @@ def assert_resume_repeats(uninterrupted: Path, out: Path, flags: list[str], cach
     """Resumed from uninterrupted's step-2 checkpoint with the same flags, the run
     repeats steps 3 and 4 (prompts, metrics, the step-4 eval) and writes the same model."""
     ckpt = uninterrupted / "checkpoints" / "step_000002"
-    res = ok(cli(["train", *flags, "--resume", str(ckpt), "--output-dir", str(out)], cache))
+    res = ok(run_here(["train", *flags, "--resume", str(ckpt), "--output-dir", str(out)], cache))
     assert "resumed at step 2" in res.stdout
     full, resumed = train_steps(uninterrupted), train_steps(out)
     assert sorted(full) == [1, 2, 3, 4] and sorted(resumed) == [3, 4]

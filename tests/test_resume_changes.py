@@ -16,7 +16,8 @@ from areno.errors import UserError
 from areno.config.resume import resume_config
 from test_checkpoint import make_ckpt
 from test_leftovers import dead_pid
-from test_resume import HF1, cli, ok, train_steps
+from inprocess import run_here
+from test_resume import HF1, ok, train_steps
 
 
 def saved_run(tmp_path, **saved) -> TrainConfig:
@@ -52,15 +53,15 @@ def test_restart_before_a_checkpoint_then_a_longer_max_steps_gets_the_longer_run
     # ... by SIGKILL, leaving its hand-off segment behind
     segment = Path("/dev/shm") / f"areno-bk-{dead_pid()}-{os.getpid():08x}-pack"
     segment.write_bytes(b"x" * 4096)
-    res = ok(cli(["train", *HF1, "--max-steps", "2", "--output-dir", str(out)], areno_cache))
+    res = ok(run_here(["train", *HF1, "--max-steps", "2", "--output-dir", str(out)], areno_cache))
     assert "stopped before its first checkpoint (its metrics kept as metrics.1.jsonl): starting it " \
         "again from step 0" in res.stdout
     assert not segment.exists() and segment.name in res.stdout  # removed at the start
     assert sorted(train_steps(out)) == [1, 2]
 
     # Only --max-steps given: the rest (engine, batch shape, LR) is the checkpoint's.
-    res = ok(cli(["train", "--output-dir", str(out), "--resume", "latest", "--max-steps", "4"],
-                 areno_cache))
+    res = ok(run_here(["train", "--output-dir", str(out), "--resume", "latest", "--max-steps", "4"],
+                      areno_cache))
     assert "areno: resuming with --max-steps 2 -> 4" in res.stdout
     config = yaml.safe_load((out / "config.yaml").read_text())
     assert (config["max_steps"], config["batch_size"], config["rollout_engine"]) == (4, 4, "hf")
@@ -74,6 +75,6 @@ def test_restart_before_a_checkpoint_then_a_longer_max_steps_gets_the_longer_run
     for k in (3, 4):
         assert math.isclose(steps[k]["train/lr"], 3e-4 * f(k - 1), rel_tol=1e-6), k
 
-    res = cli(["train", "--output-dir", str(out), "--resume", "latest", "--lr", "1e-5"], areno_cache)
+    res = run_here(["train", "--output-dir", str(out), "--resume", "latest", "--lr", "1e-5"], areno_cache)
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert res.stderr.startswith("areno: error: --resume: --lr 0.0003 -> 1e-05: this option cannot")

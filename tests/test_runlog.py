@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+from inprocess import run_here
 from test_resume import HF1, REPO, SMALL, cli, ok
 
 SNIPPET = textwrap.dedent("""
@@ -81,7 +82,8 @@ def test_every_weight_sync_is_a_line_in_run_log(tmp_path, areno_cache, placement
     import re
 
     out = tmp_path / "run"
-    ok(cli(["train", *HF1, "--max-steps", "2", "--no-save", *placement, "--output-dir", str(out)], areno_cache))
+    ok(run_here(["train", *HF1, "--max-steps", "2", "--no-save", *placement, "--output-dir", str(out)],
+                areno_cache))
     lines = [ln for ln in (out / "run.log").read_text().splitlines() if ln.startswith("areno: weight sync ")]
     # colocated: after each update; split: rollout 2 loads v1 (rollout 1 samples the loaded model)
     assert len(lines) == (1 if placement else 2), lines

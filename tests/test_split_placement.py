@@ -16,7 +16,8 @@ import pytest
 
 from helpers import rank_debug
 from test_backend_units import make_split
-from test_resume import SMALL, cli, ok
+from inprocess import run_here
+from test_resume import SMALL, ok
 
 PROMPTS = (np.array([5, 12, 3, 13, 7, 9], np.int32), np.array([0, 2, 4, 6]))
 
@@ -210,8 +211,8 @@ def test_demo_with_an_engine_process_follows_the_colocated_learning_curve(tmp_pa
     thread count. A sync that left the engine behind diverges at step 2."""
     def run(name: str, extra: list[str]) -> list[dict]:
         out = tmp_path / name
-        ok(cli(["train", *SMALL, "--rollout-engine", "hf", "--world-size", "1", "--max-steps", "6",
-                "--seed", "0", "--no-save", "--output-dir", str(out), *extra], areno_cache, timeout=240))
+        ok(run_here(["train", *SMALL, "--rollout-engine", "hf", "--world-size", "1", "--max-steps", "6",
+                     "--seed", "0", "--no-save", "--output-dir", str(out), *extra], areno_cache))
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         return [{k: v for k, v in r.items() if k.startswith(("reward/", "train/loss", "response/"))} for r in rows]
 

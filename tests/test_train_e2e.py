@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from inprocess import run_here
+
 REPO = Path(__file__).resolve().parents[1]
 README_KEYS_SECTION = "Metrics per step"
 GPU_ONLY_KEYS = {"perf/mfu", "perf/peak_gpu_mem_gb"}
@@ -30,6 +32,7 @@ def documented_metric_keys() -> list[str]:
 
 
 def areno_train(args: list[str], env_extra: dict | None = None, timeout: float = 600):
+    """`python -m areno.cli train ARGS`: the real CLI's process (run_here runs it in this one)."""
     env = dict(os.environ)
     env.update(env_extra or {})
     return subprocess.run(
@@ -61,7 +64,7 @@ def test_gsm8k_two_steps(engine, tmp_path, tiny_chat_path):
     data = tmp_path / "gsm8k.jsonl"
     write_gsm8k_rows(data)
     run_dir = tmp_path / "run"
-    res = areno_train([
+    res = run_here(["train",
         "--ckpt", str(tiny_chat_path), "--dataset-path", str(data),
         "--reward-fn-path", str(REPO / "examples/math/math_verify_reward.py"),
         "--dataset-loader-fn", str(REPO / "examples/math/dataset_loader.py"),
@@ -124,10 +127,10 @@ def test_reward_plugin_that_raises_stops_with_sample_index(tmp_path, tiny_chat_p
                             for i in range(4)))
     plugin = tmp_path / "r.py"
     plugin.write_text("def reward_fn(r):\n    raise ValueError('broken plugin')\n")
-    res = areno_train(["--ckpt", str(tiny_chat_path), "--dataset-path", str(data),
-                       "--reward-fn-path", str(plugin), "--output-dir", str(tmp_path / "run"),
-                       "--no-chat-template", "--batch-size", "2", "--n-samples", "2",
-                       "--max-new-tokens", "4", "--rollout-engine", "hf", "--reward-workers", "1"])
+    res = run_here(["train", "--ckpt", str(tiny_chat_path), "--dataset-path", str(data),
+                    "--reward-fn-path", str(plugin), "--output-dir", str(tmp_path / "run"),
+                    "--no-chat-template", "--batch-size", "2", "--n-samples", "2",
+                    "--max-new-tokens", "4", "--rollout-engine", "hf", "--reward-workers", "1"])
     assert res.returncode == 2, res.stderr[-2000:]
     err = [line for line in res.stderr.splitlines() if line.startswith("areno: error:")]
     assert len(err) == 1 and "broken plugin" in err[0] and "sample" in err[0]
