@@ -138,7 +138,6 @@ class _Anchor:
     including an answered turn, and how many segments it held then."""
 
     messages: tuple[Message, ...]  # the call's messages + the assistant message answered
-    raw: tuple[dict, ...]  # the same, as sent (to render them)
     tools: str
     segments: int
     stopped: bool  # the turn ended with eos (the template's end marker was sampled)
@@ -193,7 +192,9 @@ class AgentTrajectory:
             a = self.anchors[k]
             if a.tools != tnorm or len(norm) <= len(a.messages) or norm[:len(a.messages)] != a.messages:
                 continue
-            history = self.renderer.render(list(a.raw), tools, generation_prompt=False)
+            # the call's own copy of the history (equal to the anchor's once normalized):
+            # the template renders it as the prefix of the whole call, or does not
+            history = self.renderer.render(messages[:len(a.messages)], tools, generation_prompt=False)
             end = self.renderer.end_text
             if not (full.startswith(history) and history.endswith(end)):
                 break  # the template rewrites earlier turns: no prefix to keep
@@ -239,15 +240,14 @@ class AgentTrajectory:
     def answer_text(self, prompt: str, completion: str, ids: np.ndarray, logprobs: np.ndarray) -> None:
         """Record a sampled completion of /v1/completions (see answer)."""
         self._append(np.asarray(ids, np.int32), np.asarray(logprobs, np.float32), 1)
-        self.anchors.append(_Anchor((), (), "", len(self.ids), False, prompt + completion))
+        self.anchors.append(_Anchor((), "", len(self.ids), False, prompt + completion))
 
     def answer(self, messages: list[dict], tools: list[dict] | None, reply: dict,
                ids: np.ndarray, logprobs: np.ndarray, stopped: bool) -> None:
         """Record a sampled turn ([k] int32 ids, [k] float32 log-probs) and the
         assistant message it was answered with, as an anchor for the next call."""
         self._append(np.asarray(ids, np.int32), np.asarray(logprobs, np.float32), 1)
-        raw = tuple(messages) + (reply,)
-        self.anchors.append(_Anchor(normalize(list(raw)), raw, normalize_tools(tools), len(self.ids), stopped))
+        self.anchors.append(_Anchor(normalize(list(messages) + [reply]), normalize_tools(tools), len(self.ids), stopped))
 
     def _append(self, ids: np.ndarray, lps: np.ndarray, mask: int) -> None:
         if ids.size:
