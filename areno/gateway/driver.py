@@ -186,6 +186,7 @@ class AgentDriver:
         room = min(self.budget - tr.length, self.engine.max_model_len - tr.context().size)
         if tr.turns >= self.bounds.max_turns or room < 1:
             self._limit(i, token=room < 1)
+            self.out.refused += 1
             call.answer.set_result((200, self._response(call, "", [], "length", 0)))
             return None
         asked = b.get("max_completion_tokens") or b.get("max_tokens") or self.sampling.max_tokens
