@@ -8,7 +8,7 @@ no tool call: that turn's text is the final answer, scored with math-verify
     areno train --ckpt SMOLLM2_DIR --dataset-path gsm8k:main \\
         --dataset-loader-fn examples/math/dataset_loader.py \\
         --agent-path examples/agents/calculator.py --max-turns 4 --max-new-tokens 128 \\
-        --reward-workers 8
+        --reward-workers 8 --reward-timeout 600
 
 Tool calls are read from the policy's text by vLLM's hermes parser
 (--agent-tool-parser hermes: <tool_call>{"name": ..., "arguments": ...}</tool_call>).
