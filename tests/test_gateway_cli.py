@@ -49,15 +49,31 @@ def test_agent_with_an_env_or_a_reward_plugin_and_its_options_alone_are_refused(
 
 
 def test_the_demo_trains_the_guess_game_as_an_openai_client_agent(tmp_path):
-    """Two steps of examples/agents/guess.py on the embedded demo through the CLI:
-    the completions file shows whole conversations, the metrics the gateway's counts."""
+    """Two steps of examples/agents/guess.py on the embedded demo through the CLI,
+    with dynamic sampling and eval (rounds of the same producer): the completions
+    file shows whole conversations, the metrics the gateway's counts."""
+    from areno.cli import main
+
+    out, evalset = tmp_path / "run", tmp_path / "eval.jsonl"
+    evalset.write_text('{"prompt": "1+2=", "answer": "3"}\n{"prompt": "4+4=", "answer": "8"}\n')
+    rc = main(["train", "--agent-path", str(GUESS), "--max-turns", "2", "--max-steps", "2", "--batch-size", "4",
+               "--reward-workers", "4", "--log-completions", "4", "--output-dir", str(out), "--no-save",
+               "--eval-dataset-path", str(evalset), "--eval-interval", "2"])
+    assert rc in (0, None)
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/pass@1" in m for m in steps)
+    recs = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
+    assert any("[env: :" in r["completion"] for r in recs), recs  # a wrong first guess, then the secret
+    m = [m for m in steps if "agent/calls" in m][-1]  # the last training step (eval lines follow)
+    assert m["agent/calls"] >= 32 and m["agent/branches"] == 0 and 1.0 <= m["env/turns_mean"] <= 2.0
+
+
+def test_dynamic_sampling_takes_rounds_of_agent_runs(tmp_path):
     from areno.cli import main
 
     out = tmp_path / "run"
-    rc = main(["train", "--agent-path", str(GUESS), "--max-turns", "2", "--max-steps", "2", "--batch-size", "4",
-               "--reward-workers", "4", "--log-completions", "4", "--output-dir", str(out), "--no-save"])
+    rc = main(["train", "--agent-path", str(GUESS), "--max-turns", "2", "--max-steps", "1", "--batch-size", "4",
+               "--reward-workers", "4", "--output-dir", str(out), "--no-save", "--dynamic-sampling", "reward"])
     assert rc in (0, None)
-    recs = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
-    assert any("[env: :" in r["completion"] for r in recs), recs  # a wrong first guess, then the secret
     m = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    assert m["agent/calls"] >= 32 and m["agent/branches"] == 0 and 1.0 <= m["env/turns_mean"] <= 2.0
+    assert m["sampling/rounds"] >= 1 and m["sampling/groups_kept"] >= 1
