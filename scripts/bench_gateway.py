@@ -14,7 +14,10 @@ overhead: one agent run alone. The contexts the engine got are replayed
   client   mean latency of a call as the agent sees it (HTTP, JSON, the
            chat template, the prefix check, the tool parser, the engine)
   engine   mean time of the same generate call made directly
-  overhead client - engine, per call
+  in the driver  the same generate call's time inside the gateway's driver
+  overhead client - engine, per call; and client - the call in the driver
+           (what the gateway adds around the engine: HTTP, JSON, rendering)
+Every figure is the median over --repeats rounds, the scenarios round-robin.
 concurrency: --runs agent runs with --workers workers, turns and eager schedule:
   T (the rollout's wall time), G (inside the engine), idle (the engine had
   nothing to generate: env/engine_idle_s), idle / T.
@@ -80,31 +83,29 @@ def rollout(engine, pool, server, tok, rows, schedule_eager: bool, max_tokens: i
     return out, time.perf_counter() - t0
 
 
-def overhead(engine, pool, server, tok, args, d: Path) -> dict:
-    client, direct, inside = [], [], []
-    for r in range(args.repeats):
-        timed = Timed(engine)
-        rollout(timed, pool, server, tok, [{"calls": args.calls, "out": str(d / f"lat{r}")}], False,
-                args.max_tokens)
-        client += json.loads((d / f"lat{r}.0").read_text())
-        inside += [c[3] for c in timed.calls]
-        for ids, off, s, _, want in timed.calls:  # the same calls, straight to the engine
-            t0 = time.perf_counter()
-            got = np.concatenate([p.response_ids for _, p in engine.generate_stream(ids, off, 1, s)])
-            direct.append(time.perf_counter() - t0)
-            assert np.array_equal(got, want), "the direct call sampled other tokens"
-    c, e = float(np.mean(client)), float(np.mean(direct))
-    return {"client_s": c, "engine_s": e, "engine_in_driver_s": float(np.mean(inside)), "overhead_s": c - e,
-            "overhead_share": (c - e) / c, "calls": len(client)}
+def overhead_once(engine, pool, server, tok, args, d: Path, r: int) -> dict:
+    """One agent run alone through the gateway, then its calls straight to the engine."""
+    timed = Timed(engine)
+    rollout(timed, pool, server, tok, [{"calls": args.calls, "out": str(d / f"lat{r}")}], False, args.max_tokens)
+    client = json.loads((d / f"lat{r}.0").read_text())
+    direct = []
+    for ids, off, s, _, want in timed.calls:  # the same calls, straight to the engine
+        t0 = time.perf_counter()
+        got = np.concatenate([p.response_ids for _, p in engine.generate_stream(ids, off, 1, s)])
+        direct.append(time.perf_counter() - t0)
+        assert np.array_equal(got, want), "the direct call sampled other tokens"
+    return {"client_s": float(np.mean(client)), "engine_s": float(np.mean(direct)),
+            "engine_in_driver_s": float(np.mean([c[3] for c in timed.calls]))}
 
 
-def concurrency(engine, pool, server, tok, args) -> dict:
-    out = {}
-    for eager in (False, True):
-        res, T = rollout(engine, pool, server, tok, [{"calls": args.calls}] * args.runs, eager, args.max_tokens)
-        out["eager" if eager else "turns"] = {"T": T, "G": res.generate_s, "idle": res.engine_idle_s,
-                                              "idle/T": res.engine_idle_s / T, "rounds": res.rounds}
-    return out
+def concurrency_once(engine, pool, server, tok, args, eager: bool) -> dict:
+    res, T = rollout(engine, pool, server, tok, [{"calls": args.calls}] * args.runs, eager, args.max_tokens)
+    return {"T": T, "G": res.generate_s, "idle": res.engine_idle_s, "idle/T": res.engine_idle_s / T,
+            "rounds": res.rounds}
+
+
+def median(rows: list[dict]) -> dict:
+    return {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
 
 
 def main() -> None:
@@ -130,17 +131,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         agent = Path(d) / "agent.py"
         agent.write_text(AGENT)
-        with EnvPool(str(agent), workers=1, timeout=300, kind="agent") as pool:
-            pool.warm()
-            over = overhead(engine, pool, server, tok, args, Path(d))
+        over, conc = [], {"turns": [], "eager": []}
+        # One pool of --workers: the overhead run uses one of them. Scenarios round-robin,
+        # so a busy neighbour slows each of them alike; medians over --repeats.
         with EnvPool(str(agent), workers=args.workers, timeout=300, kind="agent") as pool:
             pool.warm()
-            conc = concurrency(engine, pool, server, tok, args)
+            for r in range(args.repeats):
+                over.append(overhead_once(engine, pool, server, tok, args, Path(d), r))
+                for k in conc:
+                    conc[k].append(concurrency_once(engine, pool, server, tok, args, k == "eager"))
+        over = median(over) | {"calls": args.calls * args.repeats}
+        over["overhead_s"] = over["client_s"] - over["engine_s"]
+        over["overhead_share"] = over["overhead_s"] / over["client_s"]
+        over["gateway_s"] = over["client_s"] - over["engine_in_driver_s"]  # HTTP, render, prefix check
+        conc = {k: median(v) for k, v in conc.items()}
     server.close()
     print(f"overhead: {over['calls']} calls of {args.max_tokens} tokens, tiny chat model, transformers engine")
     print(f"  client {over['client_s'] * 1e3:8.2f} ms   engine {over['engine_s'] * 1e3:8.2f} ms   "
           f"(in the driver {over['engine_in_driver_s'] * 1e3:.2f} ms)   overhead "
-          f"{over['overhead_s'] * 1e3:8.2f} ms per call ({over['overhead_share']:.0%} of a call)")
+          f"{over['overhead_s'] * 1e3:8.2f} ms per call ({over['overhead_share']:.0%} of a call); "
+          f"outside the engine call {over['gateway_s'] * 1e3:.2f} ms")
     print(f"concurrency: {args.runs} runs x {args.calls} calls, {args.workers} workers")
     for k, m in conc.items():
         print(f"  {k:>6}: T {m['T']:6.2f} s  G {m['G']:6.2f} s  idle {m['idle']:6.2f} s  "
