@@ -29,8 +29,31 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add tw
           "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
 
 
+def parallel(task, client):
+    """Two calls of one run at once: the second is refused (409), the first answered."""
+    import openai
+    from concurrent.futures import ThreadPoolExecutor
+
+    msgs = [{"role": "user", "content": task.row["q"]}]
+    if task.index == 1:  # under turns, run 0's first call waits for this one's: meanwhile its second comes
+        import time
+        time.sleep(1.0)
+        client.chat.completions.create(model=task.model, messages=msgs, max_tokens=3)
+        return 0.0
+    def one(_):
+        try:
+            client.chat.completions.create(model=task.model, messages=msgs, max_tokens=3)
+            return 0
+        except openai.ConflictError:
+            return 1
+    with ThreadPoolExecutor(2) as ex:
+        return float(sum(ex.map(one, range(2))))
+
+
 def agent(task):
     client = OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    if task.row.get("parallel"):
+        return parallel(task, client)
     msgs = [{"role": "system", "content": "You can call add."}, {"role": "user", "content": task.row["q"]}]
     for k in range(3):  # three turns, each answered with a tool result
         r = client.chat.completions.create(model=task.model, messages=msgs, tools=TOOLS, max_tokens=5)
@@ -123,6 +146,12 @@ def test_a_failing_agent_is_the_fail_policys(chat, tmp_path):
     assert out.scored.rewards.tolist() == [0.0, 0.0] and out.scored.valid.all()
     with pytest.raises(RewardError, match="agent broke"):
         _run(engine, tok, tmp_path, [{"q": "2+3?", "fail": True}], 2)
+
+
+def test_a_second_call_of_a_run_while_one_waits_is_refused(chat, tmp_path):
+    engine, tok = chat
+    out, trace = _run(engine, tok, tmp_path, [{"q": "2+3?", "parallel": True}], 2)
+    assert out.scored.rewards.tolist() == [1.0, 0.0] and out.turns.tolist() == [1, 1] and out.refused == 1
 
 
 def test_the_turn_limit_answers_empty_and_ends_the_trajectory_as_length(chat, tmp_path):

@@ -75,6 +75,7 @@ class AgentDriver:
         self.reward = np.zeros(n, np.float64)
         self.valid = np.ones(n, bool)
         self.finish = np.full(n, FINISH_STOP, np.uint8)
+        self.busy: set[int] = set()  # runs with a call waiting for its turn
         self.limited = np.zeros(n, bool)  # a turn or token limit ended it: calls answered empty
         self.cut = np.zeros(n, bool)
         self.counts, self.messages = RewardCounts(), []
@@ -168,6 +169,9 @@ class AgentDriver:
         b, tr = call.body, self.traj[i]
         if int(b.get("n", 1) or 1) != 1:
             raise GatewayError(400, "n must be 1: each agent call samples one turn of its trajectory")
+        if i in self.busy:  # one trajectory, one turn at a time: a second call would fork it
+            raise GatewayError(409, "this agent run already has a call waiting: one call at a time per run "
+                                    "(each run is one trajectory; start a run per conversation)")
         if self.limited[i]:
             self.out.refused += 1
             call.answer.set_result((200, self._response(call, "", [], "length", 0)))
@@ -190,6 +194,7 @@ class AgentDriver:
             call.answer.set_result((200, self._response(call, "", [], "length", 0)))
             return None
         asked = b.get("max_completion_tokens") or b.get("max_tokens") or self.sampling.max_tokens
+        self.busy.add(i)
         return _Waiting(call, i, int(max(1, min(int(asked), self.sampling.max_tokens, room))))
 
     def _limit(self, i: int, token: bool) -> None:
@@ -220,6 +225,7 @@ class AgentDriver:
         a, b = part.response_offsets[j], part.response_offsets[j + 1]
         ids, lps = part.response_ids[a:b].copy(), part.response_logprobs[a:b].copy()
         i, tr, body = w.run, self.traj[w.run], w.call.body
+        self.busy.discard(i)
         eos = getattr(self.renderer.tokenizer, "eos_token_id", None)
         stopped = bool(ids.size) and eos is not None and int(ids[-1]) == int(eos)
         text = self.renderer.tokenizer.decode(ids, skip_special_tokens=True)
