@@ -121,3 +121,24 @@ def test_normalize_ignores_ids_spacing_and_absent_fields():
 def test_common_prefix():
     rows = [np.array([1, 2, 3, 4]), np.array([1, 2, 5]), np.array([1, 2, 3])]
     assert common_prefix(rows) == 2 and common_prefix(rows[::2]) == 3 and common_prefix([]) == 0
+
+
+def test_a_groups_prompt_is_the_prefix_its_runs_share_and_a_run_off_it_is_not_trained():
+    from areno.gateway.driver import trajectories_batch
+
+    def run(base, turn):
+        t = AgentTrajectory(renderer=None)  # type: ignore[arg-type]  # the arrays only
+        t.base = np.array(base, np.int32)
+        t._append(np.array(turn, np.int32), np.full(len(turn), -1.0, np.float32), 1)
+        return t
+
+    runs = [run([1, 2, 3, 4], [9]), run([1, 2, 5], [8, 8]), run([7, 2], [6])]
+    batch, exact = trajectories_batch(runs, np.array([0, 0, 0]),
+                                      np.zeros(3, np.uint8), np.zeros(3, bool))
+    assert batch.prompt_tokens(0).tolist() == [1] and exact.tolist() == [True, True, False]
+    batch, exact = trajectories_batch(runs[:2], np.array([0, 0]), np.zeros(2, np.uint8), np.zeros(2, bool))
+    assert batch.prompt_tokens(0).tolist() == [1, 2] and exact.all()
+    # the rest of each base leads its response, untrained; then the sampled turn, trained
+    assert batch.response_tokens(0).tolist() == [3, 4, 9] and batch.response_tokens(1).tolist() == [5, 8, 8]
+    assert batch.response_mask.tolist() == [0, 0, 1, 0, 1, 1]
+    assert batch.response_logprobs.tolist() == [0, 0, -1, 0, -1, -1]

@@ -15,7 +15,7 @@ import queue
 import socket
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,14 @@ class Call:
     kind: str
     body: dict
     answer: Future = field(default_factory=Future)  # -> (status code, JSON body)
+
+    def reply(self, status: int, body: dict) -> None:
+        """Answer the call, unless its request is gone (its handler cancelled the
+        future: the agent's worker was killed, or the server stopped)."""
+        try:
+            self.answer.set_result((status, body))
+        except InvalidStateError:
+            pass
 
 
 class GatewayError(Exception):

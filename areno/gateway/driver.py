@@ -31,8 +31,7 @@ from areno.gateway.plugin import AgentTask
 from areno.gateway.tools import ToolCallParser
 from areno.metrics import agent_metrics
 from areno.rewards.plugin import RewardCounts, RewardResult
-from areno.rollout.batch import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutBatch, csr_take,
-                                 offsets_from_lengths)
+from areno.rollout.batch import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutBatch, offsets_from_lengths
 from areno.rollout.engine import SamplingConfig, prompt_seeds
 
 _FINISH = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ABORT: "stop"}
@@ -152,17 +151,17 @@ class AgentDriver:
         """A call -> a turn to generate, or answered at once (a limit, a bad request)."""
         i = self.run_of.get(call.key)
         if i is None:  # a key of a rollout already over
-            call.answer.set_result((401, error_body("this agent run is over", "authentication_error")))
+            call.reply(401, error_body("this agent run is over", "authentication_error"))
             return None
         self.out.calls += 1
         try:
             return self._prepare(i, call)
         except GatewayError as e:
             self.out.refused += 1
-            call.answer.set_result((e.status, error_body(str(e))))
+            call.reply(e.status, error_body(str(e)))
         except Exception as e:  # noqa: BLE001 - a template that cannot render the request
             self.out.refused += 1
-            call.answer.set_result((400, error_body(f"cannot render the request: {type(e).__name__}: {e}")))
+            call.reply(400, error_body(f"cannot render the request: {type(e).__name__}: {e}"))
         return None
 
     def _prepare(self, i: int, call: Call) -> _Waiting | None:
@@ -174,7 +173,7 @@ class AgentDriver:
                                     "(each run is one trajectory; start a run per conversation)")
         if self.limited[i]:
             self.out.refused += 1
-            call.answer.set_result((200, self._response(call, "", [], "length", 0)))
+            call.reply(200, self._response(call, "", [], "length", 0))
             return None
         if call.kind == "chat":
             if not isinstance(b.get("messages"), list) or not b["messages"]:
@@ -191,7 +190,7 @@ class AgentDriver:
         if tr.turns >= self.bounds.max_turns or room < 1:
             self._limit(i, token=room < 1)
             self.out.refused += 1
-            call.answer.set_result((200, self._response(call, "", [], "length", 0)))
+            call.reply(200, self._response(call, "", [], "length", 0))
             return None
         asked = b.get("max_completion_tokens") or b.get("max_tokens") or self.sampling.max_tokens
         self.busy.add(i)
@@ -243,9 +242,9 @@ class AgentDriver:
         self.out.sampled[i].append(ids)
         self.out.completions[i].append(text)
         finish = "tool_calls" if calls and reason == "stop" else reason
-        w.call.answer.set_result((200, self._response(w.call, text if w.call.kind != "chat" else content,
-                                                      calls, finish, int(ids.size),
-                                                      int(tr.context().size) - int(ids.size))))
+        shown = text if w.call.kind != "chat" else content
+        w.call.reply(200, self._response(w.call, shown, calls, finish, int(ids.size),
+                                         int(tr.context().size) - int(ids.size)))
 
     def _response(self, call: Call, text: str | None, calls: list, finish: str, n_out: int,
                   n_in: int = 0) -> dict:
@@ -278,7 +277,9 @@ class AgentDriver:
         out.turns = np.array([t.turns for t in self.traj], np.int64)
         out.branches = sum(t.branches for t in self.traj)
         out.dropped_turns = sum(t.dropped_turns for t in self.traj)
-        out.batch = trajectories_batch(self.traj, self.groups, self.finish, self.cut)
+        out.batch, exact = trajectories_batch(self.traj, self.groups, self.finish, self.cut)
+        self.valid &= exact
+        self.reward[~exact] = np.nan
         out.scored = RewardResult(self.reward.astype(np.float32), self.valid, self.counts,
                                   tuple(self.messages[:5]))
         assert out.batch.num_responses == n
@@ -286,13 +287,17 @@ class AgentDriver:
 
 
 def trajectories_batch(traj: list[AgentTrajectory], group_index: np.ndarray, finish: np.ndarray,
-                       cut: np.ndarray) -> RolloutBatch:
+                       cut: np.ndarray) -> tuple[RolloutBatch, np.ndarray]:
     """The agent runs as one RolloutBatch: each group's prompt is the longest
     token prefix its runs' bases share (a group's runs usually send the same first
     conversation: then it is all of it); the rest of a base leads its response
-    as observation tokens (mask 0), then the sampled and observation segments."""
+    as observation tokens (mask 0), then the sampled and observation segments.
+    -> (batch, exact [N] bool): False for a run whose base does not start with its
+    group's prompt (runs that disagree on the very first token; the prompt must
+    be one token at least), which would train on a context the engine never saw."""
     groups = int(group_index.max()) + 1 if group_index.size else 0
-    prompts, resp, lps, masks = [], [], [], []
+    prompts, resp = [], []
+    exact = np.ones(len(traj), bool)
     for g in range(groups):
         members = np.flatnonzero(group_index == g).tolist()
         bases = [traj[i].base for i in members if traj[i].base.size]
@@ -300,6 +305,7 @@ def trajectories_batch(traj: list[AgentTrajectory], group_index: np.ndarray, fin
         head = bases[0][:keep] if bases else np.zeros(1, np.int32)  # a group with no call: never trained
         prompts.append(head)
         for i in members:
+            exact[i] = traj[i].base.size >= keep and np.array_equal(traj[i].base[:keep], head)
             rest = traj[i].base[keep:]  # empty for a run that made no call
             ids, lp, m = traj[i].arrays()
             resp.append((np.concatenate([rest, ids]), np.concatenate([np.zeros(rest.size, np.float32), lp]),
@@ -313,7 +319,7 @@ def trajectories_batch(traj: list[AgentTrajectory], group_index: np.ndarray, fin
         response_ids=cat(0, np.int32), response_offsets=offsets_from_lengths(np.array([r[0].size for r in ordered], np.int64)),
         response_logprobs=cat(1, np.float32), group_index=np.asarray(group_index, np.int64),
         finish_reason=np.asarray(finish, np.uint8), response_mask=cat(2, np.uint8),
-        turn_cut=np.asarray(cut, bool))
+        turn_cut=np.asarray(cut, bool)), exact
 
 
 def rollout_agents(engine: Any, pool: EnvPool, server: GatewayServer, renderer: ChatRenderer,
