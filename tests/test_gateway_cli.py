@@ -29,6 +29,7 @@ def agent(tmp_path):
     (GOOD, ["--reward-workers", "0"], "--reward-workers 0"),
     (GOOD, ["--rollout-world-size", "1"], "drop --rollout-world-size"),
     (GOOD, ["--max-trajectory-tokens", "1"], "below --max-new-tokens"),
+    (GOOD, ["--agent-tool-parser", "nosuch"], "--agent-tool-parser nosuch: vLLM has no such tool parser"),
 ])
 def test_agent_mistakes_are_one_line(tmp_path, capsys, source, extra, message):
     p = tmp_path / "agent.py"

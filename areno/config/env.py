@@ -1,5 +1,6 @@
 """The options of multi-turn environments (--env-path, --max-turns,
---max-trajectory-tokens, --env-reward, --env-schedule) and their rules. TrainConfig inherits
+--max-trajectory-tokens, --env-reward, --env-schedule) and of agents through the
+gateway (--agent-path, --agent-tool-parser: areno/gateway/), and their rules. TrainConfig inherits
 the fields (one declaration, flags and YAML alike); the driver is
 areno/envs/driver.py. No torch here: the config is read before anything heavy.
 """
