@@ -17,7 +17,7 @@ GUESS = Path(__file__).resolve().parents[1] / "examples" / "agents" / "guess.py"
 @pytest.mark.timeout(1800)
 def test_the_tiny_model_learns_to_read_the_agents_reply(tmp_path):
     out = tmp_path / "run"
-    rc = main(["train", "--agent-path", str(GUESS), "--max-turns", "2", "--max-steps", "150", "--lr", "1e-3",
+    rc = main(["train", "--agent-path", str(GUESS), "--max-turns", "2", "--max-steps", "200", "--lr", "1e-3",
                "--reward-workers", "8", "--output-dir", str(out), "--no-save"])
     assert rc in (0, None)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]

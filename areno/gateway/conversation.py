@@ -116,8 +116,9 @@ class ChatRenderer:
                     "name": f.get("name"), "arguments": _arguments(f.get("arguments"))}} for c, f in zip(calls, fns)]
             else:
                 out.pop("tool_calls")
-                written = "".join(f'<tool_call>\n{json.dumps({"name": f.get("name"), "arguments": _arguments(f.get("arguments"))})}\n</tool_call>'
-                                  for f in fns)
+                bodies = [json.dumps({"name": f.get("name"), "arguments": _arguments(f.get("arguments"))})
+                          for f in fns]
+                written = "".join(f"<tool_call>\n{b}\n</tool_call>" for b in bodies)
                 out["content"] = out["content"] + written
         return out
 
@@ -247,7 +248,8 @@ class AgentTrajectory:
         """Record a sampled turn ([k] int32 ids, [k] float32 log-probs) and the
         assistant message it was answered with, as an anchor for the next call."""
         self._append(np.asarray(ids, np.int32), np.asarray(logprobs, np.float32), 1)
-        self.anchors.append(_Anchor(normalize(list(messages) + [reply]), normalize_tools(tools), len(self.ids), stopped))
+        self.anchors.append(_Anchor(normalize(list(messages) + [reply]), normalize_tools(tools), len(self.ids),
+                                    stopped))
 
     def _append(self, ids: np.ndarray, lps: np.ndarray, mask: int) -> None:
         if ids.size:

@@ -211,7 +211,8 @@ class AgentDriver:
             ids = [self.traj[w.run].context() for w in sub]
             flat = np.concatenate(ids).astype(np.int32)
             off = offsets_from_lengths(np.array([a.size for a in ids], np.int64))
-            seed = None if self.sampling.seed is None else int(prompt_seeds(self.sampling.seed, self.out.rounds + 1)[-1])
+            seed = self.sampling.seed  # each generate call its own stream, as the env driver's
+            seed = None if seed is None else int(prompt_seeds(seed, self.out.rounds + 1)[-1])
             s = replace(self.sampling, max_tokens=int(c), seed=seed)
             self.out.rounds += 1
             for pos, part in self.engine.generate_stream(flat, off, 1, s, min_groups=1):
@@ -316,7 +317,8 @@ def trajectories_batch(traj: list[AgentTrajectory], group_index: np.ndarray, fin
     return RolloutBatch(
         prompt_ids=np.concatenate(prompts).astype(np.int32) if prompts else np.zeros(0, np.int32),
         prompt_offsets=offsets_from_lengths(np.array([p.size for p in prompts], np.int64)),
-        response_ids=cat(0, np.int32), response_offsets=offsets_from_lengths(np.array([r[0].size for r in ordered], np.int64)),
+        response_ids=cat(0, np.int32),
+        response_offsets=offsets_from_lengths(np.array([r[0].size for r in ordered], np.int64)),
         response_logprobs=cat(1, np.float32), group_index=np.asarray(group_index, np.int64),
         finish_reason=np.asarray(finish, np.uint8), response_mask=cat(2, np.uint8),
         turn_cut=np.asarray(cut, bool)), exact
