@@ -78,3 +78,14 @@ def test_dynamic_sampling_takes_rounds_of_agent_runs(tmp_path):
     assert rc in (0, None)
     m = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert m["sampling/rounds"] >= 1 and m["sampling/groups_kept"] >= 1
+
+
+def test_a_gateway_without_fastapi_or_uvicorn_is_one_line(monkeypatch):
+    import sys
+
+    from areno.errors import UserError
+    from areno.gateway.app import GatewayServer
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as where vLLM (which brings it) is absent
+    with pytest.raises(UserError, match="the gateway needs fastapi and uvicorn"):
+        GatewayServer()

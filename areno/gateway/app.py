@@ -19,6 +19,8 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
+from areno.errors import UserError
+
 MODEL_NAME = "policy"
 
 
@@ -102,7 +104,12 @@ class GatewayServer:
     (bound here, before any agent needs the URL)."""
 
     def __init__(self) -> None:
-        import uvicorn
+        try:
+            import fastapi  # noqa: F401 - make_app's
+            import uvicorn
+        except ImportError as e:
+            raise UserError(f"--agent-path: the gateway needs fastapi and uvicorn, which vLLM brings "
+                            f"(pip install 'areno[cpu]' or 'areno[vllm]', or fastapi uvicorn): {e}") from None
 
         self.calls: "queue.Queue[Call]" = queue.Queue()
         self.keys: set[str] = set()
