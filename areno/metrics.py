@@ -228,6 +228,21 @@ ENV_METRICS: dict[str, str] = {
 }
 
 
+AGENT_METRICS: dict[str, str] = {
+    "agent/calls": "requests the agents sent to the gateway",
+    "agent/branches": "times an agent's conversation did not extend its trajectory (a history edit): "
+                      "the turns after the point it still extends are not trained",
+    "agent/dropped_turns": "sampled turns those branches left out of training",
+    "agent/refused": "calls answered without sampling: a limit reached, or a request refused (400)",
+}
+
+
+def agent_metrics(calls: int, branches: int, dropped_turns: int, refused: int) -> dict[str, float]:
+    """The AGENT_METRICS of one agent rollout, in the table's order."""
+    values = (calls, branches, dropped_turns, refused)
+    return {k: float(v) for k, v in zip(AGENT_METRICS, values, strict=True)}
+
+
 def env_metrics(turns_mean: float, turn_limit: int, token_limit: int, long_observations: int,
                 engine_idle_s: float, generate_s: float, rounds: int) -> dict[str, float]:
     """The ENV_METRICS of one multi-turn rollout, in the table's order."""

@@ -123,9 +123,12 @@ class NowPending(Pending):
         if spec is not None:  # multi-turn: the driver on the controller, the engines in the ranks
             states = env_states(data.rows, data.prompts, idx, self.n)
             with timer("rollout"):  # generation and the env calls overlap: one phase
-                out = rollout_multiturn(run.engine, run.envs, run.tokenizer,
-                                        observation_format(run.tokenizer, spec.chat_template),
-                                        ids, offsets, states, self.n, self.sampling, spec.bounds)
+                if run.agents is not None:  # agents: their calls to the gateway are the observations
+                    out = run.agents.run(run.engine, states, self.n, self.sampling, spec.bounds)
+                else:
+                    out = rollout_multiturn(run.engine, run.envs, run.tokenizer,
+                                            observation_format(run.tokenizer, spec.chat_template),
+                                            ids, offsets, states, self.n, self.sampling, spec.bounds)
             return Round(idx, out.batch, out.scored, out.metrics())
         if not self.overlap:  # generate everything, decode in one call, then score
             with timer("rollout"):

@@ -19,6 +19,7 @@ import torch
 from areno.advantages import overlong_penalty
 from areno.config.env import trajectory_tokens
 from areno.envs.pool import EnvPool
+from areno.gateway.host import AgentHost
 from areno import evaluate as evaluation
 from areno.producers import Data
 from areno.scheduler import Rollouts, load_inflight, rollouts_for
@@ -37,7 +38,6 @@ from areno.data.sampler import PromptSampler
 from areno.errors import UserError
 from areno.data.tokenizer import load_tokenizer
 from areno.runtime.interrupt import made_run_dir
-from areno.procs.signals import signals_held
 from areno.runtime.leftovers import clean_leftovers
 from areno.rundir.runconfig import write_run_config
 from areno.models.directory import (
@@ -87,6 +87,7 @@ class Run:
     max_tokens_per_micro: int = 8192  # --max-tokens-per-micro, or the device's default
     rollouts: Rollouts = None  # type: ignore[assignment]  # the scheduler: set once the engines are up
     fleet: EngineProcs | None = None  # split placement's engine processes (the engines run apart)
+    agents: AgentHost | None = None  # --agent-path: the agents' workers and the gateway they call
 
     @property
     def dead(self) -> Any:
@@ -309,6 +310,10 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
                   engine=engine, fleet=fleet,
                   logger=logger, world_size=world_size, total_steps=total, step=resume.step, evalset=evalset,
                   max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
+        if cfg.agent_path:  # the gateway on this process: the driver runs here, over the ranks' engines
+            run.agents = stack.enter_context(AgentHost(
+                cfg.agent_path, tokenizer, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
+                on_error=cfg.on_reward_error, tool_parser=cfg.agent_tool_parser))
         logger.info(start_line(run, resume, device))
         run.rollouts = rollouts_for(run, int(resume.state.get("weight_version", resume.step)), inflight,
                                     model_path)
@@ -324,6 +329,8 @@ def scorer_for(cfg: TrainConfig, stack: contextlib.ExitStack) -> tuple[RewardSco
     """The reward plugin's workers, or under --env-path the environment's (on the
     same reward workers: its calls, one job each). Engine processes run their own
     environment workers (EngineWorker.cmd_episodes), so split placement starts none here."""
+    if cfg.agent_path:
+        return None, None  # the agents' workers: AgentHost, made with the run
     if cfg.env_path:
         if cfg.rollout_world_size:
             return None, None

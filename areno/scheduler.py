@@ -61,6 +61,7 @@ import numpy as np
 
 from areno.procs.errors import BackendError
 from areno.config.offpolicy import weight_slots
+from areno.config.env import multi_turn
 from areno.envs.driver import episode_spec
 from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
 from areno.errors import UserError, one_line
@@ -290,7 +291,7 @@ def rollouts_for(run: Any, updates: int, saved: list[Inflight], tokenizer_path: 
     version) kept, or, at K = 0 (a K = 0 save holds one sampled with the
     checkpoint's weights), sampled again."""
     cfg = run.cfg
-    producer = Producer(run, episode_spec(cfg, tokenizer_path) if cfg.env_path else None)
+    producer = Producer(run, episode_spec(cfg, tokenizer_path) if multi_turn(cfg) else None)
     if saved and not cfg.off_policy_steps:
         run.sampler.load_state_dict(saved[0].sampler_before)
         saved = []

@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data/",),
     ("rundir/", "rewards/"),                       # what a run writes; reward plugins and workers
     ("envs/",),
+    ("gateway/",),                                 # agents over HTTP: an env whose observations are requests
     ("config/",),                                  # TrainConfig and its rules
     ("advantages.py", "losses.py", "pack.py", "split.py"),
     ("fleet/",),                                   # the engines: in a peer, engine processes, sync

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from areno.config.fieldcheck import check_file, looks_local
 from areno.config.lora import check_lora_options
-from areno.config.env import check_env_options, trajectory_tokens
+from areno.config.env import check_env_options, multi_turn, trajectory_tokens
 from areno.config.offpolicy import check_off_policy
 from areno.data.tasks.arith import DEMO_PRESET, demo_lora_preset
 from areno.errors import UserError
@@ -30,7 +30,7 @@ def fill_demo_preset(values: dict[str, Any]) -> None:
     """No --ckpt and no --dataset-path: the demo's preset fills the keys not given
     (in place; values: the YAML's and the flags' keys)."""
     if values.get("ckpt") is None and values.get("dataset_path") is None:
-        env = values.get("env_path") is not None  # an environment is the reward
+        env = values.get("env_path") is not None or values.get("agent_path") is not None  # it is the reward
         if not env:
             values.setdefault("reward_fn_path", DEMO_PRESET["reward_fn_path"])
         # The demo scores its built-in reward in-process; a user's plugin may
@@ -52,15 +52,15 @@ def check_rules(cfg: TrainConfig) -> None:
         check_model_dir(cfg.ckpt, "--ckpt", MODEL_DIR_FIX)
     if cfg.eval_only and cfg.eval_dataset_path is None:
         raise UserError("--eval-only needs --eval-dataset-path")
-    if cfg.eval_dataset_path is not None and cfg.reward_fn_path is None and cfg.env_path is None:
-        raise UserError("--eval-dataset-path needs what scores it: --reward-fn-path (or --env-path)")
+    if cfg.eval_dataset_path is not None and cfg.reward_fn_path is None and not multi_turn(cfg):
+        raise UserError("--eval-dataset-path needs what scores it: --reward-fn-path (or --env-path, --agent-path)")
     if cfg.resume is not None and cfg.resume != "latest" and not Path(cfg.resume).is_dir():
         raise UserError(f"--resume: no checkpoint directory at {cfg.resume} "
                         "(give a checkpoint path or 'latest')")
     if cfg.ckpt is not None and cfg.dataset_path is None and not cfg.eval_only:
         raise UserError("--dataset-path is required with --ckpt (or leave both unset for the "
                         "embedded demo)")
-    if cfg.dataset_path is not None and cfg.reward_fn_path is None and cfg.env_path is None:
+    if cfg.dataset_path is not None and cfg.reward_fn_path is None and not multi_turn(cfg):
         raise UserError("--reward-fn-path is required with --dataset-path "
                         "(a .py file defining reward_fn or reward_fn_batch)")
     if cfg.reward_fn_path is not None and not cfg.reward_fn_path.startswith("builtin:"):
@@ -125,7 +125,7 @@ def check_correction_options(cfg: TrainConfig) -> None:
         raise UserError(f"--is-mask-low {cfg.is_mask_low:g} must be below --tis-cap "
                         f"{cfg.tis_cap:g} (the band would keep no token)")
     if cfg.overlong_buffer > trajectory_tokens(cfg):
-        what = ("--max-new-tokens", "completion") if cfg.env_path is None else \
+        what = ("--max-new-tokens", "completion") if not multi_turn(cfg) else \
             ("the trajectory budget (--max-trajectory-tokens)", "trajectory")
         raise UserError(f"--overlong-buffer {cfg.overlong_buffer} exceeds {what[0]} "
                         f"{trajectory_tokens(cfg)}: every {what[1]} would be punished; lower it")

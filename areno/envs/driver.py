@@ -235,7 +235,8 @@ class EpisodeSpec:
 
 def episode_spec(cfg: Any, tokenizer_path: str) -> EpisodeSpec:
     """A run's EpisodeSpec (--env-path and the options around it)."""
-    return EpisodeSpec(cfg.env_path, cfg.reward_workers, cfg.reward_timeout, cfg.on_reward_error,
+    plugin = cfg.env_path or getattr(cfg, "agent_path", None)  # an agent is an environment too
+    return EpisodeSpec(plugin, cfg.reward_workers, cfg.reward_timeout, cfg.on_reward_error,
                        tokenizer_path, cfg.chat_template,
                        EnvBounds(cfg.max_turns, cfg.max_trajectory_tokens or 0, cfg.env_reward,
                                  cfg.env_schedule == "eager"))

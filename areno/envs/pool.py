@@ -29,14 +29,19 @@ class Outcome:
 class EnvPool:
     """submit(state, completion) -> ticket; done(tickets) -> the finished ones."""
 
-    def __init__(self, path: str, *, workers: int = 2, timeout: float = 10.0, on_error: str = "fail") -> None:
+    def __init__(self, path: str, *, workers: int = 2, timeout: float = 10.0, on_error: str = "fail",
+                 kind: str = "env") -> None:
         self.scorer = RewardScorer(path, workers=workers, timeout=timeout, on_error=on_error,  # type: ignore[arg-type]
-                                   chunk_size=1, kind="env")
+                                   chunk_size=1, kind=kind)
         self.path = path
 
     def submit(self, state: EnvState, completion: str | None) -> int:
         """A reset (completion None) or a step of one trajectory."""
         return self.scorer.submit([EnvCall(state, completion, state.index)])
+
+    def submit_call(self, call: object) -> int:
+        """One call of another kind's plugin (an agent run: gateway/plugin.AgentTask)."""
+        return self.scorer.submit([call])
 
     def wait_any(self, tickets: list[int], timeout: float | None = None) -> list[int]:
         """The tickets whose calls finished; waits for at least one (timeout None),

@@ -202,7 +202,7 @@ def _call_reward(plugin: RewardPlugin, rec: Any, loop: Any) -> tuple[int, float,
 
 KIND = PluginKind("reward plugin", load_reward_plugin, _call_reward)
 # by name, so a spawned worker finds its kind: each module defines KIND
-KIND_MODULES = {"reward": "areno.rewards.plugin", "env": "areno.envs.plugin"}
+KIND_MODULES = {"reward": "areno.rewards.plugin", "env": "areno.envs.plugin", "agent": "areno.gateway.plugin"}
 
 
 def plugin_kind(name: str) -> PluginKind:

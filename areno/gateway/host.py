@@ -1,0 +1,52 @@
+"""AgentHost: what the agent driver needs around it in the process that drives
+the engines: the agent's workers (the reward pool, kind "agent"), the gateway
+server, the chat renderer and the tool parser, made once for the whole run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from areno.envs.driver import EnvBounds, EpisodeSpec
+from areno.envs.plugin import EnvState
+from areno.envs.pool import EnvPool
+from areno.gateway.app import GatewayServer
+from areno.gateway.conversation import ChatRenderer
+from areno.gateway.driver import AgentRollout, rollout_agents
+from areno.gateway.tools import ToolCallParser
+from areno.rollout.engine import SamplingConfig
+
+
+class AgentHost:
+    """The agents of a run: path, workers, timeout and on_error as a reward plugin's."""
+
+    def __init__(self, path: str, tokenizer: Any, *, workers: int, timeout: float, on_error: str,
+                 tool_parser: str = "hermes") -> None:
+        self.renderer = ChatRenderer(tokenizer)  # no chat template: ValueError before anything starts
+        self.parser = ToolCallParser(tool_parser, tokenizer)
+        self.parser.check()
+        self.pool = EnvPool(path, workers=workers, timeout=timeout, on_error=on_error, kind="agent")
+        try:
+            self.server = GatewayServer()
+        except BaseException:
+            self.pool.close()
+            raise
+
+    @classmethod
+    def for_spec(cls, spec: EpisodeSpec, tokenizer: Any, tool_parser: str) -> "AgentHost":
+        return cls(spec.env_path, tokenizer, workers=spec.workers, timeout=spec.timeout,
+                   on_error=spec.on_error, tool_parser=tool_parser)
+
+    def run(self, engine: Any, states: list[EnvState], n: int, sampling: SamplingConfig,
+            bounds: EnvBounds) -> AgentRollout:
+        return rollout_agents(engine, self.pool, self.server, self.renderer, self.parser, states, n,
+                              sampling, bounds)
+
+    def close(self) -> None:
+        self.server.close()
+        self.pool.close()
+
+    def __enter__(self) -> "AgentHost":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

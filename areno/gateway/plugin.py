@@ -1,0 +1,81 @@
+"""Agent plugins (--agent-path): the contract, loading, calling one in a worker.
+
+An agent is one Python file that defines
+
+    def agent(task: AgentTask) -> float          # may be async
+
+It runs however it likes against the OpenAI-compatible endpoint at
+`task.base_url` (key `task.api_key`: any OpenAI client, `OPENAI_BASE_URL`),
+and returns the run's reward. Each call of `agent` is one trajectory: its own
+base URL, so concurrent runs never mix. It runs on the reward pool's worker
+processes (rewards/pool.py, kind "agent"): --reward-timeout bounds a whole run,
+--on-reward-error handles a raise, a timeout or a crash, and a timeout or
+crash kills the worker's process group.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from areno.errors import UserError, import_user_file, is_signal_interrupt, one_line, user_frame
+from areno.rewards.plugin import STATUS_ERROR, STATUS_OK, PluginKind, short_repr
+
+
+@dataclass(frozen=True)
+class AgentTask:
+    """What an agent run gets: its dataset row and its own endpoint."""
+
+    prompt: str  # the row's rendered prompt text (the agent may build its own messages)
+    answer: str | None  # the row's reference answer, if any
+    solutions: list | None
+    row: dict  # the normalized source row
+    index: int  # trajectory (sample) index in the step
+    base_url: str  # http://127.0.0.1:PORT/runs/<key>/v1: this run's OpenAI endpoint
+    api_key: str  # the same run's key (also accepted on /v1 as a Bearer token)
+    model: str = "policy"  # any model name is accepted
+
+
+@dataclass(frozen=True)
+class AgentPlugin:
+    path: str
+    fn: Callable
+    is_async: bool
+    batch: bool = False  # the pool's batch mode is for reward_fn_batch only
+
+
+def load_agent_plugin(path: str) -> AgentPlugin:
+    """Import and check an agent file; every problem is a UserError naming it."""
+    module = import_user_file(path, what="agent")
+    fn = getattr(module, "agent", None)
+    if fn is None:
+        raise UserError(f"agent {path}: defines no agent(task) -> reward (the function the run calls "
+                        "once per trajectory)")
+    if not callable(fn):
+        raise UserError(f"agent {path}: 'agent' is a {type(fn).__name__}, not a function")
+    return AgentPlugin(str(path), fn, inspect.iscoroutinefunction(fn))
+
+
+def call_agent(plugin: AgentPlugin, task: AgentTask, loop: Any) -> tuple[int, float, str, Any]:
+    """One agent run -> (status, reward, message, None)."""
+    import asyncio
+
+    try:
+        out = plugin.fn(task)
+        if inspect.isawaitable(out):
+            out = (loop or asyncio.new_event_loop()).run_until_complete(out)
+    except BaseException as e:  # noqa: BLE001 - SystemExit is the agent's error too
+        if is_signal_interrupt(e):
+            raise
+        return STATUS_ERROR, math.nan, f"raised {one_line(e)}{user_frame(e, plugin.path)}", None
+    if not isinstance(out, (numbers.Real, np.bool_)):
+        return STATUS_ERROR, math.nan, f"agent returned {short_repr(out)}, not a reward (a number)", None
+    return STATUS_OK, float(out), "", None
+
+
+KIND = PluginKind("agent", load_agent_plugin, call_agent)
