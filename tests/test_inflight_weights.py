@@ -82,3 +82,25 @@ def test_a_generate_without_a_version_carries_none(engine, make_prompts):
     engine.weight_version = None
     b = engine.generate(ids, off, 1, SamplingConfig(max_tokens=4, seed=1))
     assert b.token_version is None
+
+
+def test_a_load_between_generates_is_no_swap_inside_the_next(engine, tiny_chat_model, make_prompts,
+                                                              monkeypatch):
+    """Weights loaded before a generate: every token carries their version, and
+    the transformers engine recomputes no cache (it was built with them)."""
+    import areno.rollout.hf_inflight as hf_inflight
+
+    recomputed: list[int] = []
+    real = hf_inflight.recompute_cache
+    monkeypatch.setattr(hf_inflight, "recompute_cache", lambda *a: recomputed.append(1) or real(*a))
+    old = {k: v.clone() for k, v in tiny_chat_model.state_dict().items()}
+    ids, off = make_prompts(PROMPTS)
+    engine.update_weights_inflight(old.items(), 8)
+    steps: list[int] = []
+    engine.step_hook = steps.append
+    try:
+        b = engine.generate(ids, off, 2, SamplingConfig(max_tokens=6, ignore_eos=True, seed=2))
+    finally:
+        engine.step_hook = None
+    assert set(b.token_version.tolist()) == {8} and steps[:3] == [1, 2, 3]
+    assert recomputed == []

@@ -173,7 +173,8 @@ class HFEngine:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             cache, x, m = self._shared_prefix(x, m, n)
-            start, boundary, criteria = self.weight_version, None, None
+            # The cache starts from the weights held now: a load before this generate needs no recompute.
+            start, boundary, criteria, self.kv_stale = self.weight_version, None, None, False
             if self.step_hook is not None:  # the boundary needs the cache generate fills
                 cache = cache if cache is not None else DynamicCache(config=self.model.config)
                 boundary = StepBoundary(self, cache, m)
