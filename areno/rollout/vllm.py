@@ -186,7 +186,6 @@ class VLLMEngine:
         finally:
             self._swaps = None
 
-
     def _requests(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int,
                   sampling: SamplingConfig) -> tuple[np.ndarray, np.ndarray, list, list, Any]:
         """Checked inputs -> (ids, offsets, per-prompt id views, vLLM prompts, params)."""
