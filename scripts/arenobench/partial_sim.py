@@ -59,8 +59,8 @@ class Samples:
         if prompt not in self.length:
             rng = np.random.default_rng([self.w.seed, *prompt])
             w = self.w
-            self.length[prompt] = np.minimum(np.ceil(rng.lognormal(np.log(w.median), w.sigma, w.n)),
-                                             w.max_tokens).astype(np.int64)
+            self.length[prompt] = np.clip(np.rint(rng.lognormal(np.log(w.median), w.sigma, w.n)),
+                                          1, w.max_tokens).astype(np.int64)
             self.delay[prompt] = rng.lognormal(np.log(w.env_s), w.env_sigma, (w.n, max(w.turns - 1, 0)))
         return self.length[prompt], self.delay[prompt]
 
