@@ -41,8 +41,9 @@ def _swap_at(engine, step: int, state: dict, version: int):
     return hook
 
 
+@pytest.mark.parametrize("n", [1, 2])
 def test_engine_takes_new_weights_mid_generation_without_dropping_requests(
-        engine, tiny_chat_model, perturbed_state, ref_logprobs, make_prompts):
+        engine, n, tiny_chat_model, perturbed_state, ref_logprobs, make_prompts):
     old = {k: v.clone() for k, v in tiny_chat_model.state_dict().items()}
     new = perturbed_state(old, seed=1, scale=0.2)
     new_model = copy.deepcopy(tiny_chat_model)
@@ -51,14 +52,14 @@ def test_engine_takes_new_weights_mid_generation_without_dropping_requests(
     s = SamplingConfig(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=7)
     engine.update_weights_inflight(old.items(), 3)  # between generates: version 3
     engine.step_hook = lambda done: None  # the boundary runs, nothing loaded
-    ref = engine.generate(ids, off, 2, s)
+    ref = engine.generate(ids, off, n, s)
     engine.step_hook = _swap_at(engine, SWAP_AT, new, 4)
     try:
-        got = engine.generate(ids, off, 2, s)
+        got = engine.generate(ids, off, n, s)
     finally:
         engine.step_hook = None
         engine.update_weights_inflight(old.items(), 3)
-    assert got.num_responses == ref.num_responses == 6
+    assert got.num_responses == ref.num_responses == 3 * n
     assert np.all(got.response_lengths == MAX_TOKENS)  # every request ran to the end
     np.testing.assert_array_equal(got.group_index, ref.group_index)
     assert ref.token_version.tolist() == [3] * ref.num_response_tokens
