@@ -41,7 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("advantages.py", "losses.py", "pack.py", "split.py"),
     ("fleet/",),                                   # an engine in a peer, weight and adapter sync
     ("backend/",),                                 # ranks, engine processes, TorchBackend
-    ("settings.py", "runtime/", "scoring.py", "dynsample.py", "evaluate.py"),
+    ("settings.py", "runtime/", "scoring.py", "dynsample.py", "partial.py", "evaluate.py"),
     ("producers.py",),                             # where a round comes from, every placement
     ("scheduler.py",),                             # the rollout scheduler every run has
     ("run.py",),
