@@ -155,12 +155,19 @@ class LoopMetric:
 WAIT_PHASES: tuple[str, ...] = ("wait_batch", "wait_weights")
 LOOP_METRICS: tuple[LoopMetric, ...] = (
     LoopMetric("rollout/policy_lag_mean", "mean",
-               "weight versions between the policy that sampled a trained sample and the one "
-               "it updates, averaged over the step's samples (0 when synchronous)"),
-    LoopMetric("rollout/policy_lag_max", "max", "the step's largest policy lag (<= K)"),
+               "weight versions between the policy that sampled a trained sample's oldest "
+               "token and the one it updates, averaged over the step's samples (0 when synchronous)"),
+    LoopMetric("rollout/policy_lag_max", "max", "the step's largest policy lag (<= K: admission's bound)"),
     LoopMetric("rollout/policy_lag_<l>", "sum",
                "samples the step trained at policy lag l, one key for each l in 0..K: summed "
                "over the steps, the run's lag histogram"),
+    LoopMetric("rollout/token_lag_mean", "mean",
+               "the policy lag of each sampled token the step trained (its own version: after "
+               "an in-flight weight update a trajectory's tokens span versions), averaged"),
+    LoopMetric("rollout/token_lag_max", "max", "the step's largest token lag (<= the policy lag)"),
+    LoopMetric("rollout/token_lag_<l>", "sum",
+               "sampled tokens the step trained at lag l, one key for each l in 0..K: summed "
+               "over the steps, the run's per-token lag histogram"),
     LoopMetric("time/wait_batch", "sum",
                "seconds the training ranks waited for the step's batch from the engines"),
     LoopMetric("time/wait_weights", "sum",
@@ -169,20 +176,21 @@ LOOP_METRICS: tuple[LoopMetric, ...] = (
 LOOP: dict[str, LoopMetric] = {m.key: m for m in LOOP_METRICS}
 
 
-def lag_count_key(lag: int) -> str:
-    """The key of rollout/policy_lag_<l>: samples trained at lag l."""
-    return f"rollout/policy_lag_{lag}"
+def lag_count_key(lag: int, unit: str = "policy") -> str:
+    """The key of rollout/<unit>_lag_<l> (unit: policy, per sample; token):
+    samples (tokens) trained at lag l."""
+    return f"rollout/{unit}_lag_{lag}"
 
 
-def policy_lag_metrics(lags: Sequence[int] | np.ndarray, k: int = 0) -> dict[str, float]:
-    """rollout/policy_lag_mean, _max and the count at each lag 0..max(k, the largest)
-    of one step: lags[i] = the trainer's weight version when it trains on sample i
-    minus the version that sampled it."""
+def policy_lag_metrics(lags: Sequence[int] | np.ndarray, k: int = 0, unit: str = "policy") -> dict[str, float]:
+    """rollout/<unit>_lag_mean, _max and the count at each lag 0..max(k, the largest)
+    of one step: lags[i] = the trainer's weight version when it trains on sample
+    (unit "policy") or sampled token (unit "token") i minus the version that sampled it."""
     a = np.asarray(lags, dtype=np.int64)
     counts = np.bincount(a, minlength=k + 1) if a.size else np.zeros(k + 1, dtype=np.int64)
-    return {"rollout/policy_lag_mean": float(a.mean()) if a.size else 0.0,
-            "rollout/policy_lag_max": float(a.max()) if a.size else 0.0,
-            **{lag_count_key(lag): float(c) for lag, c in enumerate(counts)}}
+    return {f"rollout/{unit}_lag_mean": float(a.mean()) if a.size else 0.0,
+            f"rollout/{unit}_lag_max": float(a.max()) if a.size else 0.0,
+            **{lag_count_key(lag, unit): float(c) for lag, c in enumerate(counts)}}
 
 
 def wait_metrics(wait_batch_s: Sequence[float], wait_weights_s: Sequence[float]) -> dict[str, float]:

@@ -53,7 +53,7 @@ from __future__ import annotations
 import json
 import time
 import zipfile
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ from areno.errors import UserError, one_line
 from areno.metrics import policy_lag_metrics, wait_metrics
 from areno.producers import Data, Pending, Producer
 from areno.rewards import RewardCounts, RewardResult
-from areno.rollout.batch import RolloutBatch
+from areno.rollout.batch import RolloutBatch, oldest_version, with_version
 from areno.rundir.checkpoint import STATE_FILE
 from areno.scoring import score
 from areno.timing import PhaseTimer
@@ -82,6 +82,19 @@ def admitted(updates_at_train: int, version: int, k: int) -> bool:
     """Whether a round sampled with weights `version` may be trained once the
     trainer holds `updates_at_train` updates: its lag is at most k."""
     return updates_at_train - version <= k
+
+
+def check_oldest(batch: RolloutBatch, updates_at_train: int, k: int) -> None:
+    """Admission's bound, per token: no trajectory trains whose oldest sampled
+    token (token_version) lags the trainer's `updates_at_train` by more than k.
+    Admission at start guarantees it for whole rounds; a round whose tokens came
+    from older weights than its version says is a scheduler bug (AssertionError)."""
+    oldest = oldest_version(batch)
+    if oldest.size and not admitted(updates_at_train, int(oldest.min()), k):
+        bad = int(np.argmin(oldest))
+        raise AssertionError(f"response {bad}: its oldest token is of version {int(oldest[bad])}, "
+                             f"{updates_at_train - int(oldest[bad])} behind the trainer's "
+                             f"{updates_at_train} (K = {k})")
 
 
 @dataclass
@@ -143,6 +156,10 @@ class Rollouts:
                                   score(self.run, self.data, cur.prompt_idx, batch, timer))
             else:
                 cur.round = cur.pending.collect(timer)
+            # Every token carries its version from here on: a refill's rounds are
+            # merged into one batch, and the lag is counted per token.
+            cur.round = replace(cur.round, batch=with_version(cur.round.batch, cur.version))
+            check_oldest(cur.round.batch, self.updates_at_train, self.k)
         return cur.round
 
     def publish(self, step: int, updated: bool) -> dict[str, float]:
@@ -171,11 +188,13 @@ class Rollouts:
         under --env-path), the waits: engine processes only (colocated: lag 0, no wait)."""
         if not self.producer.background:
             return {}
-        lag = np.concatenate([np.full(c.round.batch.num_responses, self.updates_at_train - c.version)
-                              for c in self.taken])
+        u, batches = self.updates_at_train, [c.round.batch for c in self.taken]
+        oldest = np.concatenate([oldest_version(b) for b in batches])
+        lag = u - oldest[oldest < np.iinfo(np.int64).max]  # a response without a sampled token has none
+        tokens = u - np.concatenate([b.token_version[b.policy_mask] for b in batches]).astype(np.int64)
         pend = [c.pending for c in self.taken if c.pending is not None]
-        return policy_lag_metrics(lag, self.k) | wait_metrics([p.wait_s for p in pend],
-                                                              [p.info.get("idle_s", 0.0) for p in pend])
+        return policy_lag_metrics(lag, self.k) | policy_lag_metrics(tokens, self.k, "token") | \
+            wait_metrics([p.wait_s for p in pend], [p.info.get("idle_s", 0.0) for p in pend])
 
     def admit(self, at_step: int) -> None:
         """Start every round after those in flight that is admitted while the trainer

@@ -179,6 +179,9 @@ def test_k1_lags_one_version_and_resumes_exactly_from_a_checkpoint_with_a_rollou
         tmp_path, areno_cache):
     full = k1_run(tmp_path / "full", areno_cache, "--save-interval", "3", "--keep-last", "0")
     assert [full[s]["rollout/policy_lag_max"] for s in range(1, 7)] == [0, 1, 1, 1, 1, 1]
+    # per token too: every token of a step's round at the round's lag (one version a round)
+    assert [full[s]["rollout/token_lag_mean"] for s in range(1, 7)] == [0, 1, 1, 1, 1, 1]
+    assert all(full[s]["rollout/token_lag_1"] > 0 == full[s]["rollout/token_lag_0"] for s in range(2, 7))
     assert all(full[s]["offpolicy/kl"] > 0 for s in range(2, 7))  # the sampler is one update behind
     ckpt = tmp_path / "full" / "checkpoints" / "step_000003"
     # Step 4's rollout, sampled with step 2's weights, and 5's, sent after step 3's update.

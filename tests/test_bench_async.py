@@ -44,3 +44,23 @@ def test_bench_async_stand_ins_apply_and_k1_overlaps(tmp_path: Path) -> None:
     assert saved >= 0.5 * min(R, T), f"K=1 saved {saved:.3f} s of K=0's {rows[0]['median_step_s']:.3f} s"
     # the tail's rollouts took the drawn times: as many commands, none at the fixed R
     assert [r["rollout_cmds"] for r in tail["rows"]] == [4, 4] and tail["rows"][0]["rollout_mean_s"] != R
+
+
+def test_bench_async_partial_mode_reports_the_three_modes_side_by_side(tmp_path: Path) -> None:
+    """--partial: sync, K-ahead and partial rollouts at the same K on both long-tail
+    workloads (simulated: arenobench/partial_sim.py), in one run; partial keeps
+    the engines busier and trains more tokens per tick, every token within K."""
+    out = tmp_path / "partial.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--partial", "--partial-steps", "6", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=child_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| mode | K | trained tokens/tick | x sync | x K-ahead | engine idle |" in proc.stdout
+    rows = json.loads(out.read_text())["partial"]
+    assert len(rows) == 2 and any("env" in name for name in rows)
+    for name, (sync, ahead, part) in rows.items():
+        assert [r["mode"] for r in (sync, ahead, part)] == ["sync", "K-ahead", "partial"]
+        assert sync["k"] == 0 and ahead["k"] == part["k"] == 2
+        assert part["trained_tokens_per_tick"] > ahead["trained_tokens_per_tick"] >= \
+            sync["trained_tokens_per_tick"], name
+        assert part["idle"] < ahead["idle"], name
+        assert len(part["lag_hist"]) == 3 and sync["lag_hist"][1:] == [] and sync["retired"] == 0.0

@@ -42,7 +42,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("advantages.py", "losses.py", "pack.py", "split.py"),
     ("fleet/",),                                   # the engines: in a peer, engine processes, sync
     ("backend/",),                                 # the ranks and TorchBackend (never engine processes)
-    ("settings.py", "runtime/", "scoring.py", "dynsample.py", "evaluate.py"),
+    ("settings.py", "runtime/", "scoring.py", "dynsample.py", "partial.py", "evaluate.py"),
     ("producers.py",),                             # where a round comes from, every placement
     ("scheduler.py",),                             # the rollout scheduler every run has
     ("run.py",),

@@ -130,10 +130,11 @@ def test_train_metrics_logs_every_train_metric_in_table_order() -> None:
 def test_loop_metrics_are_declared_once_with_their_reductions() -> None:
     keys = [m.key for m in LOOP_METRICS]
     assert keys == ["rollout/policy_lag_mean", "rollout/policy_lag_max", "rollout/policy_lag_<l>",
+                    "rollout/token_lag_mean", "rollout/token_lag_max", "rollout/token_lag_<l>",
                     "time/wait_batch", "time/wait_weights"]
     assert set(keys).isdisjoint(METRICS[k].key for k in TRAIN_METRICS)
     assert all(m.help for m in LOOP_METRICS)
-    assert [f"time/{p}" for p in WAIT_PHASES] == keys[3:]
+    assert [f"time/{p}" for p in WAIT_PHASES] == keys[6:]
     # The distribution, not only the maximum: samples per lag 0..K (issue 27).
     assert policy_lag_metrics([0, 2, 1, 1], k=3) == {
         "rollout/policy_lag_mean": 1.0, "rollout/policy_lag_max": 2.0, "rollout/policy_lag_0": 1.0,
@@ -141,8 +142,9 @@ def test_loop_metrics_are_declared_once_with_their_reductions() -> None:
     assert policy_lag_metrics([], k=1) == {"rollout/policy_lag_mean": 0.0, "rollout/policy_lag_max": 0.0,
                                            "rollout/policy_lag_0": 0.0, "rollout/policy_lag_1": 0.0}
     assert wait_metrics([0.5, 0.25], []) == {"time/wait_batch": 0.75, "time/wait_weights": 0.0}
-    fixed = set(policy_lag_metrics([1])) | set(wait_metrics([], []))
-    assert fixed - {lag_count_key(0), lag_count_key(1)} | {"rollout/policy_lag_<l>"} == set(LOOP)
+    fixed = set(policy_lag_metrics([1])) | set(policy_lag_metrics([1], unit="token")) | set(wait_metrics([], []))
+    counts = {lag_count_key(lag, u) for lag in (0, 1) for u in ("policy", "token")}
+    assert fixed - counts | {"rollout/policy_lag_<l>", "rollout/token_lag_<l>"} == set(LOOP)
     from areno.rundir.reporting import PHASES
 
     assert set(WAIT_PHASES) <= set(PHASES)  # areno plot draws them with the phases

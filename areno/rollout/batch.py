@@ -6,7 +6,7 @@ pass over the flat arrays, and Python loops (if any) run over sequences.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -59,6 +59,11 @@ class RolloutBatch:
                        talking; its finish_reason `length` may instead say that
                        --max-turns or the token budget ended it); None: single-turn,
                        finish_reason == length says it
+    token_version:     [T] int32 or None: the weight version that sampled each token
+                       (an observation token: the version of the turn before it);
+                       tokens sampled after an in-flight weight update carry the new
+                       one. None: not recorded by the engine (the scheduler stamps a
+                       round's version on it, `with_version`)
     """
 
     prompt_ids: np.ndarray
@@ -70,6 +75,7 @@ class RolloutBatch:
     finish_reason: np.ndarray
     response_mask: np.ndarray | None = None
     turn_cut: np.ndarray | None = None
+    token_version: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         _check_dtype("prompt_ids", self.prompt_ids, np.int32)
@@ -97,6 +103,11 @@ class RolloutBatch:
             _check_dtype("response_mask", self.response_mask, np.uint8)
             if self.response_mask.size != self.response_ids.size:
                 raise ValueError(f"response_mask: length {self.response_mask.size} != "
+                                 f"response_ids length {self.response_ids.size}")
+        if self.token_version is not None:
+            _check_dtype("token_version", self.token_version, np.int32)
+            if self.token_version.size != self.response_ids.size:
+                raise ValueError(f"token_version: length {self.token_version.size} != "
                                  f"response_ids length {self.response_ids.size}")
         if self.turn_cut is not None:
             _check_dtype("turn_cut", self.turn_cut, np.bool_)
@@ -164,7 +175,9 @@ class RolloutBatch:
         response_ids, response_offsets = csr_take(self.response_ids, self.response_offsets, resp)
         logprobs, _ = csr_take(self.response_logprobs, self.response_offsets, resp)
         mask = None if self.response_mask is None else csr_take(self.response_mask, self.response_offsets, resp)[0]
-        return RolloutBatch(prompt_ids=prompt_ids, prompt_offsets=prompt_offsets,
+        version = None if self.token_version is None else \
+            csr_take(self.token_version, self.response_offsets, resp)[0]
+        return RolloutBatch(token_version=version,prompt_ids=prompt_ids, prompt_offsets=prompt_offsets,
                             response_ids=response_ids, response_offsets=response_offsets,
                             response_logprobs=logprobs, group_index=new_group[resp],
                             finish_reason=self.finish_reason[resp], response_mask=mask,
@@ -219,11 +232,16 @@ class RolloutBatch:
         else:
             full = [b.policy_mask.astype(np.uint8) if m is None else m for b, m in zip(parts, masks)]
             mask = cat([full[k][a:z] for k, a, z in runs], np.uint8)
+        versions = [b.token_version for b in parts]
+        if any(v is None for v in versions) and not all(v is None for v in versions):
+            raise ValueError("merge_parts: some parts carry token_version and some do not "
+                             "(stamp them first: with_version)")
+        version = None if versions[0] is None else cat([versions[k][a:z] for k, a, z in runs], np.int32)
         cuts = [b.turn_cut for b in parts]
         cut = None if all(c is None for c in cuts) else np.concatenate(
             [overlong_mask(b) for b in parts])[resp_perm]
         batch = RolloutBatch(
-            response_mask=mask, turn_cut=cut,
+            response_mask=mask, turn_cut=cut, token_version=version,
             prompt_ids=cat(prompt_views, np.int32),
             prompt_offsets=_offsets(p_b[inv] - p_a[inv]),
             response_ids=cat([parts[k].response_ids[a:z] for k, a, z in runs], np.int32),
@@ -278,6 +296,30 @@ def csr_take(values: np.ndarray, offsets: np.ndarray, idx: np.ndarray) -> tuple[
     out_off = offsets_from_lengths(lengths)
     gather = np.repeat(offsets[idx] - out_off[:-1], lengths) + np.arange(out_off[-1])
     return values[gather], out_off
+
+
+def with_version(batch: RolloutBatch, version: int) -> RolloutBatch:
+    """The batch with every token stamped `version` where the engine recorded
+    none (token_version None); a batch that carries its versions is returned as is."""
+    if batch.token_version is not None:
+        return batch
+    return replace(batch, token_version=np.full(batch.response_ids.size, version, dtype=np.int32))
+
+
+def oldest_version(batch: RolloutBatch) -> np.ndarray:
+    """[N] int64: the oldest weight version among each response's sampled tokens
+    (policy_mask); a response without one: int64 max (it bounds nothing).
+    The batch must carry token_version (with_version)."""
+    if batch.token_version is None:
+        raise ValueError("oldest_version: the batch carries no token_version (with_version first)")
+    none = np.iinfo(np.int64).max
+    v = np.where(batch.policy_mask, batch.token_version.astype(np.int64), none)
+    lengths = batch.response_lengths
+    out = np.full(batch.num_responses, none, dtype=np.int64)
+    has = lengths > 0
+    if has.any():  # reduceat over the non-empty rows only (an empty row would read its neighbour)
+        out[has] = np.minimum.reduceat(v, batch.response_offsets[:-1][has])
+    return out
 
 
 def overlong_mask(batch: RolloutBatch) -> np.ndarray:

@@ -11,12 +11,13 @@ distribution actually sampled, recorded step by step (hf_logprobs).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch, csr_take, offsets_from_lengths
 from areno.rollout.engine import (
@@ -25,6 +26,7 @@ from areno.rollout.engine import (
     validate_prompts,
     validate_sequence,
 )
+from areno.rollout.hf_inflight import StepBoundary
 from areno.rollout.hf_logprobs import StepLogprobs, sampling_processors
 from areno.rollout.hf_lora import HFAdapters, base_named
 from areno.rollout.probe import Fingerprint, WeightSyncError, probe_logprobs, sum_squares
@@ -87,6 +89,11 @@ class HFEngine:
         # for sleep()/wake_up() to free and reallocate (buffers are small and kept).
         self._params = [(p, p.shape) for p in self.model.parameters()]
         self.adapters = HFAdapters(self.model, max_lora_rank) if max_lora_rank > 0 else None
+        # In-flight updates (rollout.hf_inflight): step_hook(tokens sampled so far) runs
+        # between decode steps; weight_version (None: not told) tags every token sampled.
+        self.step_hook: Callable[[int], None] | None = None
+        self.weight_version: int | None = None
+        self.kv_stale = False  # weights changed inside a generate: its cache is recomputed
 
     # -- sampling ------------------------------------------------------------
     def generate(
@@ -94,7 +101,7 @@ class HFEngine:
     ) -> RolloutBatch:
         ids, offsets = self._validate(prompt_ids, prompt_offsets, n)
         parts = list(self._buckets(ids, offsets, n, sampling))
-        return _assemble(ids, offsets, n, *(list(x) for x in zip(*parts)))
+        return _assemble(ids, offsets, n, *(list(x) for x in zip(*parts)), versioned=self.weight_version is not None)
 
     def generate_stream(
         self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int, sampling: SamplingConfig,
@@ -103,11 +110,12 @@ class HFEngine:
         """Yield (prompt positions, RolloutBatch of those groups) one step-limit
         bucket at a time (one bucket unless the context cuts some responses)."""
         ids, offsets = self._validate(prompt_ids, prompt_offsets, n)
-        for tok, lp, length, finish, who in self._buckets(ids, offsets, n, sampling):
+        for tok, lp, length, finish, who, ver in self._buckets(ids, offsets, n, sampling):
             members = who[::n]
             sub_ids, sub_off = csr_take(ids, offsets, members)
             local = np.repeat(np.arange(members.size), n)
-            yield members, _assemble(sub_ids, sub_off, n, [tok], [lp], [length], [finish], [local])
+            yield members, _assemble(sub_ids, sub_off, n, [tok], [lp], [length], [finish], [local], [ver],
+                                     versioned=self.weight_version is not None)
 
     def _validate(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int):
         self._check_awake()
@@ -117,7 +125,8 @@ class HFEngine:
 
     def _buckets(self, ids: np.ndarray, offsets: np.ndarray, n: int, sampling: SamplingConfig):
         """Per distinct step limit (one unless the context cuts some prompts'
-        responses): (tokens, log-probs, lengths, finish, prompt of each response).
+        responses): (tokens, log-probs, lengths, finish, prompt of each response,
+        version of each token: int32, -1 where the engine was not told one).
         Prompts of every length share one left-padded `generate`."""
         lengths = np.diff(offsets)
         stop_ids = tuple(sampling.stop_token_ids) + (() if sampling.ignore_eos else self.eos_token_ids)
@@ -130,17 +139,19 @@ class HFEngine:
         for limit, bucket_seed in zip(limits.tolist(), prompt_seeds(seed, limits.size).tolist()):
             members = np.flatnonzero(max_new == limit)
             rows, mask = _left_pad(ids, offsets, members, self.pad_token_id)
-            tok, lp = self._sample(rows, mask, n, sampling, int(limit), stop_ids, int(bucket_seed))
+            tok, lp, ver = self._sample(rows, mask, n, sampling, int(limit), stop_ids, int(bucket_seed))
             length, finish = _cut_at_stop(tok, stop_ids, int(limit))
             keep = np.arange(tok.shape[1]) < length[:, None]
-            yield tok[keep], lp[keep], length, finish, np.repeat(members, n)
+            ver = np.broadcast_to(ver, tok.shape)
+            yield tok[keep], lp[keep], length, finish, np.repeat(members, n), ver[keep]
 
     def _sample(
         self, rows: np.ndarray, mask: np.ndarray, n: int, s: SamplingConfig, max_new: int,
         stop_ids: tuple[int, ...], seed: int,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """[G, L] left-padded prompts and their [G, L] attention mask ->
-        ([G*n, S] int32 tokens, [G*n, S] float32 log-probs)."""
+        ([G*n, S] int32 tokens, [G*n, S] float32 log-probs, [S] int32 version of
+        each column: weights loaded at a step boundary count from their step)."""
         from transformers import GenerationConfig
 
         greedy = s.temperature == 0
@@ -162,11 +173,21 @@ class HFEngine:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
             cache, x, m = self._shared_prefix(x, m, n)
+            # The cache starts from the weights held now: a load before this generate needs no recompute.
+            start, boundary, criteria, self.kv_stale = self.weight_version, None, None, False
+            if self.step_hook is not None:  # the boundary needs the cache generate fills
+                cache = cache if cache is not None else DynamicCache(config=self.model.config)
+                boundary = StepBoundary(self, cache, m)
+                criteria = StoppingCriteriaList([boundary])
             out = self.model.generate(input_ids=x, attention_mask=m, past_key_values=cache,
-                                      generation_config=gc, logits_processor=sampling_processors(s, recorder))
+                                      generation_config=gc, logits_processor=sampling_processors(s, recorder),
+                                      stopping_criteria=criteria)
             new = out.sequences[:, x.shape[1]:]  # [G*n, S]
             lp = recorder.finish(new)
-        return new.to(torch.int32).cpu().numpy(), lp.cpu().numpy().astype(np.float32, copy=False)
+        width = new.shape[1]
+        ver = boundary.column_versions(width, start) if boundary is not None else \
+            np.full(width, -1 if start is None else start, dtype=np.int32)
+        return new.to(torch.int32).cpu().numpy(), lp.cpu().numpy().astype(np.float32, copy=False), ver
 
     def _shared_prefix(self, x: torch.Tensor, mask: torch.Tensor, n: int,
                        ) -> tuple[DynamicCache | None, torch.Tensor, torch.Tensor]:
@@ -194,6 +215,14 @@ class HFEngine:
         return probe_logprobs(self.model, ids)
 
     # -- weights -------------------------------------------------------------
+    def update_weights_inflight(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load weights of `version` now: between generates, or at a step boundary
+        (from step_hook), where the requests held keep going: their cache is
+        recomputed under the new weights before the next token (hf_inflight), and
+        every token sampled from here on carries `version`."""
+        self.load_weights(named_tensors)
+        self.weight_version, self.kv_stale = int(version), True
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors (any device/dtype) into the live parameters one at a
         time (no full state dict is ever built); every expected name must come."""
@@ -319,10 +348,11 @@ def _cut_at_stop(tok: np.ndarray, stop_ids: tuple[int, ...], max_new: int) -> tu
 
 def _assemble(
     ids: np.ndarray, offsets: np.ndarray, n: int,
-    tok_parts: list, lp_parts: list, len_parts: list, fin_parts: list, who: list,
+    tok_parts: list, lp_parts: list, len_parts: list, fin_parts: list, who: list, ver_parts: list,
+    versioned: bool = False,
 ) -> RolloutBatch:
     """Concatenate the per-length groups and reorder responses to prompt order
-    with one CSR gather."""
+    with one CSR gather; versioned: keep each token's version (token_version)."""
     tok = np.concatenate(tok_parts).astype(np.int32, copy=False)
     lp = np.concatenate(lp_parts).astype(np.float32, copy=False)
     length = np.concatenate(len_parts)
@@ -341,5 +371,6 @@ def _assemble(
         response_logprobs=lp[gather],
         group_index=prompt_of[order].astype(np.int64),
         finish_reason=finish[order],
+        token_version=np.concatenate(ver_parts).astype(np.int32, copy=False)[gather] if versioned else None,
     )
 

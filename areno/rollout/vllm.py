@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ if not torch.cuda.is_available():
 import vllm  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
-from areno.rollout.batch import RolloutBatch, offsets_from_lengths  # noqa: E402
+from areno.rollout.batch import RolloutBatch, offsets_from_lengths, with_version  # noqa: E402
 from areno.models.directory import local_model_dir  # noqa: E402
 from areno.rollout.factory import check_vllm_version, select_vllm_runner  # noqa: E402
 from areno.rollout.engine import (  # noqa: E402
@@ -43,6 +43,7 @@ from areno.rollout.engine import (  # noqa: E402
 )
 from areno.rollout.probe import Fingerprint, WeightSyncError  # noqa: E402
 from areno.rollout.vllm_fingerprint import held_fingerprint  # noqa: E402
+from areno.rollout.vllm_inflight import SwapLog  # noqa: E402
 from areno.rollout.vllm_lora import VLLMAdapters, lora_llm_kwargs  # noqa: E402
 from areno.rollout.vllm_outputs import FlatLogprobs, batch_from_request_outputs  # noqa: E402
 
@@ -136,14 +137,23 @@ class VLLMEngine:
         self._weight_names, self._optional_names = _checkpoint_names(mc)
         self._asleep = False
         self._discarded = False  # level-2 sleep freed weights and KV cache; a full load restores them
+        # In-flight updates (rollout.vllm_inflight): step_hook(steps done) runs between
+        # engine steps; weight_version (None: not told) tags every token sampled.
+        self.step_hook: Callable[[int], None] | None = None
+        self.weight_version: int | None = None
+        self._swaps: SwapLog | None = None  # the generation in progress, while a hook may swap
 
     # -- sampling ------------------------------------------------------------
     def generate(
         self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int, sampling: SamplingConfig
     ) -> RolloutBatch:
+        if self.step_hook is not None:  # step by step, so the hook runs between steps
+            parts = list(self.generate_stream(prompt_ids, prompt_offsets, n, sampling))
+            return RolloutBatch.merge_parts([b for _, b in parts], [p for p, _ in parts])[0]
         ids, offsets, _, prompts, params = self._requests(prompt_ids, prompt_offsets, n, sampling)
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora())
-        return batch_from_request_outputs(outputs, ids, offsets, n)
+        batch = batch_from_request_outputs(outputs, ids, offsets, n)
+        return batch if self.weight_version is None else with_version(batch, self.weight_version)
 
     def generate_stream(
         self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int, sampling: SamplingConfig,
@@ -159,14 +169,22 @@ class VLLMEngine:
         position = {rid.split("-", 1)[0]: i for i, rid in enumerate(req_ids)}
         engine = self.llm.llm_engine
         done: list[Any] = []
-        while engine.has_unfinished_requests():
-            done += [o for o in engine.step() if o.finished]
-            if len(done) >= min_groups or (done and not engine.has_unfinished_requests()):
-                pos = np.fromiter((position[o.request_id] for o in done), np.int64, len(done))
-                lengths = np.diff(offsets)[pos]
-                sub_ids = np.concatenate([pieces[i] for i in pos.tolist()])
-                yield pos, batch_from_request_outputs(done, sub_ids, offsets_from_lengths(lengths), n)
-                done = []
+        self._swaps, steps = SwapLog(self.weight_version), 0
+        try:
+            while engine.has_unfinished_requests():
+                done += [o for o in engine.step() if o.finished]
+                steps += 1
+                if len(done) >= min_groups or (done and not engine.has_unfinished_requests()):
+                    pos = np.fromiter((position[o.request_id] for o in done), np.int64, len(done))
+                    lengths = np.diff(offsets)[pos]
+                    sub_ids = np.concatenate([pieces[i] for i in pos.tolist()])
+                    batch = batch_from_request_outputs(done, sub_ids, offsets_from_lengths(lengths), n)
+                    yield pos, self._swaps.stamp(batch, [req_ids[p] for p in pos.tolist()], n)
+                    done = []
+                if self.step_hook is not None and engine.has_unfinished_requests():
+                    self.step_hook(steps)
+        finally:
+            self._swaps = None
 
     def _requests(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int,
                   sampling: SamplingConfig) -> tuple[np.ndarray, np.ndarray, list, list, Any]:
@@ -223,6 +241,23 @@ class VLLMEngine:
         return np.array([d[t].logprob for d, t in zip(plp[1:], tok)], dtype=np.float32)
 
     # -- weights -------------------------------------------------------------
+    def update_weights_inflight(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load weights of `version` now: between generates, or between engine steps
+        (from step_hook), where the requests held keep going: they are preempted and
+        their prompt and tokens prefilled again under the new weights (vllm_inflight),
+        and every token sampled from here on carries `version`."""
+        self._check_awake(loading=True)
+        if self.multiprocess:
+            raise RuntimeError("VLLMEngine.update_weights_inflight needs an in-process engine")
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        self._finish_wake()
+        self._restore_adapter()
+        if self._swaps is not None:
+            self._swaps.record(self.llm.llm_engine.engine_core.engine_core, version)
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise WeightSyncError("vLLM refused to reset its KV cache after an in-flight update")
+        self.weight_version = int(version)
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream a full set of HF-named tensors (any device) into the in-process
         model, one at a time, then reset the prefix cache. Names are checked once,

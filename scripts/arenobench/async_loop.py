@@ -35,6 +35,13 @@ K = 1 within 1.15x of the ideal, which at R = T is about 0.6x of K = 0
     python scripts/bench_async.py                       # T = 0.5 s, R/T in 0.5, 1, 2 and the tail
     python scripts/bench_async.py --train-s 0.2 --ratios 1 --steps 3 --ks 0,1 --no-tail --out r.json
 
+`--partial` instead simulates partial rollouts (areno.partial's policy) against
+synchronous and K-ahead rounds on a long-tail workload (lognormal lengths,
+sigma --tail-sigma) and on an environment with heavy-tailed delays, and prints
+trained tokens per tick and engine idle fraction side by side
+(arenobench/partial_sim.py says what is modelled): engine processes cannot
+take weights mid-round yet, so no real run has the mode.
+
 `--demo` instead runs the embedded demo as it is (no stand-ins, 600 steps, seed
 0) three times: colocated (today's default), one engine process with K = 0, and
 with K = 1; it reports each one's median time/step and the mean reward of its
@@ -246,7 +253,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the rows as JSON here")
     ap.add_argument("--demo", action="store_true", help="the embedded demo colocated, split K=0, split K=1")
     ap.add_argument("--demo-steps", type=int, default=600, help="steps of each demo run (default: the demo's)")
+    ap.add_argument("--partial", action="store_true",
+                    help="simulated: sync (K=0), K-ahead and partial rollouts at --partial-k on the long-tail "
+                         "workloads, side by side (arenobench/partial_sim.py; no areno run)")
+    ap.add_argument("--partial-k", type=int, default=2, help="K of the K-ahead and partial modes")
+    ap.add_argument("--partial-steps", type=int, default=20, help="steps of each simulated run")
     args = ap.parse_args(argv)
+    if args.partial:
+        from arenobench.partial_sim import partial_report
+
+        text, rows = partial_report(args.partial_k, args.tail_sigma, args.partial_steps)
+        print(text)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"partial": rows}, indent=1))
+        return 0
     if args.demo:
         with tempfile.TemporaryDirectory(prefix="areno-async-demo-") as d:
             print(demo_table(args.demo_steps, Path(d)))
