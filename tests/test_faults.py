@@ -226,7 +226,7 @@ def test_a_killed_engine_process_stops_the_run_within_seconds_cleanly_and_resuma
     assert "engine process 0" in line and "--resume" in line and "step_00000" in line, line
     assert wait_group_gone(proc.pid, 5) == [], "orphan processes after an engine process died"
 
-    res = ok(cli(["train", *flags, "--resume", "latest"], areno_cache))
+    res = ok(run_here(["train", *flags, "--resume", "latest"], areno_cache))
     assert "resumed at step" in res.stdout
     assert sorted(train_steps(out)) == [1, 2, 3, 4]
 
