@@ -57,7 +57,7 @@ class Producer:
 
     def __init__(self, run: Any, episodes: EpisodeSpec | None) -> None:
         self.run, self.episodes = run, episodes
-        self.background = bool(run.cfg.rollout_world_size) and hasattr(run.engine, "start_rollout")
+        self.background = run.fleet is not None  # engine processes: their rounds run while the ranks train
 
     def publish(self, version: int, slot: int) -> tuple[Any, dict[str, float]]:
         """The trainer's weights of `version` for the engines -> (the region engine

@@ -63,7 +63,7 @@ def test_evaluate_scores_greedy_pass_at_1_and_mean_and_pass_at_k(tmp_path, tiny_
                             sampled=[["3", "3", "3"], ["1", "+", "1"], ["+", "+", "5"],
                                      ["0", "0", "0"]])
     with RewardScorer(str(plugin), workers=0) as scorer:
-        run = SimpleNamespace(cfg=SimpleNamespace(rollout_world_size=0), engine=engine, tokenizer=tok,
+        run = SimpleNamespace(cfg=SimpleNamespace(), engine=engine, fleet=None, tokenizer=tok,
                               scorer=scorer)
         producer = Producer(run, None)  # the eval round: the training rounds' producer, colocated
 

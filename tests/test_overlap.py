@@ -29,7 +29,6 @@ class _Cfg:
     adv_mode: str = "grpo"
     filter_zero_variance_groups: bool = False
     mask_overlong: bool = False
-    rollout_world_size: int = 0
 
 
 def _run(engine, tokenizer, tmp_path, workers):
@@ -43,7 +42,7 @@ def _run(engine, tokenizer, tmp_path, workers):
         "    return float(len(r.completion)) + 0.25 * (r.finish_reason == 'stop') + 0.01 * r.index\n"
     )
     scorer = RewardScorer(str(plugin), workers=workers, timeout=30)
-    run = SimpleNamespace(cfg=_Cfg(), engine=engine, tokenizer=tokenizer, rows=rows,
+    run = SimpleNamespace(cfg=_Cfg(), engine=engine, fleet=None, tokenizer=tokenizer, rows=rows,
                           prompts=prompts, scorer=scorer)
     return run, PromptSampler(len(prompts), 12, seed=3).next_batch()
 
