@@ -316,3 +316,24 @@ def test_a_run_that_stopped_before_its_first_checkpoint_starts_again(tmp_path, c
     assert (out / "metrics.1.jsonl").read_text() == '{"step": 1}\n'  # kept, not overwritten
     assert ("stopped before its first checkpoint (its metrics kept as metrics.1.jsonl): "
             "starting it again" in capsys.readouterr().out)
+
+
+def test_a_prune_cut_short_never_leaves_a_checkpoint_that_lists_as_complete(tmp_path, monkeypatch):
+    """An interrupt (or a kill) in the middle of removing an old checkpoint: its
+    state file may still be there while its weights are gone. The listing must
+    not offer it for --resume."""
+    import areno.rundir.checkpoint as ckpt_mod
+
+    for step in (1, 2, 3):
+        make_ckpt(tmp_path, f"step_{step:06d}")
+
+    def cut_short(path, ignore_errors=False):  # the first file goes, then the process stops
+        (Path(path) / "tokenizer.json").unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt_mod.shutil, "rmtree", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt_mod.prune(tmp_path, keep_last=2)
+    listed = list_checkpoints(tmp_path)
+    assert [p.name for p in listed] == ["step_000002", "step_000003"]
+    assert all((p / "tokenizer.json").is_file() for p in listed)

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from areno.procs.errors import BackendError
+from areno.procs.signals import signals_held
 from areno.errors import UserError
 from areno.fileperms import OLD_PREFIX, honour_umask, replace_dir
 from areno.models.directory import check_model_dir
@@ -233,10 +234,20 @@ def remove_stale(root: Path) -> None:
 
 
 def prune(root: Path, keep_last: int) -> None:
+    """Remove all but the newest keep_last checkpoints. Each leaves the listing in
+    one rename before its files go: a SIGKILL mid-removal leaves an `.old-` dir
+    (remove_stale's), never a checkpoint that lists as complete and is not; an
+    interrupt waits for the removal (signals held), so none is left behind."""
     if keep_last <= 0:
         return
     for old in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        gone = old.with_name(f"{OLD_PREFIX}{old.name}-{os.getpid()}")
+        with signals_held():
+            try:
+                os.rename(old, gone)
+            except OSError:
+                continue  # already gone (another process pruned it)
+            shutil.rmtree(gone, ignore_errors=True)
 
 
 def save_controller_rng(path: Path) -> None:
