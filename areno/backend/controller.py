@@ -14,7 +14,6 @@ procs/replies.py's). Nothing blocks forever on a recv.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import shutil
@@ -38,7 +37,7 @@ from areno.fleet.weight_sync import WeightLayout, WeightRegion, log_sync
 from areno.backend.weights import probe_ids
 from areno.fileperms import replace_dir
 from areno.perf import pack_train_perf
-from areno.procs.lifecycle import stop_processes
+from areno.procs.lifecycle import shut_down, stop_processes
 from areno.rollout.probe import probe_due
 from areno.split import SplitPack
 
@@ -124,14 +123,7 @@ class TorchBackend:
         if self._closed:
             return
         self._closed = True
-        for c in filter(None, self._conns):
-            with contextlib.suppress(OSError, ValueError):
-                c.send(("shutdown", {}))
-        for r in self.peers.stale:  # busy with an abandoned rollout: it would read "shutdown" after it
-            self._procs[r].kill()  # SIGKILL: ranks ignore SIGTERM (procs/signals.py)
-        deadline = time.monotonic() + self.config.shutdown_grace_s
-        for p in self._procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        shut_down(self._procs, self._conns, self.peers.stale, self.config.shutdown_grace_s)
         self._finalizer()
 
     def _abort(self) -> None:

@@ -12,10 +12,8 @@ them before the controller imports torch.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -23,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from areno.procs.errors import BackendError
 from areno.procs.heartbeat import HeartbeatWatch
-from areno.procs.lifecycle import stop_processes
+from areno.procs.lifecycle import shut_down, stop_processes
 from areno.procs.replies import Peers, ReplyStream
 from areno.procs.segment import ShmSegment
 from areno.procs.signals import spawning
@@ -247,14 +245,7 @@ class EngineProcs:
         if self._closed:
             return
         self._closed = True
-        for c in filter(None, self._conns):
-            with contextlib.suppress(OSError, ValueError):
-                c.send(("shutdown", {}))
-        for i in self.peers.stale:  # busy with an abandoned rollout: it would read "shutdown" after it
-            self._procs[i].kill()  # SIGKILL: they ignore SIGTERM (procs/signals.py)
-        deadline = time.monotonic() + self.config.shutdown_grace_s
-        for p in self._procs:
-            p.join(max(0.0, deadline - time.monotonic()))
+        shut_down(self._procs, self._conns, self.peers.stale, self.config.shutdown_grace_s)
         self._finalizer()
 
     def _abort(self) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import contextlib
 import threading
 import time
+from collections.abc import Iterable
 
 from areno.procs.signals import STOP_SIGNAL
 
@@ -133,3 +135,17 @@ def stop_processes(procs: list, conns: list, segments: list) -> None:
     finally:
         for s in segments:
             s.unlink()
+
+
+def shut_down(procs: list, conns: list, stale: Iterable[int], grace_s: float) -> None:
+    """Ask a group of peers to exit ("shutdown" on each pipe), SIGKILL the stale
+    ones (busy with an abandoned rollout, they would read it only after; they
+    ignore SIGTERM: procs/signals.py), then wait up to grace_s for all of them."""
+    for c in filter(None, conns):
+        with contextlib.suppress(OSError, ValueError):
+            c.send(("shutdown", {}))
+    for i in stale:
+        procs[i].kill()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
