@@ -117,13 +117,12 @@ class TrainPack:
     def with_seq_weights(self, seq_weights: torch.Tensor) -> "TrainPack":
         return replace(self, seq_weights=seq_weights)
 
-    def to_padded(self, pad_id: int = 0) -> "PaddedPack":
-        return to_padded(self, pad_id)
-
 
 @dataclass(frozen=True)
 class PaddedPack:
-    """The same data as a TrainPack, one row per sequence, right-padded to [S, Lmax].
+    """The same data as a TrainPack, one row per sequence, right-padded to [S, Lmax]
+    (`build_padded_pack`): the layout padded attention takes, which the packed
+    one must equal (tests, the GPU check, the benchmarks; no run trains on it).
 
     attention_mask [S, Lmax] bool marks real positions; every other field has
     the packed meaning. Padding positions have loss_mask False.
@@ -179,20 +178,7 @@ def build_train_pack(
     workspace:  optional reusable buffers (see Workspace).
     seq_weights are 0; `SplitPack`/`aggregation_weights` (split.py) set them.
     """
-    adv = np.asarray(advantages, dtype=np.float32)
-    if adv.shape != (batch.num_responses,):
-        raise ValueError(f"advantages: expected shape ({batch.num_responses},), got {adv.shape}")
-    r_len = batch.response_lengths
-    if order is None:
-        order = np.flatnonzero(r_len > 0)
-    else:
-        order = np.asarray(order, dtype=np.int64)
-        if order.size and r_len[order].min() == 0:
-            raise ValueError("order: names an empty response")
-    p_len = batch.prompt_lengths[batch.group_index[order]]
-    if p_len.size and p_len.min() == 0:
-        raise ValueError("prompt_offsets: a packed response has an empty prompt")
-    r = r_len[order]
+    adv, order, p_len, r = _selection(batch, advantages, order)
     seq_len = p_len + r - 1
     cu = np.zeros(order.size + 1, dtype=np.int64)
     np.cumsum(seq_len, out=cu[1:])
@@ -214,6 +200,26 @@ def build_train_pack(
         seq_weights=torch.zeros(order.size, dtype=torch.float32),
         sample_index=t(order.copy()),
     )
+
+
+def _selection(batch: RolloutBatch, advantages: np.ndarray, order: np.ndarray | None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """-> [N] float32 advantages, [S] int64 the responses packed (default: every
+    non-empty one, in order), [S] int64 their prompt and response lengths."""
+    adv = np.asarray(advantages, dtype=np.float32)
+    if adv.shape != (batch.num_responses,):
+        raise ValueError(f"advantages: expected shape ({batch.num_responses},), got {adv.shape}")
+    r_len = batch.response_lengths
+    if order is None:
+        order = np.flatnonzero(r_len > 0)
+    else:
+        order = np.asarray(order, dtype=np.int64)
+        if order.size and r_len[order].min() == 0:
+            raise ValueError("order: names an empty response")
+    p_len = batch.prompt_lengths[batch.group_index[order]]
+    if p_len.size and p_len.min() == 0:
+        raise ValueError("prompt_offsets: a packed response has an empty prompt")
+    return adv, order, p_len, r_len[order]
 
 
 def _contiguous(batch: RolloutBatch, order: np.ndarray, r: np.ndarray) -> bool:
@@ -297,29 +303,39 @@ def _old_logprobs(batch: RolloutBatch, order: np.ndarray, r: np.ndarray, loss_ma
     return old_lp
 
 
-def to_padded(pack: TrainPack, pad_id: int = 0) -> PaddedPack:
-    """[S, Lmax] right-padded copy of a pack: one fill and one masked store per
-    field (position_ids, 0..len-1 on each row, is one multiply of the grid)."""
-    lengths = pack.seq_lengths
-    S, Lmax = lengths.size, (int(lengths.max()) if lengths.size else 0)
+def build_padded_pack(batch: RolloutBatch, advantages: np.ndarray, *, order: np.ndarray | None = None,
+                      pad_id: int = 0) -> PaddedPack:
+    """The responses of `order` (as build_train_pack) as [S, Lmax] right-padded
+    rows, built directly: one fill and one or two masked stores per field, the
+    inputs the targets shifted by one (a copy), positions one multiply of the
+    grid. seq_weights are 0, as in build_train_pack."""
+    adv, order, p_len, r = _selection(batch, advantages, order)
+    S, seq_len = order.size, p_len + r - 1
+    Lmax = int(seq_len.max()) if S else 0
     j = np.arange(Lmax, dtype=np.int32)
-    valid = j < lengths[:, None]
-
-    def grid(x: torch.Tensor, fill: float | int | bool) -> torch.Tensor:
-        # numpy's boolean-mask assignment is ~7x faster than torch's (measured)
-        arr = x.numpy()
-        out = np.full((S, Lmax), fill, dtype=arr.dtype)
-        out[valid] = arr
-        return torch.from_numpy(out)
-
+    attention = j < seq_len[:, None]
+    context = j < (p_len - 1)[:, None]  # targets that are prompt tokens
+    loss_mask = attention & ~context
+    contiguous = _contiguous(batch, order, r)
+    a = batch.prompt_offsets[batch.group_index[order]]
+    targets = np.full((S, Lmax), pad_id, dtype=np.int32)
+    targets[loss_mask] = _response_tokens(batch, batch.response_ids, order, r, contiguous)
+    targets[context] = np.take(batch.prompt_ids, runs_index(a + 1, p_len - 1, int(p_len.sum()) - S))
+    input_ids = np.full((S, Lmax), pad_id, dtype=np.int32)
+    if S:
+        input_ids[:, 0] = batch.prompt_ids[a]
+        np.copyto(input_ids[:, 1:], targets[:, :-1], where=attention[:, 1:])
+    resp_lp = _response_tokens(batch, batch.response_logprobs, order, r, contiguous)
+    if batch.response_mask is not None:  # observation tokens are not trained
+        sampled = _response_tokens(batch, batch.response_mask, order, r, contiguous).astype(bool)
+        loss_mask[loss_mask] = sampled
+        resp_lp = resp_lp[sampled]
+    old_lp = np.zeros((S, Lmax), dtype=np.float32)
+    old_lp[loss_mask] = resp_lp
+    t = torch.from_numpy
     return PaddedPack(
-        input_ids=grid(pack.input_ids, pad_id),
-        targets=grid(pack.targets, pad_id),
-        position_ids=torch.from_numpy(j * valid),
-        attention_mask=torch.from_numpy(valid),
-        loss_mask=grid(pack.loss_mask, False),
-        old_logprobs=grid(pack.old_logprobs, 0.0),
-        advantages=grid(pack.advantages, 0.0),
-        seq_weights=pack.seq_weights,
-        sample_index=pack.sample_index,
+        input_ids=t(input_ids), targets=t(targets), position_ids=t(j * attention),
+        attention_mask=t(attention), loss_mask=t(loss_mask), old_logprobs=t(old_lp),
+        advantages=t(np.where(loss_mask, adv[order, None], np.float32(0.0))),
+        seq_weights=torch.zeros(S, dtype=torch.float32), sample_index=t(order.copy()),
     )

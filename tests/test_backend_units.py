@@ -30,7 +30,7 @@ from areno.backend.model import (
 from areno.backend.step import NonFiniteStepsError, lr_lambda
 from areno.losses import LossConfig
 from areno.metrics import REPORTED
-from areno.pack import build_train_pack
+from areno.pack import build_padded_pack, build_train_pack
 from areno.rollout.factory import EngineSpec
 from areno.split import build_split_pack
 
@@ -90,7 +90,7 @@ def _packed_padded_alone(policy: PolicyModule, pass_cu: bool = True):
     with torch.no_grad():
         lp, ent = policy(pack.input_ids.long()[None], pack.position_ids.long()[None], pack.targets.long()[None],
                          **cu_kw)
-        pad = pack.to_padded()
+        pad = build_padded_pack(b, np.zeros(b.num_responses, np.float32))
         lp_pad, ent_pad = policy(pad.input_ids.long(), pad.position_ids.long(), pad.targets.long(),
                                  attention_mask=pad.attention_mask.long())
         alone = []

@@ -23,7 +23,7 @@ from helpers import random_batch, random_rewards
 
 from areno.advantages import group_advantages
 from arenobench.lib import child_env
-from areno.pack import build_train_pack
+from areno.pack import build_padded_pack, build_train_pack
 from areno.split import build_split_pack
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,7 +109,7 @@ def test_list_reference_equals_areno(bm, seed: int):
     for ws, max_tokens in ((2, 8), (3, 1000)):
         sp = build_split_pack(batch, adv, world_size=ws, max_tokens=max_tokens)
         assert bm.compare_split(bm.ref_split_pack(lr, adv_l, ws, max_tokens), sp) == []
-    assert bm.compare_padded(bm.ref_padded(lr, adv_l), build_train_pack(batch, adv).to_padded(bm.PAD_ID)) == []
+    assert bm.compare_padded(bm.ref_padded(lr, adv_l), build_padded_pack(batch, adv, pad_id=bm.PAD_ID)) == []
     assert bm.compare_stats(bm.ref_stats(lr.logprobs), bm.areno_stats(batch)) == []
 
 
@@ -250,7 +250,7 @@ def test_near_limit_references_equal_areno(seed: int):
     adv = group_advantages(rewards, batch.group_index, num_groups=batch.num_prompts)
     assert compare_advantages(nl_advantages(rewards, batch.group_index, batch.num_prompts), adv) == []
     assert compare_pack(nl_pack(batch, adv), build_train_pack(batch, adv)) == []
-    assert compare_padded(nl_padded(batch, adv, 3), build_train_pack(batch, adv).to_padded(3)) == []
+    assert compare_padded(nl_padded(batch, adv, 3), build_padded_pack(batch, adv, pad_id=3)) == []
 
 
 def test_ref_runs_both_trees_and_prints_the_ratio(tmp_path: Path):

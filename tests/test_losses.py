@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from areno.losses import LossConfig, LossInputs, compute_loss
-from areno.pack import build_train_pack
+from areno.pack import build_padded_pack, build_train_pack
 from areno.split import build_split_pack
 from helpers import float64_default, random_batch  # noqa: F401 (float64_default: autouse, float64 references)
 
@@ -187,7 +187,7 @@ def test_packed_and_padded_give_same_loss_and_grad(algo):
     out_p = compute_loss(inputs_for(pack, lp_packed, None, None, None), cfg)
     out_p.loss.backward()
 
-    pad = pack.to_padded()
+    pad = build_padded_pack(b, adv, order=pack.sample_index.numpy())
     S, Lmax = pad.input_ids.shape
     noise_pad = torch.zeros(S, Lmax, dtype=torch.float64)
     noise_pad[pad.attention_mask] = noise
@@ -199,7 +199,7 @@ def test_packed_and_padded_give_same_loss_and_grad(algo):
             old_logprobs=pad.old_logprobs.double().reshape(-1),
             advantages=pad.advantages.double().reshape(-1),
             loss_mask=pad.loss_mask.reshape(-1),
-            seq_weights=pad.seq_weights.double(),
+            seq_weights=pack.seq_weights.double(),
             seq_index=seq_idx,
         ),
         cfg,

@@ -1,8 +1,10 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from areno.pack import build_train_pack
+from areno.pack import build_padded_pack, build_train_pack
 from areno.split import aggregation_weights, build_split_pack, plan_split
 from helpers import random_batch, split_pack
 
@@ -73,24 +75,30 @@ def test_pack_validation():
         build_train_pack(b, np.zeros(b.num_responses + 1, np.float32))
 
 
-def test_padded_has_the_same_meaning():
+@pytest.mark.parametrize("case", ["single-turn", "observations", "reordered"])
+def test_padded_has_the_same_meaning(case):
     b = random_batch(seed=3)
-    adv = np.random.default_rng(3).standard_normal(b.num_responses).astype(np.float32)
-    pack = build_train_pack(b, adv)
-    pad = pack.to_padded(pad_id=-1)
+    rng = np.random.default_rng(3)
+    adv = rng.standard_normal(b.num_responses).astype(np.float32)
+    order = None
+    if case == "observations":  # a multi-turn batch: some response tokens are not sampled
+        b = dataclasses.replace(b, response_mask=(rng.random(b.response_ids.size) < 0.7).astype(np.uint8))
+    if case == "reordered":
+        order = rng.permutation(np.flatnonzero(b.response_lengths > 0))[:-2]
+    pack = build_train_pack(b, adv, order=order)
+    pad = build_padded_pack(b, adv, order=order, pad_id=-1)
     lengths = pack.seq_lengths
     assert pad.input_ids.shape == (pack.num_seqs, lengths.max())
+    assert torch.equal(pad.sample_index, pack.sample_index)
     cu = pack.cu_seqlens.tolist()
     for s in range(pack.num_seqs):
-        n = lengths[s]
-        a = cu[s]
-        assert pad.input_ids[s, :n].tolist() == pack.input_ids[a : a + n].tolist()
-        assert (pad.input_ids[s, n:] == -1).all()
+        n, a = lengths[s], cu[s]
+        for f in ("input_ids", "targets", "position_ids", "loss_mask", "old_logprobs", "advantages"):
+            assert torch.equal(getattr(pad, f)[s, :n], getattr(pack, f)[a : a + n]), f
+        assert (pad.input_ids[s, n:] == -1).all() and (pad.targets[s, n:] == -1).all()
         assert pad.attention_mask[s].sum() == n
-        assert pad.loss_mask[s, :n].tolist() == pack.loss_mask[a : a + n].tolist()
         assert not pad.loss_mask[s, n:].any()
-        assert torch.equal(pad.old_logprobs[s, :n], pack.old_logprobs[a : a + n])
-        assert torch.equal(pad.position_ids[s, :n], pack.position_ids[a : a + n])
+        assert not pad.old_logprobs[s, n:].any() and not pad.advantages[s, n:].any()
 
 
 def test_plan_split_is_balanced_deterministic_and_budgeted():

@@ -83,7 +83,7 @@ def packed_attention_check(device: str, impl: str = "sdpa") -> float:
 
     from areno.backend.attention import hf_name, register
     from areno.backend.model import PolicyModule
-    from areno.pack import build_train_pack
+    from areno.pack import build_padded_pack, build_train_pack
     from areno.rollout.batch import RolloutBatch, offsets_from_lengths
 
     torch.manual_seed(0)
@@ -102,7 +102,7 @@ def packed_attention_check(device: str, impl: str = "sdpa") -> float:
     with torch.no_grad():
         lp, _ = pol(pack.input_ids.long()[None].to(d), pack.position_ids.long()[None].to(d),
                     pack.targets.long()[None].to(d))
-        pad = pack.to_padded()
+        pad = build_padded_pack(b, np.zeros(6, np.float32))
         lpp, _ = pol(pad.input_ids.long().to(d), pad.position_ids.long().to(d), pad.targets.long().to(d),
                      attention_mask=pad.attention_mask.long().to(d))
     return float((lp[0] - lpp[pad.attention_mask.to(d)]).abs().max().cpu())

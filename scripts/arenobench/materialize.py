@@ -16,7 +16,7 @@ What is measured (same synthetic rollouts for both paths, outputs checked equal)
                per rank. areno: `build_split_pack(world_size=2)`.
   padded       one right-padded row per sequence. Reference: per-sample lists
                copied row by row into torch.full tensors. areno:
-               `build_train_pack(...).to_padded()`.
+               `build_padded_pack(...)`.
   stats        rollout log-prob count/mean/std/min/max. Reference: the per-sample
                lists flattened into one list, then numpy over it. areno:
                `StreamingStats.update` on the flat array.
@@ -69,7 +69,7 @@ from arenobench.listref import (
 from arenobench.nearlimit import nl_advantages, nl_pack, nl_padded
 
 from areno.advantages import group_advantages
-from areno.pack import PACKED_TOKEN_FIELDS, TrainPack, Workspace, build_train_pack
+from areno.pack import PACKED_TOKEN_FIELDS, TrainPack, Workspace, build_padded_pack, build_train_pack
 from areno.rollout.batch import RolloutBatch, decode_completions, offsets_from_lengths
 from areno.split import build_split_pack
 from areno.stats import StreamingStats
@@ -223,7 +223,7 @@ def time_packs(pairs: Pairs, tag: str, d: Data, adv: np.ndarray, adv_l: list[flo
                lambda: ref_split_pack(lr, adv_l, 2, max_tok),
                lambda: build_split_pack(b, adv, world_size=2, max_tokens=max_tok, workspace=ws),
                compare_split, world_size=2, max_tokens=max_tok, **extra)
-    areno_padded = lambda: build_train_pack(b, adv).to_padded(PAD_ID)  # noqa: E731
+    areno_padded = lambda: build_padded_pack(b, adv, pad_id=PAD_ID)  # noqa: E731
     near_limit(pairs, f"padded_{tag}", lambda: nl_padded(b, adv, PAD_ID), areno_padded, compare_padded,
                lambda nl: pairs.time(f"padded_{tag}", f"padded [S, Lmax] {fmt_k(T)} resp tok", T,
                                      "response token", lambda: ref_padded(lr, adv_l), areno_padded,
