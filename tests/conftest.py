@@ -280,6 +280,18 @@ def smol_path(areno_cache: Path) -> Path:
         pytest.fail(f"the real-model fixture smol_path could not be built: {e}", pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def smol_tokenizer_path(areno_cache: Path) -> Path:
+    """A directory with SmolLM2-135M-Instruct's tokenizer and chat template (the
+    model's own directory when it is built already): for tests that never run the model."""
+    from arenobench.smol import RealModelUnavailable, smol_tokenizer_path
+
+    try:
+        return built_once(areno_cache, "smol-tokenizer", lambda: smol_tokenizer_path(areno_cache))
+    except RealModelUnavailable as e:
+        pytest.fail(f"the fixture smol_tokenizer_path could not be built: {e}", pytrace=False)
+
+
 @pytest.fixture
 def files(tmp_path: Path) -> dict[str, str]:
     """A one-row dataset and a constant reward plugin: the two options a non-demo

@@ -13,10 +13,10 @@ CALL = '<tool_call>\n{"name":"add","arguments":{"b":3,"a":2}}\n</tool_call>'  # 
 
 
 @pytest.fixture(scope="module")
-def tok(smol_path):
+def tok(smol_tokenizer_path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(smol_path)
+    return AutoTokenizer.from_pretrained(smol_tokenizer_path)
 
 
 def _sampled(tok, text: str, stop: bool = True) -> np.ndarray:

