@@ -57,19 +57,17 @@ class Producer:
 
     def __init__(self, run: Any, episodes: EpisodeSpec | None) -> None:
         self.run, self.episodes = run, episodes
-        self.background = run.fleet is not None  # engine processes: their rounds run while the ranks train
+        self.background = run.engine.background  # engine processes: their rounds run while the ranks train
 
     def publish(self, version: int, slot: int) -> tuple[Any, dict[str, float]]:
         """The trainer's weights of `version` for the engines -> (the region engine
         processes load with their next round, None when colocated engines loaded
         and checked them now; that sync's figures)."""
-        if self.background:
-            return self.run.backend.publish_weights(fingerprinted=self.run.fleet.fingerprinted, slot=slot), {}
-        return None, self.run.engine.sync_weights() or {}
+        return self.run.engine.publish(slot)
 
     def load(self, region: Any) -> None:
         """Engine processes load a published region now, checked (before an eval)."""
-        self.run.fleet.load(region)
+        self.run.engine.load(region)
 
     def start(self, data: Data, prompt_idx: np.ndarray, n: int, sampling: SamplingConfig,
               region: Any = None, overlap: bool = True) -> "Pending":

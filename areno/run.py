@@ -86,14 +86,13 @@ class Run:
     workspace: Workspace = field(default_factory=Workspace)  # pack buffers reused every step
     max_tokens_per_micro: int = 8192  # --max-tokens-per-micro, or the device's default
     rollouts: Rollouts = None  # type: ignore[assignment]  # the scheduler: set once the engines are up
-    fleet: EngineProcs | None = None  # split placement's engine processes (the engines run apart)
     agents: AgentHost | None = None  # --agent-path: the agents' workers and the gateway they call
 
     @property
     def dead(self) -> Any:
         """Why a watchdog stopped the run (a rank or an engine process died or went
         silent: a BackendError), else None: the interrupt was the user's."""
-        found = [p.dead for p in (self.backend, self.fleet) if p is not None and p.dead is not None]
+        found = [p.dead for p in (self.backend, self.engine) if p.dead is not None]
         return found[0] if found else None
 
     def evaluate(self, step: int) -> None:
@@ -307,7 +306,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
                                                start_step=resume.step, completions=bool(cfg.log_completions)))
         run = Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows, prompts=prompts,
                   sampler=sampler, sampling=settings.sampling(cfg), scorer=scorer, envs=envs, backend=backend,
-                  engine=engine, fleet=fleet,
+                  engine=engine,
                   logger=logger, world_size=world_size, total_steps=total, step=resume.step, evalset=evalset,
                   max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
         if cfg.agent_path:  # the gateway on this process: the driver runs here, over the ranks' engines

@@ -58,10 +58,13 @@ def assign_groups(cost: np.ndarray, num_engines: int) -> np.ndarray:
 
 
 class EngineView(Protocol):
-    """What the training loop needs from its rollout engines (PeerEngines; a
-    benchmark's stand-in): sampling, and new weights after each update."""
+    """What the training loop needs from its rollout engines, wherever they live
+    (PeerEngines: in the ranks or in engine processes; a benchmark's stand-in):
+    sampling, and new weights after each update."""
 
     max_model_len: int
+    background: bool  # its rounds run while the ranks train (engine processes), else when collected
+    dead: Any         # why its processes stopped (a watchdog's BackendError), else None
 
     def generate(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int,
                  sampling: SamplingConfig) -> RolloutBatch: ...
@@ -72,6 +75,15 @@ class EngineView(Protocol):
 
     def sync_weights(self) -> dict[str, float]:
         """The trainer's current weights into every engine, checked (weight_sync.py)."""
+        ...
+
+    def publish(self, slot: int = 0) -> tuple[WeightRegion | None, dict[str, float]]:
+        """The trainer's weights for the engines -> (the region engine processes load
+        with their next round, or None: loaded and checked now; the sync's figures)."""
+        ...
+
+    def load(self, region: WeightRegion) -> dict[str, float]:
+        """Load a published region now, checked (engine processes, before an eval)."""
         ...
 
 
@@ -94,7 +106,10 @@ class PeerEngines:
     """EngineView over engine groups of peers of `host`: `groups[g]` the peers of
     engine g (a TP group's members, the first its leader), `hellos` theirs in peer
     order; prompt ids are checked against `vocab_size`. Subclasses say how new
-    weights reach them (sync_weights)."""
+    weights reach them (sync_weights, publish, load)."""
+
+    background = False
+    dead = None
 
     def __init__(self, host: EngineHost, groups: list[list[int]], hellos: list[dict], vocab_size: int) -> None:
         self.host, self.groups, self.vocab_size = host, groups, vocab_size
@@ -205,6 +220,12 @@ class PeerEngines:
     def sync_weights(self) -> dict[str, float]:
         raise NotImplementedError
 
+    def publish(self, slot: int = 0) -> tuple[WeightRegion | None, dict[str, float]]:
+        return None, self.sync_weights() or {}
+
+    def load(self, region: WeightRegion) -> dict[str, float]:
+        raise RuntimeError(f"{type(self).__name__} loads the trainer's weights through sync_weights")
+
 
 class RankSide(Protocol):
     """What ProcEngines needs of the training ranks (a TorchBackend): rank 0
@@ -219,6 +240,8 @@ class RankSide(Protocol):
 class ProcEngines(PeerEngines):
     """EngineView over split placement's engine processes (one engine each, its TP,
     if any, inside it): rank 0 of `ranks` publishes, every engine process loads."""
+
+    background = True
 
     def __init__(self, fleet: "EngineProcs", ranks: RankSide) -> None:
         super().__init__(fleet, [[i] for i in range(fleet.count)], fleet.ready().hellos, ranks.vocab_size)
@@ -237,6 +260,18 @@ class ProcEngines(PeerEngines):
         publish_s = time.perf_counter() - t0
         timings = self.fleet.load(region) | {"sync_publish_s": publish_s, "sync_s": time.perf_counter() - t0}
         return self.fleet.log_sync(timings)
+
+    def publish(self, slot: int = 0) -> tuple[WeightRegion, dict[str, float]]:
+        """Rank 0 writes the weights into region `slot`; the engine processes load it
+        with their next round (its figures come with the round)."""
+        return self.ranks.publish_weights(fingerprinted=self.fleet.fingerprinted, slot=slot), {}
+
+    def load(self, region: WeightRegion) -> dict[str, float]:
+        return self.fleet.load(region)
+
+    @property
+    def dead(self) -> Any:  # type: ignore[override]
+        return self.fleet.dead
 
 
 @dataclass(frozen=True)

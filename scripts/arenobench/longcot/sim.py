@@ -105,7 +105,12 @@ class _Block:
 class SyntheticEngine:
     """A RolloutEngine returning precomputed responses after a simulated
     generation time (see the module docstring). Call prepare(prompts) once the
-    Run's PromptSet exists; responses are keyed by the prompt's token ids."""
+    Run's PromptSet exists; responses are keyed by the prompt's token ids.
+    Colocated as the loop sees it (fleet.engines.EngineView): rounds run when
+    collected, and sync_weights is the whole sync."""
+
+    background = False
+    dead = None
 
     def __init__(self, *, n: int, resp_len: int, max_new_tokens: int, vocab: tuple[int, int],
                  gen_time_s: float, seed: int = 0) -> None:
@@ -237,6 +242,12 @@ class SyntheticEngine:
         src.publish_weights()
         self.timeline.update(t_update_weights=time.monotonic(), train=train, export=self._source_timings())
         return self.timeline["export"]
+
+    def publish(self, slot: int = 0) -> tuple[None, dict]:
+        return None, self.sync_weights()
+
+    def load(self, region: Any) -> dict:
+        raise RuntimeError("a colocated stand-in loads through sync_weights")
 
     def prompt_logprobs(self, ids: np.ndarray) -> np.ndarray:
 
