@@ -28,7 +28,7 @@ import numpy as np
 
 from areno.advantages import zero_variance_groups
 from areno.choices import DynamicSampling
-from areno.metrics import sampling_metrics
+from areno.metrics import rounds_metrics, sampling_metrics
 from areno.rewards import RewardCounts, RewardResult
 from areno.rollout.batch import RolloutBatch
 from areno.rollout.engine import SamplingConfig
@@ -125,7 +125,8 @@ def fill_batch(collect: Callable[[int], Round], want: int, max_rounds: int,
         raise ValueError("fill_batch: max_rounds must be >= 1")
     out, train = ((concat_rounds(kept), np.ones(n_kept, bool)) if kept
                   else (last, np.zeros(last.batch.num_prompts, bool)))
-    out = replace(out, scored=replace(out.scored, counts=counts))
+    extra = rounds_metrics([(r.extra, r.batch.num_responses) for r in seen]) if len(seen) > 1 else last.extra
+    out = replace(out, scored=replace(out.scored, counts=counts), extra=extra)
     return Filled(out, train, rounds, generated, tokens, n_kept < want, _mean_valid(seen))
 
 

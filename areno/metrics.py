@@ -222,7 +222,7 @@ def sampling_metrics(rounds: int, kept: int, generated_groups: int, gen_tokens: 
     return {k: float(v) for k, v in zip(SAMPLING_METRICS, values, strict=True)}
 
 
-# -- multi-turn environments (--env-path), once per step, on the controller --------
+# -- multi-turn environments (--env-path), once per step (every round it generated), on the controller
 ENV_METRICS: dict[str, str] = {
     "env/turns_mean": "completions per trajectory, mean",
     "env/turn_limit": "trajectories ended by --max-turns",
@@ -249,6 +249,19 @@ def agent_metrics(calls: int, branches: int, dropped_turns: int, refused: int) -
     """The AGENT_METRICS of one agent rollout, in the table's order."""
     values = (calls, branches, dropped_turns, refused)
     return {k: float(v) for k, v in zip(AGENT_METRICS, values, strict=True)}
+
+
+def rounds_metrics(rounds: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """The ENV/AGENT metrics of a step's rounds (dynamic sampling's refills and
+    dropped groups too: what was generated) from (a round's metrics, its
+    trajectories): env/turns_mean weighted by trajectories, the rest (counts and
+    seconds) summed. A key some round lacks counts 0 there."""
+    keys = [k for k in (*ENV_METRICS, *AGENT_METRICS) if any(k in m for m, _ in rounds)]
+    n = sum(t for _, t in rounds)
+    out = {k: float(sum(m.get(k, 0.0) for m, _ in rounds)) for k in keys}
+    if "env/turns_mean" in out:
+        out["env/turns_mean"] = sum(m.get("env/turns_mean", 0.0) * t for m, t in rounds) / n if n else 0.0
+    return out
 
 
 def env_metrics(turns_mean: float, turn_limit: int, token_limit: int, long_observations: int,

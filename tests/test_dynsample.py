@@ -5,6 +5,8 @@ honoured and counted, and a resumed run repeats the uninterrupted one."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from helpers import random_batch
@@ -70,6 +72,22 @@ def test_fills_the_batch_with_informative_groups_in_round_order():
                  sum(r.batch.num_response_tokens for r in ROUNDS[:3]) / 4, "sampling/bound_hit": 0.0,
                  "sampling/reward_generated":
                  pytest.approx(np.mean([r.scored.rewards for r in ROUNDS[:3]]))}
+
+
+def test_the_rounds_environment_and_agent_metrics_are_of_every_round_generated():
+    """A refilled step reports the env/* and agent/* metrics of all its rounds, the
+    dropped groups' too (counts and seconds summed, turns per trajectory weighted)."""
+    extras = [{"env/turns_mean": 2.0, "env/turn_limit": 1.0, "env/generate_s": 0.5, "agent/calls": 4.0},
+              {"env/turns_mean": 4.0, "env/turn_limit": 0.0, "env/generate_s": 0.25, "agent/calls": 6.0},
+              {"env/turns_mean": 1.0, "env/turn_limit": 2.0, "env/generate_s": 1.0, "agent/calls": 1.0}]
+    rounds = [dataclasses.replace(r, extra=e) for r, e in zip(ROUNDS, extras)]
+    f = fill_batch(collector(rounds)[0], want=4, max_rounds=10, informative=by_reward)
+    sizes = [r.batch.num_responses for r in rounds]
+    assert f.rounds == 3 and f.round.extra == {
+        "env/turns_mean": pytest.approx(np.average([2.0, 4.0, 1.0], weights=sizes)),
+        "env/turn_limit": 3.0, "env/generate_s": 1.75, "agent/calls": 11.0}
+    one = fill_batch(collector(rounds[2:])[0], want=1, max_rounds=10, informative=by_reward)
+    assert one.rounds == 1 and one.round.extra == extras[2]  # one round: its own, as it came
 
 
 def test_the_bound_is_honoured_and_counted():
