@@ -194,3 +194,46 @@ def test_the_turns_schedule_samples_the_same_whatever_the_env_timing(hf_engine, 
     for f in ("response_ids", "response_offsets", "response_logprobs", "response_mask", "finish_reason"):
         np.testing.assert_array_equal(getattr(a.batch, f), getattr(b.batch, f), err_msg=f)
     assert a.rounds == b.rounds == 3
+
+
+class _NewVersionEachCall:
+    """The engine, told a new weight version (the same weights) after every
+    generate call: each round of turns is sampled by the next version."""
+
+    def __init__(self, engine, first: int) -> None:
+        self.engine, self.max_model_len = engine, engine.max_model_len
+        self.version = first
+        self._state = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        engine.update_weights_inflight(self._state.items(), first)
+
+    def generate_stream(self, ids, offsets, n, sampling, min_groups=1):
+        yield from self.engine.generate_stream(ids, offsets, n, sampling, min_groups=min_groups)
+        self.version += 1
+        self.engine.update_weights_inflight(self._state.items(), self.version)
+
+
+def test_a_trajectory_whose_turns_span_versions_carries_each_tokens_version(hf_engine, tok, tmp_path):
+    """Turn k of every trajectory was sampled by version 4 + k: its tokens say so,
+    an observation carries its turn's version (no lag counts it), and the
+    trajectory's oldest sampled token is its first turn's."""
+    from areno.rollout.batch import oldest_version
+
+    rows = [{"moves": 3}, {"moves": 2}]
+    env, ids, off, states = _setup(tok, tmp_path, rows, n=2)
+    fmt = ObservationFormat(tok, True, hf_engine.eos_token_ids)
+    engine = _NewVersionEachCall(hf_engine, first=5)
+    try:
+        with EnvPool(str(env), workers=2) as pool:
+            out = rollout_multiturn(engine, pool, tok, fmt, ids, off, states, 2,
+                                    SamplingConfig(max_tokens=6, seed=1), EnvBounds(max_turns=4))
+    finally:
+        hf_engine.weight_version = None
+    b = out.batch
+    assert b.token_version is not None and b.token_version.dtype == np.int32
+    for i in range(b.num_responses):
+        lo, hi = b.response_offsets[i], b.response_offsets[i + 1]
+        v, m = b.token_version[lo:hi], b.response_mask[lo:hi]
+        turn = np.cumsum(np.diff(np.concatenate([[0], m.astype(np.int64)])) == 1)  # 1, 2, ... per sampled run
+        assert (v[m == 1] == 4 + turn[m == 1]).all(), (i, v, m)
+        assert (v[m == 0] == 4 + turn[m == 0]).all()  # the observation after turn k: version 4 + k
+    assert oldest_version(b).tolist() == [5] * b.num_responses

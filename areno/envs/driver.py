@@ -123,7 +123,8 @@ class _Driver:
         texts = decode_completions(self.tokenizer, part)
         for j, i in enumerate(who.tolist()):
             a, b = part.response_offsets[j], part.response_offsets[j + 1]
-            self.traj.add_turn(i, part.response_ids[a:b], part.response_logprobs[a:b])
+            self.traj.add_turn(i, part.response_ids[a:b], part.response_logprobs[a:b],
+                               None if part.token_version is None else part.token_version[a:b])
             self.last_token[i] = part.response_ids[b - 1] if b > a else -1
             self.cut[i] = part.finish_reason[j] == FINISH_LENGTH
             self.out.completions[i].append(texts[j])

@@ -87,20 +87,33 @@ class Trajectories:
         self._ids: list[list[np.ndarray]] = [[] for _ in range(n)]
         self._lps: list[list[np.ndarray]] = [[] for _ in range(n)]
         self._masks: list[list[np.ndarray]] = [[] for _ in range(n)]
+        # int32 weight version per token, while every turn came with one (engine.weight_version set)
+        self._vers: list[list[np.ndarray]] | None = [[] for _ in range(n)]
         self.length = np.zeros(n, dtype=np.int64)  # response tokens so far (sampled + observed)
         self.turns = np.zeros(n, dtype=np.int64)
 
     def __len__(self) -> int:
         return self.group_index.size
 
-    def add_turn(self, i: int, ids: np.ndarray, logprobs: np.ndarray) -> None:
-        """Append turn tokens [k] int32 exactly as sampled, with their [k] float32 log-probs."""
-        self._append(i, np.asarray(ids, np.int32), np.asarray(logprobs, np.float32), 1)
+    def add_turn(self, i: int, ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray | None = None) -> None:
+        """Append turn tokens [k] int32 exactly as sampled, with their [k] float32
+        log-probs and [k] int32 weight versions (None: the engine was not told one,
+        and the batch carries none)."""
+        ids = np.asarray(ids, np.int32)
+        if versions is None:
+            self._vers = None
+        elif self._vers is not None:
+            self._vers[i].append(np.asarray(versions, np.int32))
+        self._append(i, ids, np.asarray(logprobs, np.float32), 1)
         self.turns[i] += 1
 
     def add_observation(self, i: int, ids: np.ndarray) -> None:
-        """Append observation tokens [k] int32 (log-prob 0, mask 0: not trained)."""
+        """Append observation tokens [k] int32 (log-prob 0, mask 0: not trained; their
+        version, which no lag counts, the last sampled token's)."""
         ids = np.asarray(ids, np.int32)
+        if self._vers is not None:
+            last = next((int(v[-1]) for v in reversed(self._vers[i]) if v.size), 0)
+            self._vers[i].append(np.full(ids.size, last, np.int32))
         self._append(i, ids, np.zeros(ids.size, np.float32), 0)
 
     def _append(self, i: int, ids: np.ndarray, lps: np.ndarray, m: int) -> None:
@@ -128,8 +141,9 @@ class Trajectories:
         return [(int(m[0]) if m.size else 1, a) for a, m in zip(self._ids[i], self._masks[i])]
 
     def to_batch(self, finish_reason: np.ndarray, turn_cut: np.ndarray) -> RolloutBatch:
-        """Every trajectory as one RolloutBatch response, with response_mask and
-        turn_cut ([N] bool: its last turn was cut at its token cap)."""
+        """Every trajectory as one RolloutBatch response, with response_mask, turn_cut
+        ([N] bool: its last turn was cut at its token cap) and, when every turn
+        came with versions, token_version (a trajectory's turns may span several)."""
         def cat(parts: list[list[np.ndarray]], dtype: type) -> np.ndarray:
             flat = [a for p in parts for a in p]
             return np.concatenate(flat).astype(dtype, copy=False) if flat else np.zeros(0, dtype)
@@ -139,4 +153,5 @@ class Trajectories:
             response_logprobs=cat(self._lps, np.float32), group_index=self.group_index,
             finish_reason=np.asarray(finish_reason, dtype=np.uint8), response_mask=cat(self._masks, np.uint8),
             turn_cut=np.asarray(turn_cut, dtype=bool),
+            token_version=None if self._vers is None else cat(self._vers, np.int32),
         )
