@@ -224,3 +224,19 @@ def refused(args: list[str], capsys) -> str:
     assert len(lines) == 1 and lines[0].startswith("areno: error:"), out.err
     assert "Traceback" not in out.err + out.out
     return lines[0]
+
+
+class InProcessEngines:
+    """A rollout engine of this process as the loop's EngineView: colocated, so
+    its rounds run when collected (background False) and it has no processes
+    to die. Everything else (generate, generate_stream, a stand-in's calls) is
+    the engine's own."""
+
+    background = False
+    dead = None
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)

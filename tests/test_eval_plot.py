@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from areno.rollout.batch import FINISH_STOP, RolloutBatch, offsets_from_lengths
+from helpers import InProcessEngines
 from inprocess import run_here
 from test_resume import DIGIT_REWARD, EVAL_ROWS, HF1, ok, read_metrics, train_steps
 
@@ -63,7 +64,7 @@ def test_evaluate_scores_greedy_pass_at_1_and_mean_and_pass_at_k(tmp_path, tiny_
                             sampled=[["3", "3", "3"], ["1", "+", "1"], ["+", "+", "5"],
                                      ["0", "0", "0"]])
     with RewardScorer(str(plugin), workers=0) as scorer:
-        run = SimpleNamespace(cfg=SimpleNamespace(), engine=engine, fleet=None, tokenizer=tok,
+        run = SimpleNamespace(cfg=SimpleNamespace(), engine=InProcessEngines(engine), tokenizer=tok,
                               scorer=scorer)
         producer = Producer(run, None)  # the eval round: the training rounds' producer, colocated
 

@@ -20,7 +20,7 @@ from areno.data.sampler import PromptSampler
 from areno.split import build_split_pack
 from areno.producers import Data, Producer
 from areno.timing import PhaseTimer
-from helpers import concat, take_prompts
+from helpers import InProcessEngines, concat, take_prompts
 
 
 @dataclass
@@ -42,7 +42,7 @@ def _run(engine, tokenizer, tmp_path, workers):
         "    return float(len(r.completion)) + 0.25 * (r.finish_reason == 'stop') + 0.01 * r.index\n"
     )
     scorer = RewardScorer(str(plugin), workers=workers, timeout=30)
-    run = SimpleNamespace(cfg=_Cfg(), engine=engine, fleet=None, tokenizer=tokenizer, rows=rows,
+    run = SimpleNamespace(cfg=_Cfg(), engine=InProcessEngines(engine), tokenizer=tokenizer, rows=rows,
                           prompts=prompts, scorer=scorer)
     return run, PromptSampler(len(prompts), 12, seed=3).next_batch()
 
