@@ -51,7 +51,8 @@ from areno.runtime.placement import check_placement, ranks_for, resolve_device
 from areno.runtime.shm import check_shm_room
 from areno.pack import Workspace
 from areno.perf import default_micro_tokens
-from areno.rundir.reporting import RunLogger, limit_note
+from areno.rundir.reporting import RunLogger
+from areno.runtime.startline import lora_line, start_line
 from areno.rewards import RewardScorer
 from areno.rollout.engine import SamplingConfig
 from areno.rundir.log import third_party_to_log
@@ -248,9 +249,6 @@ def open_run(cfg: TrainConfig, engine: Any = None, early: EarlyPeers | None = No
 @contextlib.contextmanager
 def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
               early: EarlyPeers | None) -> Iterator[Run]:
-    # Looked up when called: tests replace it to show user mistakes come before any rank.
-    from areno.backend.controller import TorchBackend
-
     clean_leftovers()  # shared memory of areno processes that were SIGKILLed
     device = resolve_device(cfg)
     nproc, world_size = ranks_for(cfg, device)
@@ -285,23 +283,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
         spec = None if engine is not None else settings.engine_spec(cfg, device, longest, lora.rank if lora else 0)
         bcfg = settings.backend_config(cfg, model_path, base_model, world_size, device, max(total, 1), spec,
                                        lora=lora)
-        if cfg.nnodes > 1:  # node 0: the controller, plus this node's ranks
-            bcfg = replace(bcfg, launcher="external", listen_port=controller_port(cfg.master_port))
-            stack.callback(stop_ranks, start_local_ranks(cfg.nnodes, 0, nproc, cfg.master_addr, cfg.master_port))
-        fleet = None
-        if cfg.rollout_world_size and engine is None:  # split placement: the engine processes, apart
-            # Their config first: they build their engines while the ranks load the policy.
-            fleet = EngineProcs(bcfg.engine_procs(), early.engines if early is not None else None, wait=False)
-            stack.callback(fleet.close)
-        backend = TorchBackend(bcfg, early)
-        startup_mark("backend ready")
-        stack.callback(backend.close)
-        resume.restore_backend(backend)
-        if fleet is not None:
-            engine = ProcEngines(fleet, backend)  # once every engine process said hello
-            startup_mark("engine processes ready")
-        if engine is None:
-            engine = RankEngines(backend, cfg.tensor_parallel_size)
+        backend, engine = _start_processes(cfg, bcfg, nproc, early, engine, resume, stack)
         logger = stack.enter_context(RunLogger(out, total, cfg.report_to, config=cfg.to_dict(),
                                                start_step=resume.step, completions=bool(cfg.log_completions)))
         run = Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows, prompts=prompts,
@@ -322,6 +304,34 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
                 run.engine.sync_weights()
         resume.restore_rng()  # last: engine and backend start-up may reseed the global RNGs
         yield run
+
+
+def _start_processes(cfg: TrainConfig, bcfg: Any, nproc: int, early: EarlyPeers | None, engine: Any,
+                     resume: Resume, stack: contextlib.ExitStack) -> tuple[Any, Any]:
+    """The ranks (nproc of them on this node), and under split placement the engine processes apart from them
+    -> (the TorchBackend, the run's EngineView); `engine`: a caller's stand-in,
+    used as given. Their shutdown goes on `stack`."""
+    # Looked up when called: tests replace it to show user mistakes come before any rank.
+    from areno.backend.controller import TorchBackend
+
+    if cfg.nnodes > 1:  # node 0: the controller, plus this node's ranks
+        bcfg = replace(bcfg, launcher="external", listen_port=controller_port(cfg.master_port))
+        stack.callback(stop_ranks, start_local_ranks(cfg.nnodes, 0, nproc, cfg.master_addr, cfg.master_port))
+    fleet = None
+    if cfg.rollout_world_size and engine is None:  # split placement: the engine processes, apart
+        # Their config first: they build their engines while the ranks load the policy.
+        fleet = EngineProcs(bcfg.engine_procs(), early.engines if early is not None else None, wait=False)
+        stack.callback(fleet.close)
+    backend = TorchBackend(bcfg, early)
+    startup_mark("backend ready")
+    stack.callback(backend.close)
+    resume.restore_backend(backend)
+    if fleet is not None:
+        engine = ProcEngines(fleet, backend)  # once every engine process said hello
+        startup_mark("engine processes ready")
+    if engine is None:
+        engine = RankEngines(backend, cfg.tensor_parallel_size)
+    return backend, engine
 
 
 def scorer_for(cfg: TrainConfig, stack: contextlib.ExitStack) -> tuple[RewardScorer | None, EnvPool | None]:
@@ -362,43 +372,3 @@ def model_for(cfg: TrainConfig, resume: Resume) -> tuple[str, str, Weights | Non
         params = {"trainable": trainable, "total": total}
     return model_path, base_model, weights, lora, params
 
-
-def steps_text(n: int) -> str:
-    """'1 step', '2 steps'."""
-    return f"{n} step{'' if n == 1 else 's'}"
-
-
-def start_line(run: Run, resume: Resume, device: str) -> str:
-    """The run's first line: the policy, where it trains, on what, and the run dir."""
-    cfg, prompts = run.cfg, run.prompts
-    what = "evaluating" if cfg.eval_only else (
-        f"{len(prompts)} prompts ({prompts.dropped_overlong} overlong dropped"
-        + (f", {run.rows.skipped} malformed rows skipped" if run.rows.skipped else "")
-        + f"), {steps_text(run.total_steps)} of {cfg.batch_size}x{cfg.n_samples}"
-        + (f" ({note})" if (note := limit_note(run.total_steps, cfg.max_steps, cfg.epochs, len(prompts),
-                                               cfg.batch_size)) else ""))
-    model_path = str(resume.ckpt) if resume.ckpt else run.model_path
-    return (f"areno: {model_path} on {device} x{run.world_size}, {what}"
-            + (f", resumed at step {run.step}" if resume.ckpt else "")
-            + fallback_note(cfg.rollout_engine, getattr(run.engine, "kinds", ()))
-            + "".join(f"; {note}" for note in getattr(run.engine, "notes", ()))
-            + settings.old_logprobs_note(cfg, device)
-            + f"; run dir {run.output_dir}")
-
-
-def fallback_note(asked: str | None, built: Any) -> str:
-    """'; sampling with hf: ...' when the default engine fell back (asked None: the
-    default, vllm; built: the kinds the engines report), else ''. Only the
-    default falls back (rollout.factory.make_engine)."""
-    if asked is not None or "hf" not in built:
-        return ""
-    return ("; sampling with the hf engine: vLLM does not import here (fell back; "
-            "--rollout-engine hf says so, --rollout-engine vllm makes it an error)")
-
-
-def lora_line(lora: Any, params: dict) -> str:
-    """The LoRA run's parameter counts, one line."""
-    t, n = params["trainable"], params["total"]
-    return (f"LoRA r={lora.rank} alpha={lora.alpha:g} on {', '.join(lora.target_modules)}: "
-            f"{t:,} trainable of {n:,} parameters ({100 * t / n:.2f}%)"
-            + (f"; adapter from {lora.adapter_path}" if lora.adapter_path else ""))

@@ -32,7 +32,8 @@ from areno.rewards import RewardError, RewardResult
 from areno.rollout.batch import FINISH_LENGTH, RolloutBatch, overlong_mask
 from areno.rollout.probe import WeightSyncError
 from areno.runtime.multinode import run_worker_node
-from areno.run import Run, open_run, steps_text
+from areno.run import Run, open_run
+from areno.runtime.startline import steps_text
 from areno.runtime.placement import visible_gpus
 from areno.stats import StreamingStats
 from areno.timing import PhaseTimer  # noqa: F401 (the benchmarks' timing hook lives there)
