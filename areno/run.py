@@ -3,7 +3,7 @@ user mistakes first: run directory, tokenizer, data, reward plugin, then the
 expensive parts (backend ranks, rollout engine). Closing a Run shuts down every
 process it started, on every exit path. Where those parts go comes from
 runtime/placement.py, their settings from settings.py; what a resumed run
-takes from its checkpoint, from checkpoint.Resume."""
+takes from its checkpoint, from rundir.resume.Resume."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ from areno.backend.rank_engines import RankEngines
 from areno.fleet.engine_procs import EngineProcs
 from areno.fleet.engines import EngineView, ProcEngines
 from areno.rundir import lock as runlock
-from areno.rundir.checkpoint import (Resume, check_free_space, checkpoint_bytes, checkpoint_root, instead_of,
+from areno.rundir.resume import Resume
+from areno.rundir.checkpoint import (check_free_space, checkpoint_bytes, checkpoint_root, instead_of,
                                     save_checkpoint)
 from areno.config.train import TrainConfig
 from areno.data.prompts import PromptSet, tokenize_prompts

@@ -247,7 +247,7 @@ def test_read_state_of_an_incomplete_checkpoint_is_a_user_error(tmp_path):
 
 
 def test_resume_latest_skips_temp_dirs_and_says_when_there_is_nothing(tmp_path):
-    from areno.rundir.checkpoint import Resume
+    from areno.rundir.resume import Resume
 
     cfg = TrainConfig(output_dir=str(tmp_path), resume="latest")
     with pytest.raises(UserError, match="no complete checkpoint under"):
@@ -290,7 +290,7 @@ def test_resume_drops_checkpoints_of_the_abandoned_continuation(tmp_path):
 
 
 def test_a_fresh_run_refuses_an_output_dir_that_holds_a_run(tmp_path):
-    from areno.rundir.checkpoint import Resume
+    from areno.rundir.resume import Resume
     from areno.config.train import TrainConfig
     from areno.run import make_output_dir
 

@@ -1,5 +1,5 @@
 """Which options a resumed run takes from its checkpoint and which it may change
-(finding and restoring the checkpoint is checkpoint.Resume's).
+(finding and restoring the checkpoint is rundir.resume.Resume's).
 
 A resumed run must compute the same steps as the run that was saved, so an
 option that changes what a step computes (model, data, sampling, algorithm,
@@ -64,7 +64,8 @@ def resume_config(cfg: TrainConfig, given: set[str]) -> TrainConfig:
     --resume. UserError naming every option given that may not change."""
     if cfg.resume is None:
         return cfg
-    from areno.rundir.checkpoint import Resume, recorded_save_path  # imports torch: a resumed run only
+    from areno.rundir.checkpoint import recorded_save_path  # imports torch: a resumed run only
+    from areno.rundir.resume import Resume
 
     if not cfg.save_path and cfg.output_dir:
         # The run saved where its config.yaml says: resume from there and keep saving there.

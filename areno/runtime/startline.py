@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from areno import settings
-from areno.rundir.checkpoint import Resume
+from areno.rundir.resume import Resume
 from areno.rundir.reporting import limit_note
 
 
