@@ -27,7 +27,6 @@ def agent(tmp_path):
     ("agent = 3\n", [], "'agent' is a int, not a function"),
     ("def agent(:\n", [], "syntax error at line 1"),
     (GOOD, ["--reward-workers", "0"], "--reward-workers 0"),
-    (GOOD, ["--rollout-world-size", "1"], "drop --rollout-world-size"),
     (GOOD, ["--max-trajectory-tokens", "1"], "below --max-new-tokens"),
     (GOOD, ["--agent-tool-parser", "nosuch"], "--agent-tool-parser nosuch: vLLM has no such tool parser"),
 ])

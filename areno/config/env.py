@@ -120,9 +120,6 @@ def check_agent_options(cfg: Any) -> None:
     if cfg.reward_workers == 0:
         raise UserError(f"{flag} with --reward-workers 0: an agent calls the run's gateway, which "
                         "cannot answer while the agent runs in its thread; give --reward-workers >= 1")
-    if cfg.rollout_world_size:
-        raise UserError(f"{flag} with --rollout-world-size: agents run colocated for now (an engine "
-                        "process does not yet send back the prompts its agents chose); drop --rollout-world-size")
     if cfg.max_trajectory_tokens and cfg.max_trajectory_tokens < cfg.max_new_tokens:
         raise UserError(f"--max-trajectory-tokens {cfg.max_trajectory_tokens} is below --max-new-tokens "
                         f"{cfg.max_new_tokens}: not even one whole turn would fit")

@@ -232,15 +232,19 @@ class EpisodeSpec:
     tokenizer_path: str
     chat_template: bool
     bounds: EnvBounds
+    agent: bool = False  # env_path is an --agent-path file: the gateway's driver (gateway/host.py)
+    tool_parser: str = "hermes"  # --agent-tool-parser
 
 
 def episode_spec(cfg: Any, tokenizer_path: str) -> EpisodeSpec:
-    """A run's EpisodeSpec (--env-path and the options around it)."""
-    plugin = cfg.env_path or getattr(cfg, "agent_path", None)  # an agent is an environment too
-    return EpisodeSpec(plugin, cfg.reward_workers, cfg.reward_timeout, cfg.on_reward_error,
+    """A run's EpisodeSpec (--env-path or --agent-path, and the options around it)."""
+    agent = getattr(cfg, "agent_path", None)  # an agent is an environment too
+    return EpisodeSpec(cfg.env_path or agent, cfg.reward_workers, cfg.reward_timeout, cfg.on_reward_error,
                        tokenizer_path, cfg.chat_template,
                        EnvBounds(cfg.max_turns, cfg.max_trajectory_tokens or 0, cfg.env_reward,
-                                 cfg.env_schedule == "eager"))
+                                 cfg.env_schedule == "eager"),
+                       agent=agent is not None and not cfg.env_path,
+                       tool_parser=getattr(cfg, "agent_tool_parser", "hermes"))
 
 
 def observation_format(tokenizer: Any, chat_template: bool) -> ObservationFormat:

@@ -1,11 +1,16 @@
 """AgentHost: what the agent driver needs around it in the process that drives
 the engines: the agent's workers (the reward pool, kind "agent"), the gateway
-server, the chat renderer and the tool parser, made once for the whole run."""
+server, the chat renderer and the tool parser, made once for the whole run.
+Colocated that is the controller (run.py); under split placement each engine
+process (AgentEpisodes, at its first `episodes` command: EngineWorker.cmd_episodes)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from areno.data.tokenizer import load_tokenizer
 from areno.envs.driver import EnvBounds, EpisodeSpec
 from areno.envs.plugin import EnvState
 from areno.envs.pool import EnvPool
@@ -50,3 +55,28 @@ class AgentHost:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AgentEpisodes:
+    """envs.driver.EpisodeHost's counterpart for agents: the AgentHost of an engine
+    process (its workers, its own gateway on localhost, the renderer and tool
+    parser), made at the first `episodes` command and kept for the next ones
+    (a new spec makes a new one). The prompts the controller sent are not used:
+    an agent's conversation is its prompt (the rollout's batch carries it)."""
+
+    def __init__(self) -> None:
+        self.spec: EpisodeSpec | None = None
+        self.host: AgentHost | None = None
+
+    def run(self, engine: Any, spec: EpisodeSpec, ids: np.ndarray, offsets: np.ndarray,
+            states: list[EnvState], n: int, sampling: SamplingConfig) -> AgentRollout:
+        if spec != self.spec:
+            self.close()
+            self.host = AgentHost.for_spec(spec, load_tokenizer(spec.tokenizer_path), spec.tool_parser)
+            self.spec = spec
+        return self.host.run(engine, states, n, sampling, spec.bounds)
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+        self.host = self.spec = None
