@@ -46,6 +46,7 @@ def test_agent_with_an_env_or_a_reward_plugin_and_its_options_alone_are_refused(
     plugin.write_text("def reward_fn(r):\n    return 1.0\n")
     assert "drop --reward-fn-path" in refused(["--agent-path", agent, "--reward-fn-path", str(plugin)], capsys)
     assert "--agent-tool-parser needs --agent-path" in refused(["--agent-tool-parser", "llama3_json"], capsys)
+    assert "--agent-concurrency needs --agent-path" in refused(["--agent-concurrency", "4"], capsys)
 
 
 def test_the_demo_trains_the_guess_game_as_an_openai_client_agent(tmp_path):

@@ -68,14 +68,32 @@ def agent(task):
 '''
 
 
-def _run(engine, tok, tmp_path, rows, n, on_error="fail", bounds=EnvBounds(max_turns=8), workers=2):
+# The same three tool turns with the async client: one worker holds every run.
+ASYNC_AGENT = '''
+from openai import AsyncOpenAI
+
+
+async def agent(task):
+    client = AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    msgs = [{"role": "user", "content": task.row["q"]}]
+    for k in range(3):
+        r = await client.chat.completions.create(model=task.model, messages=msgs, max_tokens=5)
+        msgs.append(r.choices[0].message)
+        msgs.append({"role": "tool", "tool_call_id": f"c{k}", "content": str(10 + k)})
+    return 1.0
+'''
+
+
+def _run(engine, tok, tmp_path, rows, n, on_error="fail", bounds=EnvBounds(max_turns=8), workers=2,
+         source=AGENT, concurrency=1):
     path = tmp_path / "agent.py"
-    path.write_text(AGENT)
+    path.write_text(source)
     states = [EnvState("", None, None, rows[i // n], i) for i in range(len(rows) * n)]
     trace = TracingEngine(engine)
     server = GatewayServer()
     try:
-        with EnvPool(str(path), workers=workers, timeout=120, on_error=on_error, kind="agent") as pool:
+        with EnvPool(str(path), workers=workers, timeout=120, on_error=on_error, kind="agent",
+                     concurrency=concurrency) as pool:
             out = rollout_agents(trace, pool, server, ChatRenderer(tok), ToolCallParser("hermes", tok), states, n,
                                  SamplingConfig(max_tokens=8, seed=3), bounds)
     finally:
@@ -152,6 +170,18 @@ def test_a_second_call_of_a_run_while_one_waits_is_refused(chat, tmp_path):
     engine, tok = chat
     out, trace = _run(engine, tok, tmp_path, [{"q": "2+3?", "parallel": True}], 2)
     assert out.scored.rewards.tolist() == [1.0, 0.0] and out.turns.tolist() == [1, 1] and out.refused == 1
+
+
+def test_one_worker_runs_every_async_agent_at_once_and_each_turn_is_one_generate_call(chat, tmp_path):
+    """--agent-concurrency 4 on one worker: the four runs are in flight together,
+    so under the turns schedule each of their three turns is one generate call
+    of all four (run one at a time, that would be twelve calls)."""
+    engine, tok = chat
+    out, trace = _run(engine, tok, tmp_path, [{"q": "2+3?"}, {"q": "1+1?"}], 2, workers=1,
+                      source=ASYNC_AGENT, concurrency=4)
+    assert out.turns.tolist() == [3, 3, 3, 3] and out.scored.rewards.tolist() == [1, 1, 1, 1]
+    assert out.rounds == 3 and len(trace.requests) == 12
+    assert assert_trained_is_sampled(trace, out) == 12
 
 
 def test_the_turn_limit_answers_empty_and_ends_the_trajectory_as_length(chat, tmp_path):

@@ -47,6 +47,10 @@ class EnvOptions:
         "hermes", "vLLM's tool parser that reads tool calls out of the policy's turns under "
         "--agent-path when a request passes tools (hermes: <tool_call>{json}</tool_call>, as "
         "Qwen, Hermes and SmolLM2 write them); none: the text is the answer.")
+    agent_concurrency: int = _opt(
+        32, "Runs of an async agent() one reward worker holds at once under --agent-path (one "
+        "event loop; a run mostly waits on the gateway): --reward-workers x this many runs are in "
+        "flight. A sync agent() runs one at a time.", ge=1)
     env_schedule: Literal["turns", "eager"] = _opt(
         "turns", "How the engines take turns under --env-path: turns (every trajectory whose "
         "environment has answered generates its next turn together; a seeded run repeats, a "
@@ -83,6 +87,8 @@ def check_env_options(cfg: Any) -> None:
         return check_agent_options(cfg)
     if cfg.agent_tool_parser != "hermes":
         raise UserError("--agent-tool-parser needs --agent-path (an agent)")
+    if cfg.agent_concurrency != 32:
+        raise UserError("--agent-concurrency needs --agent-path (an agent)")
     if cfg.env_path is None:
         given = [f for f, on in (("--max-trajectory-tokens", cfg.max_trajectory_tokens),
                                  ("--env-reward last", cfg.env_reward != "sum"),

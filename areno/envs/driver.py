@@ -234,6 +234,7 @@ class EpisodeSpec:
     bounds: EnvBounds
     agent: bool = False  # env_path is an --agent-path file: the gateway's driver (gateway/host.py)
     tool_parser: str = "hermes"  # --agent-tool-parser
+    concurrency: int = 1  # --agent-concurrency
 
 
 def episode_spec(cfg: Any, tokenizer_path: str) -> EpisodeSpec:
@@ -244,7 +245,8 @@ def episode_spec(cfg: Any, tokenizer_path: str) -> EpisodeSpec:
                        EnvBounds(cfg.max_turns, cfg.max_trajectory_tokens or 0, cfg.env_reward,
                                  cfg.env_schedule == "eager"),
                        agent=agent is not None and not cfg.env_path,
-                       tool_parser=getattr(cfg, "agent_tool_parser", "hermes"))
+                       tool_parser=getattr(cfg, "agent_tool_parser", "hermes"),
+                       concurrency=getattr(cfg, "agent_concurrency", 1))
 
 
 def observation_format(tokenizer: Any, chat_template: bool) -> ObservationFormat:

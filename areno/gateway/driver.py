@@ -139,9 +139,10 @@ class AgentDriver:
                     kind, x = self.events.get_nowait()
                 except queue.Empty:
                     break
-            # turns: generate once every run in flight waits on a call. A worker runs one
-            # agent at a time, so at most `workers` runs are in flight; the rest are queued.
-            in_flight = min(len(live), self.pool.scorer.workers)
+            # turns: generate once every run in flight waits on a call. At most the pool's
+            # capacity runs at once (workers x --agent-concurrency for an async agent, workers
+            # for a sync one); the rest are queued.
+            in_flight = min(len(live), self.pool.scorer.capacity)
             if ready and (self.bounds.eager or len({w.run for w in ready}) >= in_flight):
                 ready.sort(key=lambda w: w.run)
                 self._generate(ready)

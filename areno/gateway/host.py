@@ -25,11 +25,12 @@ class AgentHost:
     """The agents of a run: path, workers, timeout and on_error as a reward plugin's."""
 
     def __init__(self, path: str, tokenizer: Any, *, workers: int, timeout: float, on_error: str,
-                 tool_parser: str = "hermes") -> None:
+                 tool_parser: str = "hermes", concurrency: int = 1) -> None:
         self.renderer = ChatRenderer(tokenizer)  # no chat template: ValueError before anything starts
         self.parser = ToolCallParser(tool_parser, tokenizer)
         self.parser.check()
-        self.pool = EnvPool(path, workers=workers, timeout=timeout, on_error=on_error, kind="agent")
+        self.pool = EnvPool(path, workers=workers, timeout=timeout, on_error=on_error, kind="agent",
+                            concurrency=concurrency)
         try:
             self.server = GatewayServer()
         except BaseException:
@@ -39,7 +40,7 @@ class AgentHost:
     @classmethod
     def for_spec(cls, spec: EpisodeSpec, tokenizer: Any, tool_parser: str) -> "AgentHost":
         return cls(spec.env_path, tokenizer, workers=spec.workers, timeout=spec.timeout,
-                   on_error=spec.on_error, tool_parser=tool_parser)
+                   on_error=spec.on_error, tool_parser=tool_parser, concurrency=spec.concurrency)
 
     def run(self, engine: Any, states: list[EnvState], n: int, sampling: SamplingConfig,
             bounds: EnvBounds) -> AgentRollout:

@@ -10,11 +10,15 @@ and returns the run's reward. Each call of `agent` is one trajectory: its own
 base URL, so concurrent runs never mix. It runs on the reward pool's worker
 processes (rewards/pool.py, kind "agent"): --reward-timeout bounds a whole run,
 --on-reward-error handles a raise, a timeout or a crash, and a timeout or
-crash kills the worker's process group.
+crash kills the worker's process group. An async agent runs up to
+--agent-concurrency runs at once per worker (rewards/concurrent.py): a run past
+the timeout is cancelled there, and only a run that blocks the worker's event
+loop (or a crash) costs the kill, and with it the worker's other runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import numbers
@@ -24,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from areno.errors import UserError, import_user_file, is_signal_interrupt, one_line, user_frame
-from areno.rewards.plugin import STATUS_ERROR, STATUS_OK, PluginKind, short_repr
+from areno.rewards.plugin import STATUS_ERROR, STATUS_OK, STATUS_TIMEOUT, PluginKind, short_repr
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,6 @@ def load_agent_plugin(path: str) -> AgentPlugin:
 
 def call_agent(plugin: AgentPlugin, task: AgentTask, loop: Any) -> tuple[int, float, str, Any]:
     """One agent run -> (status, reward, message, None)."""
-    import asyncio
-
     try:
         out = plugin.fn(task)
         if inspect.isawaitable(out):
@@ -72,10 +74,31 @@ def call_agent(plugin: AgentPlugin, task: AgentTask, loop: Any) -> tuple[int, fl
     except BaseException as e:  # noqa: BLE001 - SystemExit is the agent's error too
         if is_signal_interrupt(e):
             raise
-        return STATUS_ERROR, math.nan, f"raised {one_line(e)}{user_frame(e, plugin.path)}", None
+        return _raised(plugin, e)
+    return _reward(out)
+
+
+async def acall_agent(plugin: AgentPlugin, task: AgentTask, timeout: float) -> tuple[int, float, str, Any]:
+    """One run of an async agent among others on one worker's event loop
+    (--agent-concurrency, rewards/concurrent.py): past `timeout` it is cancelled
+    (STATUS_TIMEOUT), and neither that nor a raise touches the other runs."""
+    try:
+        out = await asyncio.wait_for(plugin.fn(task), timeout)
+    except asyncio.TimeoutError:
+        return STATUS_TIMEOUT, math.nan, f"timed out after {timeout:g} s (this run cancelled)", None
+    except Exception as e:  # noqa: BLE001 - the agent's error; a cancel of the worker's loop passes
+        return _raised(plugin, e)
+    return _reward(out)
+
+
+def _raised(plugin: AgentPlugin, e: BaseException) -> tuple[int, float, str, Any]:
+    return STATUS_ERROR, math.nan, f"raised {one_line(e)}{user_frame(e, plugin.path)}", None
+
+
+def _reward(out: Any) -> tuple[int, float, str, Any]:
     if not isinstance(out, (numbers.Real, np.bool_)):
         return STATUS_ERROR, math.nan, f"agent returned {short_repr(out)}, not a reward (a number)", None
     return STATUS_OK, float(out), "", None
 
 
-KIND = PluginKind("agent", load_agent_plugin, call_agent)
+KIND = PluginKind("agent", load_agent_plugin, call_agent, acall_agent)
