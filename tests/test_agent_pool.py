@@ -111,3 +111,27 @@ def test_under_fail_the_failed_run_raises_and_the_others_finish(tmp_path):
     assert isinstance(raised, RewardError) and "no tool for that" in str(raised)
     assert isinstance(late, RewardError) and "timed out after 4 s" in str(late)
     assert fine.reward == 7.0
+
+
+# Run 0 blocks its worker's event loop (a sync sleep in an async agent): nothing
+# in the worker can cancel it, so the pool kills the worker past the timeout
+# plus the grace, charging both runs then on it; run 2 goes to the new worker.
+BLOCKS = """
+import asyncio
+import time
+
+
+async def agent(task):
+    if task.index == 0:
+        time.sleep(3600)
+    if task.index == 1:
+        await asyncio.sleep(3600)
+    return 5.0
+"""
+
+
+def test_a_run_that_blocks_its_worker_costs_the_worker_and_the_runs_on_it(tmp_path):
+    blocked, beside, after = run_all(tmp_path, BLOCKS, 3, concurrency=2, timeout=1, on_error="zero")
+    assert blocked.counts.failures == 1 and blocked.reward == 0.0 and "worker killed" in blocked.messages[0]
+    assert beside.counts.failures == 1 and beside.reward == 0.0
+    assert after.reward == 5.0 and after.counts.failures == 0
