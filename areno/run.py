@@ -315,7 +315,8 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
             run.agents = stack.enter_context(AgentHost(
                 cfg.agent_path, tokenizer, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
                 on_error=cfg.on_reward_error, tool_parser=cfg.agent_tool_parser,
-                concurrency=cfg.agent_concurrency))
+                concurrency=cfg.agent_concurrency,
+                reward_fn_path=resolve_plugin_path(cfg.reward_fn_path) if cfg.reward_fn_path else None))
         logger.info(start_line(run, resume, device))
         run.rollouts = rollouts_for(run, int(resume.state.get("weight_version", resume.step)), inflight,
                                     model_path)

@@ -45,3 +45,18 @@ def test_agents_at_k1_train_a_version_behind(tmp_path, areno_cache, monkeypatch,
     assert sorted(steps) == [1, 2, 3]
     assert max(steps[s]["rollout/policy_lag_max"] for s in steps) == 1
     assert all(steps[s]["agent/calls"] >= 16 for s in steps)
+
+
+@pytest.mark.parametrize("placement", [[], SPLIT], ids=["colocated", "split"])
+def test_an_agent_returning_none_is_scored_by_the_reward_plugin_wherever_it_runs(tmp_path, areno_cache,
+                                                                                monkeypatch, placement):
+    """--reward-fn-path beside --agent-path: a run whose agent() returns None gets
+    the plugin's reward for its conversation, in the controller or an engine process."""
+    src = GUESS.read_text().replace("            return 1.0\n", "            return None\n")
+    src = src.replace("    return 0.0\n", "    return None\n")
+    assert "return 1.0" not in src and "return 0.0" not in src
+    (tmp_path / "agent.py").write_text(src)
+    (tmp_path / "reward.py").write_text("def reward_fn(record):\n    return 0.75 if record.num_tokens else 0.0\n")
+    steps = train(tmp_path / "run", areno_cache, monkeypatch, "--agent-path", str(tmp_path / "agent.py"),
+                  *OPTIONS, "--reward-fn-path", str(tmp_path / "reward.py"), *placement, steps=1)
+    assert steps[1]["reward/mean"] == 0.75 and steps[1]["agent/calls"] >= 16

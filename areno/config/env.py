@@ -39,7 +39,8 @@ class EnvOptions:
         "last step's.")
     agent_path: str | None = _opt(
         None, "Agent written against the OpenAI API: a .py file defining agent(task) -> reward "
-        "(async allowed) that talks to task.base_url, an OpenAI-compatible endpoint the run serves "
+        "(async allowed; or None, and --reward-fn-path scores the final conversation) that talks to "
+        "task.base_url, an OpenAI-compatible endpoint the run serves "
         "from the policy; each call is one trajectory, trained token for token as sampled. Runs on "
         "the reward workers (--reward-workers runs at once, --reward-timeout per run, "
         "--on-reward-error); --max-turns and --max-trajectory-tokens bound it.", shown="unset")
@@ -121,8 +122,6 @@ def check_agent_options(cfg: Any) -> None:
     flag = f"--agent-path {cfg.agent_path}"
     if cfg.env_path is not None:
         raise UserError(f"{flag} with --env-path: an agent is the environment; give one of them")
-    if cfg.reward_fn_path is not None:
-        raise UserError(f"{flag} with --reward-fn-path: agent() returns the reward; drop --reward-fn-path")
     if cfg.reward_workers == 0:
         raise UserError(f"{flag} with --reward-workers 0: an agent calls the run's gateway, which "
                         "cannot answer while the agent runs in its thread; give --reward-workers >= 1")

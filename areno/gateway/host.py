@@ -18,6 +18,7 @@ from areno.gateway.app import GatewayServer
 from areno.gateway.conversation import ChatRenderer
 from areno.gateway.driver import AgentRollout, rollout_agents
 from areno.gateway.tools import ToolCallParser
+from areno.rewards.pool import RewardScorer
 from areno.rollout.engine import SamplingConfig
 
 
@@ -25,30 +26,39 @@ class AgentHost:
     """The agents of a run: path, workers, timeout and on_error as a reward plugin's."""
 
     def __init__(self, path: str, tokenizer: Any, *, workers: int, timeout: float, on_error: str,
-                 tool_parser: str = "hermes", concurrency: int = 1) -> None:
+                 tool_parser: str = "hermes", concurrency: int = 1, reward_fn_path: str | None = None) -> None:
         self.renderer = ChatRenderer(tokenizer)  # no chat template: ValueError before anything starts
         self.parser = ToolCallParser(tool_parser, tokenizer)
         self.parser.check()
+        self.scorer: RewardScorer | None = None  # --reward-fn-path: scores the runs whose agent returns None
+        self.server: GatewayServer | None = None
         self.pool = EnvPool(path, workers=workers, timeout=timeout, on_error=on_error, kind="agent",
                             concurrency=concurrency)
         try:
+            if reward_fn_path is not None:
+                self.scorer = RewardScorer(reward_fn_path, workers=workers, timeout=timeout,
+                                           on_error=on_error)  # type: ignore[arg-type]
             self.server = GatewayServer()
         except BaseException:
-            self.pool.close()
+            self.close()
             raise
 
     @classmethod
     def for_spec(cls, spec: EpisodeSpec, tokenizer: Any, tool_parser: str) -> "AgentHost":
         return cls(spec.env_path, tokenizer, workers=spec.workers, timeout=spec.timeout,
-                   on_error=spec.on_error, tool_parser=tool_parser, concurrency=spec.concurrency)
+                   on_error=spec.on_error, tool_parser=tool_parser, concurrency=spec.concurrency,
+                   reward_fn_path=spec.reward_fn_path)
 
     def run(self, engine: Any, states: list[EnvState], n: int, sampling: SamplingConfig,
             bounds: EnvBounds) -> AgentRollout:
         return rollout_agents(engine, self.pool, self.server, self.renderer, self.parser, states, n,
-                              sampling, bounds)
+                              sampling, bounds, self.scorer)
 
     def close(self) -> None:
-        self.server.close()
+        if self.server is not None:
+            self.server.close()
+        if self.scorer is not None:
+            self.scorer.close()
         self.pool.close()
 
     def __enter__(self) -> "AgentHost":

@@ -2,11 +2,13 @@
 
 An agent is one Python file that defines
 
-    def agent(task: AgentTask) -> float          # may be async
+    def agent(task: AgentTask) -> float | None   # may be async
 
 It runs however it likes against the OpenAI-compatible endpoint at
 `task.base_url` (key `task.api_key`: any OpenAI client, `OPENAI_BASE_URL`),
-and returns the run's reward. Each call of `agent` is one trajectory: its own
+and returns the run's reward, or None when the run has --reward-fn-path
+(`task.reward_fn`): that plugin then scores the final conversation
+(gateway/driver.py, AgentDriver._score_later). Each call of `agent` is one trajectory: its own
 base URL, so concurrent runs never mix. It runs on the reward pool's worker
 processes (rewards/pool.py, kind "agent"): --reward-timeout bounds a whole run,
 --on-reward-error handles a raise, a timeout or a crash, and a timeout or
@@ -31,6 +33,9 @@ from areno.errors import UserError, import_user_file, is_signal_interrupt, one_l
 from areno.rewards.plugin import STATUS_ERROR, STATUS_OK, STATUS_TIMEOUT, PluginKind, short_repr
 
 
+SCORE_LATER = "reward_fn"  # a run's payload when agent() returned None: the reward plugin scores it
+
+
 @dataclass(frozen=True)
 class AgentTask:
     """What an agent run gets: its dataset row and its own endpoint."""
@@ -43,6 +48,7 @@ class AgentTask:
     base_url: str  # http://127.0.0.1:PORT/runs/<key>/v1: this run's OpenAI endpoint
     api_key: str  # the same run's key (also accepted on /v1 as a Bearer token)
     model: str = "policy"  # any model name is accepted
+    reward_fn: bool = False  # agent() may return None: --reward-fn-path scores the final conversation
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,7 @@ def call_agent(plugin: AgentPlugin, task: AgentTask, loop: Any) -> tuple[int, fl
         if is_signal_interrupt(e):
             raise
         return _raised(plugin, e)
-    return _reward(out)
+    return _reward(out, task)
 
 
 async def acall_agent(plugin: AgentPlugin, task: AgentTask, timeout: float) -> tuple[int, float, str, Any]:
@@ -88,16 +94,20 @@ async def acall_agent(plugin: AgentPlugin, task: AgentTask, timeout: float) -> t
         return STATUS_TIMEOUT, math.nan, f"timed out after {timeout:g} s (this run cancelled)", None
     except Exception as e:  # noqa: BLE001 - the agent's error; a cancel of the worker's loop passes
         return _raised(plugin, e)
-    return _reward(out)
+    return _reward(out, task)
 
 
 def _raised(plugin: AgentPlugin, e: BaseException) -> tuple[int, float, str, Any]:
     return STATUS_ERROR, math.nan, f"raised {one_line(e)}{user_frame(e, plugin.path)}", None
 
 
-def _reward(out: Any) -> tuple[int, float, str, Any]:
+def _reward(out: Any, task: AgentTask) -> tuple[int, float, str, Any]:
+    """A run's return -> its status, reward and payload (SCORE_LATER: None under --reward-fn-path)."""
+    if out is None and task.reward_fn:
+        return STATUS_OK, 0.0, "", SCORE_LATER
     if not isinstance(out, (numbers.Real, np.bool_)):
-        return STATUS_ERROR, math.nan, f"agent returned {short_repr(out)}, not a reward (a number)", None
+        hint = "" if task.reward_fn else " or None with --reward-fn-path"
+        return STATUS_ERROR, math.nan, f"agent returned {short_repr(out)}, not a reward (a number{hint})", None
     return STATUS_OK, float(out), "", None
 
 
