@@ -292,10 +292,14 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
                   engine=engine,
                   logger=logger, world_size=world_size, total_steps=total, step=resume.step, evalset=evalset,
                   max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
-        if cfg.agent_path:  # the gateway on this process: the driver runs here, over the ranks' engines
+        if cfg.agent_path and not engine.background:
+            # Colocated: the gateway on this process, the driver runs here over the ranks'
+            # engines. Split placement: each engine process has its own (gateway/host.py).
             run.agents = stack.enter_context(AgentHost(
                 cfg.agent_path, tokenizer, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
-                on_error=cfg.on_reward_error, tool_parser=cfg.agent_tool_parser))
+                on_error=cfg.on_reward_error, tool_parser=cfg.agent_tool_parser,
+                concurrency=cfg.agent_concurrency,
+                reward_fn_path=resolve_plugin_path(cfg.reward_fn_path) if cfg.reward_fn_path else None))
         logger.info(start_line(run, resume, device))
         run.rollouts = rollouts_for(run, int(resume.state.get("weight_version", resume.step)), inflight,
                                     model_path)

@@ -21,6 +21,9 @@ Every figure is the median over --repeats rounds, the scenarios round-robin.
 concurrency: --runs agent runs with --workers workers, turns and eager schedule:
   T (the rollout's wall time), G (inside the engine), idle (the engine had
   nothing to generate: env/engine_idle_s), idle / T.
+sync vs async: the same --runs runs on --few-workers workers (turns), a sync
+  agent (one run per worker) against the same agent written with AsyncOpenAI
+  under --agent-concurrency (every run in flight): the same figures.
 """
 
 from __future__ import annotations
@@ -49,6 +52,19 @@ def agent(task):
     if task.row.get("out"):
         with open(f"{task.row['out']}.{task.index}", "w") as f:
             json.dump(lat, f)
+    return 1.0
+'''
+
+
+ASYNC_AGENT = '''
+from openai import AsyncOpenAI
+
+async def agent(task):
+    client = AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    msgs = [{"role": "user", "content": "Count to three."}]
+    for k in range(task.row["calls"]):
+        r = await client.chat.completions.create(model=task.model, messages=msgs)
+        msgs += [r.choices[0].message, {"role": "user", "content": "Go on."}]
     return 1.0
 '''
 
@@ -115,6 +131,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--runs", type=int, default=16)
     ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--few-workers", type=int, default=2, help="workers of the sync vs async comparison")
+    ap.add_argument("--agent-concurrency", type=int, default=32)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     from transformers import AutoTokenizer
@@ -145,6 +163,7 @@ def main() -> None:
         over["overhead_share"] = over["overhead_s"] / over["client_s"]
         over["gateway_s"] = over["client_s"] - over["engine_in_driver_s"]  # HTTP, render, prefix check
         conc = {k: median(v) for k, v in conc.items()}
+        modes = sync_vs_async(engine, server, tok, args, agent, Path(d) / "async_agent.py")
     server.close()
     print(f"overhead: {over['calls']} calls of {args.max_tokens} tokens, tiny chat model, transformers engine")
     print(f"  client {over['client_s'] * 1e3:8.2f} ms   engine {over['engine_s'] * 1e3:8.2f} ms   "
@@ -155,9 +174,31 @@ def main() -> None:
     for k, m in conc.items():
         print(f"  {k:>6}: T {m['T']:6.2f} s  G {m['G']:6.2f} s  idle {m['idle']:6.2f} s  "
               f"idle/T {m['idle/T']:.2f}  generate calls {m['rounds']}")
+    print(f"sync vs async: {args.runs} runs x {args.calls} calls, {args.few_workers} workers, turns")
+    for k, m in modes.items():
+        print(f"  {k:>6}: T {m['T']:6.2f} s  G {m['G']:6.2f} s  idle {m['idle']:6.2f} s  "
+              f"idle/T {m['idle/T']:.2f}  generate calls {m['rounds']}")
     if args.json:
         args.json.write_text(json.dumps(dict(args=vars(args) | {"json": str(args.json)}, overhead=over,
-                                             concurrency=conc), indent=2))
+                                             concurrency=conc, sync_vs_async=modes), indent=2))
+
+
+def sync_vs_async(engine, server, tok, args, sync_agent: Path, async_agent: Path) -> dict:
+    """The runs on a few workers: the sync agent (one run each) vs the async one
+    (--agent-concurrency runs each), round-robin, medians over --repeats."""
+    from areno.envs.pool import EnvPool
+
+    async_agent.write_text(ASYNC_AGENT)
+    rows: dict[str, list] = {"sync": [], "async": []}
+    with EnvPool(str(sync_agent), workers=args.few_workers, timeout=300, kind="agent") as sync_pool, \
+            EnvPool(str(async_agent), workers=args.few_workers, timeout=300, kind="agent",
+                    concurrency=args.agent_concurrency) as async_pool:
+        sync_pool.warm()
+        async_pool.warm()
+        for _ in range(args.repeats):
+            rows["sync"].append(concurrency_once(engine, sync_pool, server, tok, args, False))
+            rows["async"].append(concurrency_once(engine, async_pool, server, tok, args, False))
+    return {k: median(v) for k, v in rows.items()}
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ def agent(tmp_path):
     ("agent = 3\n", [], "'agent' is a int, not a function"),
     ("def agent(:\n", [], "syntax error at line 1"),
     (GOOD, ["--reward-workers", "0"], "--reward-workers 0"),
-    (GOOD, ["--rollout-world-size", "1"], "drop --rollout-world-size"),
     (GOOD, ["--max-trajectory-tokens", "1"], "below --max-new-tokens"),
     (GOOD, ["--agent-tool-parser", "nosuch"], "--agent-tool-parser nosuch: vLLM has no such tool parser"),
 ])
@@ -39,14 +38,12 @@ def test_agent_mistakes_are_one_line(tmp_path, capsys, source, extra, message):
     assert message in line, line
 
 
-def test_agent_with_an_env_or_a_reward_plugin_and_its_options_alone_are_refused(agent, tmp_path, capsys):
+def test_agent_with_an_env_and_its_options_alone_are_refused(agent, tmp_path, capsys):
     env = tmp_path / "env.py"
     env.write_text("def step(state, completion):\n    return '', 1.0, True\n")
     assert "give one of them" in refused(["--agent-path", agent, "--env-path", str(env)], capsys)
-    plugin = tmp_path / "r.py"
-    plugin.write_text("def reward_fn(r):\n    return 1.0\n")
-    assert "drop --reward-fn-path" in refused(["--agent-path", agent, "--reward-fn-path", str(plugin)], capsys)
     assert "--agent-tool-parser needs --agent-path" in refused(["--agent-tool-parser", "llama3_json"], capsys)
+    assert "--agent-concurrency needs --agent-path" in refused(["--agent-concurrency", "4"], capsys)
 
 
 def test_the_demo_trains_the_guess_game_as_an_openai_client_agent(tmp_path):

@@ -68,18 +68,67 @@ def agent(task):
 '''
 
 
-def _run(engine, tok, tmp_path, rows, n, on_error="fail", bounds=EnvBounds(max_turns=8), workers=2):
+# The same three tool turns with the async client: one worker holds every run.
+ASYNC_AGENT = '''
+from openai import AsyncOpenAI
+
+
+async def agent(task):
+    client = AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    msgs = [{"role": "user", "content": task.row["q"]}]
+    for k in range(3):
+        r = await client.chat.completions.create(model=task.model, messages=msgs, max_tokens=5)
+        msgs.append(r.choices[0].message)
+        msgs.append({"role": "tool", "tool_call_id": f"c{k}", "content": str(10 + k)})
+    return 1.0
+'''
+
+
+# Returns None (the reward plugin scores the conversation), but run 1 its own number.
+NONE_AGENT = '''
+from openai import OpenAI
+
+
+def agent(task):
+    client = OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    msgs = [{"role": "user", "content": task.row["q"]}]
+    r = client.chat.completions.create(model=task.model, messages=msgs, max_tokens=5)
+    msgs += [r.choices[0].message, {"role": "tool", "tool_call_id": "c0", "content": "42"}]
+    client.chat.completions.create(model=task.model, messages=msgs, max_tokens=5)
+    return 0.25 if task.index == 1 else None
+'''
+
+# 1 when the conversation it gets holds the tool's answer; sample 2 it cannot score.
+SCORE_CONVERSATION = '''
+def reward_fn(record):
+    if record.index == 2:
+        raise ValueError("cannot score this one")
+    return 1.0 if "tool\\n42" in record.completion and record.finish_reason == "stop" else 0.0
+'''
+
+
+def _run(engine, tok, tmp_path, rows, n, on_error="fail", bounds=EnvBounds(max_turns=8), workers=2,
+         source=AGENT, concurrency=1, reward_fn=None):
+    from areno.rewards.pool import RewardScorer
+
     path = tmp_path / "agent.py"
-    path.write_text(AGENT)
+    path.write_text(source)
+    scorer = None
+    if reward_fn is not None:
+        (tmp_path / "reward.py").write_text(reward_fn)
+        scorer = RewardScorer(str(tmp_path / "reward.py"), workers=1, on_error=on_error)
     states = [EnvState("", None, None, rows[i // n], i) for i in range(len(rows) * n)]
     trace = TracingEngine(engine)
     server = GatewayServer()
     try:
-        with EnvPool(str(path), workers=workers, timeout=120, on_error=on_error, kind="agent") as pool:
+        with EnvPool(str(path), workers=workers, timeout=120, on_error=on_error, kind="agent",
+                     concurrency=concurrency) as pool:
             out = rollout_agents(trace, pool, server, ChatRenderer(tok), ToolCallParser("hermes", tok), states, n,
-                                 SamplingConfig(max_tokens=8, seed=3), bounds)
+                                 SamplingConfig(max_tokens=8, seed=3), bounds, scorer)
     finally:
         server.close()
+        if scorer is not None:
+            scorer.close()
     return out, trace
 
 
@@ -152,6 +201,35 @@ def test_a_second_call_of_a_run_while_one_waits_is_refused(chat, tmp_path):
     engine, tok = chat
     out, trace = _run(engine, tok, tmp_path, [{"q": "2+3?", "parallel": True}], 2)
     assert out.scored.rewards.tolist() == [1.0, 0.0] and out.turns.tolist() == [1, 1] and out.refused == 1
+
+
+def test_one_worker_runs_every_async_agent_at_once_and_each_turn_is_one_generate_call(chat, tmp_path):
+    """--agent-concurrency 4 on one worker: the four runs are in flight together,
+    so under the turns schedule each of their three turns is one generate call
+    of all four (run one at a time, that would be twelve calls)."""
+    engine, tok = chat
+    out, trace = _run(engine, tok, tmp_path, [{"q": "2+3?"}, {"q": "1+1?"}], 2, workers=1,
+                      source=ASYNC_AGENT, concurrency=4)
+    assert out.turns.tolist() == [3, 3, 3, 3] and out.scored.rewards.tolist() == [1, 1, 1, 1]
+    assert out.rounds == 3 and len(trace.requests) == 12
+    assert assert_trained_is_sampled(trace, out) == 12
+
+
+def test_an_agent_that_returns_none_is_scored_on_its_conversation_by_the_reward_plugin(chat, tmp_path):
+    """agent() -> None with --reward-fn-path: the plugin gets the final conversation
+    (the tool's answer in it); a number still wins; the plugin's failure is
+    --on-reward-error's. Without a reward plugin None is the agent's error."""
+    engine, tok = chat
+    rows = [{"q": "2+3?"}, {"q": "1+1?"}]
+    out, _ = _run(engine, tok, tmp_path, rows, 2, on_error="zero", source=NONE_AGENT,
+                  reward_fn=SCORE_CONVERSATION)
+    assert out.turns.tolist() == [2, 2, 2, 2]
+    assert out.scored.rewards.tolist() == [1.0, 0.25, 0.0, 1.0]
+    assert out.scored.counts.errors == 1 and out.scored.counts.zeroed == 1
+    assert "cannot score this one" in out.scored.messages[0]
+    with pytest.raises(RewardError, match=r"agent returned None, not a reward \(a number or None with "
+                                          r"--reward-fn-path\)"):
+        _run(engine, tok, tmp_path, rows[:1], 2, source=NONE_AGENT)
 
 
 def test_the_turn_limit_answers_empty_and_ends_the_trajectory_as_length(chat, tmp_path):

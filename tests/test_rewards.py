@@ -352,7 +352,7 @@ def test_workers_die_with_a_killed_trainer(multi, tmp_path):
             s = RewardScorer({multi!r}, workers=2, timeout=1000)
             r = RewardRecord("p", "hang", None, None, {{}}, 1, "stop", 0)
             s.submit([r, r])
-            while not (s._pool and all(w.ready and w.chunk for w in s._pool)):
+            while not (s._pool and all(w.ready and w.busy for w in s._pool)):
                 time.sleep(0.05)
             time.sleep(0.2)
             print(" ".join(str(w.proc.pid) for w in s._pool), flush=True)
@@ -421,7 +421,7 @@ def test_what_a_worker_plugin_starts_dies_with_a_killed_trainer(tmp_path):
         if __name__ == "__main__":  # spawned workers import this file too
             s = RewardScorer({plugin!r}, workers=1, timeout=1000)
             s.submit([RewardRecord("p", "hang", None, None, {{}}, 1, "stop", 0)])
-            while not (s._pool and all(w.ready and w.chunk for w in s._pool)):
+            while not (s._pool and all(w.ready and w.busy for w in s._pool)):
                 time.sleep(0.05)
             print(s._pool[0].proc.pid, flush=True)
             time.sleep(1000)
@@ -513,13 +513,13 @@ def test_a_users_plugin_on_the_demo_keeps_workers_and_an_unenforceable_timeout_i
 
 def test_a_plugin_whose_import_blocks_is_bounded_and_named(tmp_path, monkeypatch):
     """Start-up used to hang on it with no word, whatever --reward-workers."""
-    import areno.rewards.pool
+    import areno.rewards.plugin
 
     release = tmp_path / "release"
     plugin = tmp_path / "waits.py"
     plugin.write_text(f"import os, time\nwhile not os.path.exists({str(release)!r}):\n    time.sleep(0.02)\n"
                       "def reward_fn(record):\n    return 0.0\n")
-    monkeypatch.setattr(areno.rewards.pool, "STARTUP_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(areno.rewards.plugin, "IMPORT_TIMEOUT_S", 0.5)  # load_bounded's bound
     try:
         t0 = time.monotonic()
         with pytest.raises(RewardError) as e:

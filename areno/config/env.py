@@ -39,7 +39,8 @@ class EnvOptions:
         "last step's.")
     agent_path: str | None = _opt(
         None, "Agent written against the OpenAI API: a .py file defining agent(task) -> reward "
-        "(async allowed) that talks to task.base_url, an OpenAI-compatible endpoint the run serves "
+        "(async allowed; or None, and --reward-fn-path scores the final conversation) that talks to "
+        "task.base_url, an OpenAI-compatible endpoint the run serves "
         "from the policy; each call is one trajectory, trained token for token as sampled. Runs on "
         "the reward workers (--reward-workers runs at once, --reward-timeout per run, "
         "--on-reward-error); --max-turns and --max-trajectory-tokens bound it.", shown="unset")
@@ -47,6 +48,10 @@ class EnvOptions:
         "hermes", "vLLM's tool parser that reads tool calls out of the policy's turns under "
         "--agent-path when a request passes tools (hermes: <tool_call>{json}</tool_call>, as "
         "Qwen, Hermes and SmolLM2 write them); none: the text is the answer.")
+    agent_concurrency: int = _opt(
+        32, "Runs of an async agent() one reward worker holds at once under --agent-path (one "
+        "event loop; a run mostly waits on the gateway): --reward-workers x this many runs are in "
+        "flight. A sync agent() runs one at a time.", ge=1)
     env_schedule: Literal["turns", "eager"] = _opt(
         "turns", "How the engines take turns under --env-path: turns (every trajectory whose "
         "environment has answered generates its next turn together; a seeded run repeats, a "
@@ -83,6 +88,8 @@ def check_env_options(cfg: Any) -> None:
         return check_agent_options(cfg)
     if cfg.agent_tool_parser != "hermes":
         raise UserError("--agent-tool-parser needs --agent-path (an agent)")
+    if cfg.agent_concurrency != 32:
+        raise UserError("--agent-concurrency needs --agent-path (an agent)")
     if cfg.env_path is None:
         given = [f for f, on in (("--max-trajectory-tokens", cfg.max_trajectory_tokens),
                                  ("--env-reward last", cfg.env_reward != "sum"),
@@ -115,14 +122,9 @@ def check_agent_options(cfg: Any) -> None:
     flag = f"--agent-path {cfg.agent_path}"
     if cfg.env_path is not None:
         raise UserError(f"{flag} with --env-path: an agent is the environment; give one of them")
-    if cfg.reward_fn_path is not None:
-        raise UserError(f"{flag} with --reward-fn-path: agent() returns the reward; drop --reward-fn-path")
     if cfg.reward_workers == 0:
         raise UserError(f"{flag} with --reward-workers 0: an agent calls the run's gateway, which "
                         "cannot answer while the agent runs in its thread; give --reward-workers >= 1")
-    if cfg.rollout_world_size:
-        raise UserError(f"{flag} with --rollout-world-size: agents run colocated for now (an engine "
-                        "process does not yet send back the prompts its agents chose); drop --rollout-world-size")
     if cfg.max_trajectory_tokens and cfg.max_trajectory_tokens < cfg.max_new_tokens:
         raise UserError(f"--max-trajectory-tokens {cfg.max_trajectory_tokens} is below --max-new-tokens "
                         f"{cfg.max_new_tokens}: not even one whole turn would fit")

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from areno.data.tasks import resolve_plugin_path
 from areno.data.tokenizer import load_tokenizer
 from areno.envs.plugin import EnvState
 from areno.envs.pool import EnvPool, Outcome
@@ -232,15 +233,24 @@ class EpisodeSpec:
     tokenizer_path: str
     chat_template: bool
     bounds: EnvBounds
+    agent: bool = False  # env_path is an --agent-path file: the gateway's driver (gateway/host.py)
+    tool_parser: str = "hermes"  # --agent-tool-parser
+    concurrency: int = 1  # --agent-concurrency
+    reward_fn_path: str | None = None  # an agent's --reward-fn-path (resolved): scores its None returns
 
 
 def episode_spec(cfg: Any, tokenizer_path: str) -> EpisodeSpec:
-    """A run's EpisodeSpec (--env-path and the options around it)."""
-    plugin = cfg.env_path or getattr(cfg, "agent_path", None)  # an agent is an environment too
-    return EpisodeSpec(plugin, cfg.reward_workers, cfg.reward_timeout, cfg.on_reward_error,
+    """A run's EpisodeSpec (--env-path or --agent-path, and the options around it)."""
+    agent = getattr(cfg, "agent_path", None)  # an agent is an environment too
+    return EpisodeSpec(cfg.env_path or agent, cfg.reward_workers, cfg.reward_timeout, cfg.on_reward_error,
                        tokenizer_path, cfg.chat_template,
                        EnvBounds(cfg.max_turns, cfg.max_trajectory_tokens or 0, cfg.env_reward,
-                                 cfg.env_schedule == "eager"))
+                                 cfg.env_schedule == "eager"),
+                       agent=agent is not None and not cfg.env_path,
+                       tool_parser=getattr(cfg, "agent_tool_parser", "hermes"),
+                       concurrency=getattr(cfg, "agent_concurrency", 1),
+                       reward_fn_path=resolve_plugin_path(cfg.reward_fn_path) if agent and cfg.reward_fn_path
+                       else None)
 
 
 def observation_format(tokenizer: Any, chat_template: bool) -> ObservationFormat:

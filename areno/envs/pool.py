@@ -30,9 +30,9 @@ class EnvPool:
     """submit(state, completion) -> ticket; done(tickets) -> the finished ones."""
 
     def __init__(self, path: str, *, workers: int = 2, timeout: float = 10.0, on_error: str = "fail",
-                 kind: str = "env") -> None:
+                 kind: str = "env", concurrency: int = 1) -> None:
         self.scorer = RewardScorer(path, workers=workers, timeout=timeout, on_error=on_error,  # type: ignore[arg-type]
-                                   chunk_size=1, kind=kind)
+                                   chunk_size=1, kind=kind, concurrency=concurrency)
         self.path = path
 
     def submit(self, state: EnvState, completion: str | None) -> int:

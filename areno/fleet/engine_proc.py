@@ -39,7 +39,7 @@ from areno.fleet.engine_host import OutRegion, generate_into
 from areno.fleet.hooks import EngineHooks, load_hooks
 from areno.procs.device import claim_device
 from areno.procs.heartbeat import start_beating
-from areno.procs.lifecycle import die_with_parent, set_title
+from areno.procs.lifecycle import allow_children, die_with_parent, set_title
 from areno.procs.serve import quiet_peer, serve_worker
 from areno.rundir.log import move_child_output, redirect_child_output
 from areno.timing import startup_mark
@@ -76,6 +76,7 @@ def spawn_main(conn: Connection, env: dict[str, str], parent_pid: int, use_pdeat
     except (EOFError, OSError):  # the controller stopped first (a user mistake in its data)
         os._exit(4)
     move_child_output(cfg.run_log)  # started before the run dir existed (runtime/early.py)
+    allow_children()  # its episodes' environment or agent workers (EngineWorker.cmd_episodes)
     serve_worker(lambda: EngineWorker(cfg), conn, i, queued=True)
 
 
@@ -96,7 +97,7 @@ class EngineWorker:
         self.sync_check = SyncCheck(reports_fingerprint(self.engine), self.index)
         self.emit = None  # set by serve(): sends one ("part", ...) message mid-command
         self._idle_since: float | None = None  # the end of the last rollout (cmd_rollout)
-        self._episodes = None  # envs.driver.EpisodeHost, at the first `episodes` command
+        self._episodes = None  # EpisodeHost or AgentEpisodes, at the first `episodes` command
 
     def hello(self) -> dict:
         return {"rank": self.index, "pid": os.getpid(), "host": os.uname().nodename, "same_host": self.same_host,
@@ -149,14 +150,22 @@ class EngineWorker:
         engine_sampling's, as the controller gives an engine group its seed
         (fleet/engines.py, PeerEngines._send), so one engine process samples what one
         colocated engine does. A failed environment under --on-reward-error fail
-        comes back as `reward_error` (the controller raises it: the run's exit 2)."""
+        comes back as `reward_error` (the controller raises it: the run's exit 2).
+        An agent's spec (--agent-path) runs the gateway's driver instead
+        (gateway/host.py, AgentEpisodes: its workers and gateway live here), and
+        its part carries the prompts the agents' conversations chose."""
         from areno.envs.driver import EpisodeHost
+        from areno.gateway.host import AgentEpisodes
         from areno.rewards.plugin import RewardError
 
         idle_s = 0.0 if self._idle_since is None else max(0.0, time.monotonic() - self._idle_since)
         loaded = self.cmd_load_region(region) if region is not None else {}
         t1 = time.perf_counter()
-        self._episodes = self._episodes or EpisodeHost()
+        kind = AgentEpisodes if spec.agent else EpisodeHost
+        if not isinstance(self._episodes, kind):
+            if self._episodes is not None:
+                self._episodes.close()
+            self._episodes = kind()
         engine = _SeedShare(self.engine, *share)
         try:
             if offsets.size > 1:
@@ -177,13 +186,16 @@ class EngineWorker:
 
 
 def episode_part(done) -> dict:
-    """An EnvRollout -> the part message of cmd_episodes: its arrays inline (whole
-    buffers), the rewards and counts, the env/* metrics, the texts to display."""
+    """An EnvRollout (or AgentRollout) -> the part message of cmd_episodes: its
+    arrays inline (whole buffers), its prompts (an agent's conversation chose
+    them), turn_cut and token_version, the rewards and counts, the env/* (and
+    agent/*) metrics, the trajectories' turns."""
     b, sc = done.batch, done.scored
     return dict(positions=np.arange(b.num_prompts, dtype=np.int64), lengths=np.diff(b.response_offsets),
                 finish=b.finish_reason, start=0, ids=b.response_ids, logprobs=b.response_logprobs,
-                mask=b.response_mask, rewards=sc.rewards, valid=sc.valid, counts=sc.counts,
-                messages=sc.messages, env=done.metrics(), turns=done.turns)
+                mask=b.response_mask, prompt_ids=b.prompt_ids, prompt_offsets=b.prompt_offsets,
+                turn_cut=b.turn_cut, token_version=b.token_version, rewards=sc.rewards, valid=sc.valid,
+                counts=sc.counts, messages=sc.messages, env=done.metrics(), turns=done.turns)
 
 
 class _SeedShare:

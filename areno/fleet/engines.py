@@ -209,12 +209,16 @@ class PeerEngines:
             # is unlinked on any failure and reused by the next call.
             rid = np.frombuffer(buf, dtype=np.int32, count=total, offset=at).copy()
             rlp = np.frombuffer(buf, dtype=np.float32, count=total, offset=at + 4 * cap).copy()
-        p_ids, p_off = csr_take(ids, offsets, pos)
+        if "prompt_ids" in meta:  # an episode's part: its prompts are its trajectories' (an agent's own)
+            p_ids, p_off = meta["prompt_ids"], meta["prompt_offsets"]
+        else:
+            p_ids, p_off = csr_take(ids, offsets, pos)
         return pos, RolloutBatch(
             prompt_ids=p_ids, prompt_offsets=p_off, response_ids=rid,
             response_offsets=offsets_from_lengths(lengths), response_logprobs=rlp,
             group_index=np.repeat(np.arange(pos.size, dtype=np.int64), n),
             finish_reason=meta["finish"], response_mask=meta.get("mask"),
+            turn_cut=meta.get("turn_cut"), token_version=meta.get("token_version"),
         )
 
     def sync_weights(self) -> dict[str, float]:

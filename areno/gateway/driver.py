@@ -27,11 +27,12 @@ from areno.envs.plugin import EnvState
 from areno.envs.pool import EnvPool
 from areno.gateway.app import MODEL_NAME, Call, GatewayError, GatewayServer, error_body
 from areno.gateway.conversation import AgentTrajectory, ChatRenderer, common_prefix
-from areno.gateway.plugin import AgentTask
+from areno.gateway.plugin import SCORE_LATER, AgentTask
 from areno.gateway.tools import ToolCallParser
 from areno.metrics import agent_metrics
-from areno.rewards.plugin import RewardCounts, RewardResult
-from areno.rollout.batch import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutBatch, offsets_from_lengths
+from areno.rewards.plugin import RewardCounts, RewardRecord, RewardResult
+from areno.rollout.batch import (FINISH_ABORT, FINISH_LENGTH, FINISH_REASONS, FINISH_STOP, RolloutBatch,
+                                 offsets_from_lengths)
 from areno.rollout.engine import SamplingConfig, prompt_seeds
 
 _FINISH = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ABORT: "stop"}
@@ -63,8 +64,8 @@ class AgentDriver:
 
     def __init__(self, engine: Any, pool: EnvPool, server: GatewayServer, renderer: ChatRenderer,
                  parser: ToolCallParser, states: list[EnvState], sampling: SamplingConfig,
-                 bounds: EnvBounds, budget: int, group_index: np.ndarray) -> None:
-        self.groups = group_index
+                 bounds: EnvBounds, budget: int, group_index: np.ndarray, scorer: Any = None) -> None:
+        self.groups, self.scorer = group_index, scorer  # scorer: --reward-fn-path's, for None returns
         self.engine, self.pool, self.server, self.renderer, self.parser = engine, pool, server, renderer, parser
         self.states, self.sampling, self.bounds, self.budget = states, sampling, bounds, budget
         n = len(states)
@@ -77,6 +78,7 @@ class AgentDriver:
         self.busy: set[int] = set()  # runs with a call waiting for its turn
         self.limited = np.zeros(n, bool)  # a turn or token limit ended it: calls answered empty
         self.cut = np.zeros(n, bool)
+        self.later = np.zeros(n, bool)  # agent() returned None: the reward plugin scores the conversation
         self.counts, self.messages = RewardCounts(), []
         self.events: "queue.Queue[tuple[str, Any]]" = queue.Queue()
         self.out = AgentRollout(batch=None, scored=None, turns=np.zeros(n, np.int64),  # type: ignore[arg-type]
@@ -88,7 +90,7 @@ class AgentDriver:
         tickets = {}
         for i, s in enumerate(self.states):
             task = AgentTask(s.prompt, s.answer, s.solutions, s.row, s.index, self.server.base_url(self.keys[i]),
-                             self.keys[i], MODEL_NAME)
+                             self.keys[i], MODEL_NAME, reward_fn=self.scorer is not None)
             tickets[self.pool.submit_call(task)] = i
         stop = threading.Event()
         watcher = threading.Thread(target=self._watch, args=(list(tickets), stop), daemon=True,
@@ -139,9 +141,10 @@ class AgentDriver:
                     kind, x = self.events.get_nowait()
                 except queue.Empty:
                     break
-            # turns: generate once every run in flight waits on a call. A worker runs one
-            # agent at a time, so at most `workers` runs are in flight; the rest are queued.
-            in_flight = min(len(live), self.pool.scorer.workers)
+            # turns: generate once every run in flight waits on a call. At most the pool's
+            # capacity runs at once (workers x --agent-concurrency for an async agent, workers
+            # for a sync one); the rest are queued.
+            in_flight = min(len(live), self.pool.scorer.capacity)
             if ready and (self.bounds.eager or len({w.run for w in ready}) >= in_flight):
                 ready.sort(key=lambda w: w.run)
                 self._generate(ready)
@@ -266,6 +269,7 @@ class AgentDriver:
         self.counts = self.counts + o.counts
         self.messages.extend(o.messages)
         self.reward[i] = o.reward
+        self.later[i] = o.reply == SCORE_LATER
         if o.counts.failures:
             self.valid[i] &= o.valid
             self.finish[i] = FINISH_ABORT
@@ -281,10 +285,34 @@ class AgentDriver:
         out.batch, exact = trajectories_batch(self.traj, self.groups, self.finish, self.cut)
         self.valid &= exact
         self.reward[~exact] = np.nan
+        self._score_later(out.batch)
         out.scored = RewardResult(self.reward.astype(np.float32), self.valid, self.counts,
                                   tuple(self.messages[:5]))
         assert out.batch.num_responses == n
         return out
+
+
+    def _score_later(self, batch: RolloutBatch) -> None:
+        """The runs whose agent() returned None, scored by --reward-fn-path on their
+        final conversation: the row's prompt, and as the completion the whole
+        trajectory after the group's prompt as text (sampled turns and observations,
+        special tokens dropped), so the answer the agent ended on is its end. Its
+        failures follow --on-reward-error as a single-turn reward's (fail raises)."""
+        todo = np.flatnonzero(self.later & self.valid)
+        if not todo.size:
+            return
+        tok, st = self.renderer.tokenizer, self.states
+        lengths, reasons = batch.response_lengths, batch.finish_reason
+        records = [RewardRecord(prompt=st[i].prompt, completion=tok.decode(batch.response_tokens(i),
+                                                                           skip_special_tokens=True),
+                                answer=st[i].answer, solutions=st[i].solutions, row=st[i].row,
+                                num_tokens=int(lengths[i]), finish_reason=FINISH_REASONS[int(reasons[i])],
+                                index=st[i].index) for i in todo.tolist()]
+        r = self.scorer.score(records)
+        self.reward[todo] = r.rewards
+        self.valid[todo] &= r.valid
+        self.counts = self.counts + r.counts
+        self.messages.extend(r.messages)
 
 
 def trajectories_batch(traj: list[AgentTrajectory], group_index: np.ndarray, finish: np.ndarray,
@@ -326,12 +354,14 @@ def trajectories_batch(traj: list[AgentTrajectory], group_index: np.ndarray, fin
 
 def rollout_agents(engine: Any, pool: EnvPool, server: GatewayServer, renderer: ChatRenderer,
                    parser: ToolCallParser, states: list[EnvState], n: int, sampling: SamplingConfig,
-                   bounds: EnvBounds) -> AgentRollout:
+                   bounds: EnvBounds, scorer: Any = None) -> AgentRollout:
     """len(states) = P*n agent runs (run i answers prompt i // n) -> their
     AgentRollout. bounds: --max-turns (sampled turns per run), --max-trajectory-tokens
     (response tokens, observation included; 0: the engine's context), the schedule.
     A run's reward is its agent's return value; a run that failed under on_error
-    zero/skip finishes abort, one that made no call is not valid."""
+    zero/skip finishes abort, one that made no call is not valid. scorer: a
+    RewardScorer (--reward-fn-path) for the runs whose agent returned None."""
     budget = bounds.max_tokens if bounds.max_tokens > 0 else engine.max_model_len
     group_index = np.repeat(np.arange(len(states) // n, dtype=np.int64), n)
-    return AgentDriver(engine, pool, server, renderer, parser, states, sampling, bounds, budget, group_index).run()
+    return AgentDriver(engine, pool, server, renderer, parser, states, sampling, bounds, budget, group_index,
+                       scorer).run()

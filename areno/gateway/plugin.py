@@ -2,19 +2,25 @@
 
 An agent is one Python file that defines
 
-    def agent(task: AgentTask) -> float          # may be async
+    def agent(task: AgentTask) -> float | None   # may be async
 
 It runs however it likes against the OpenAI-compatible endpoint at
 `task.base_url` (key `task.api_key`: any OpenAI client, `OPENAI_BASE_URL`),
-and returns the run's reward. Each call of `agent` is one trajectory: its own
+and returns the run's reward, or None when the run has --reward-fn-path
+(`task.reward_fn`): that plugin then scores the final conversation
+(gateway/driver.py, AgentDriver._score_later). Each call of `agent` is one trajectory: its own
 base URL, so concurrent runs never mix. It runs on the reward pool's worker
 processes (rewards/pool.py, kind "agent"): --reward-timeout bounds a whole run,
 --on-reward-error handles a raise, a timeout or a crash, and a timeout or
-crash kills the worker's process group.
+crash kills the worker's process group. An async agent runs up to
+--agent-concurrency runs at once per worker (rewards/concurrent.py): a run past
+the timeout is cancelled there, and only a run that blocks the worker's event
+loop (or a crash) costs the kill, and with it the worker's other runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import numbers
@@ -24,7 +30,10 @@ from typing import Any, Callable
 import numpy as np
 
 from areno.errors import UserError, import_user_file, is_signal_interrupt, one_line, user_frame
-from areno.rewards.plugin import STATUS_ERROR, STATUS_OK, PluginKind, short_repr
+from areno.rewards.plugin import STATUS_ERROR, STATUS_OK, STATUS_TIMEOUT, PluginKind, short_repr
+
+
+SCORE_LATER = "reward_fn"  # a run's payload when agent() returned None: the reward plugin scores it
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,7 @@ class AgentTask:
     base_url: str  # http://127.0.0.1:PORT/runs/<key>/v1: this run's OpenAI endpoint
     api_key: str  # the same run's key (also accepted on /v1 as a Bearer token)
     model: str = "policy"  # any model name is accepted
+    reward_fn: bool = False  # agent() may return None: --reward-fn-path scores the final conversation
 
 
 @dataclass(frozen=True)
@@ -63,8 +73,6 @@ def load_agent_plugin(path: str) -> AgentPlugin:
 
 def call_agent(plugin: AgentPlugin, task: AgentTask, loop: Any) -> tuple[int, float, str, Any]:
     """One agent run -> (status, reward, message, None)."""
-    import asyncio
-
     try:
         out = plugin.fn(task)
         if inspect.isawaitable(out):
@@ -72,10 +80,35 @@ def call_agent(plugin: AgentPlugin, task: AgentTask, loop: Any) -> tuple[int, fl
     except BaseException as e:  # noqa: BLE001 - SystemExit is the agent's error too
         if is_signal_interrupt(e):
             raise
-        return STATUS_ERROR, math.nan, f"raised {one_line(e)}{user_frame(e, plugin.path)}", None
+        return _raised(plugin, e)
+    return _reward(out, task)
+
+
+async def acall_agent(plugin: AgentPlugin, task: AgentTask, timeout: float) -> tuple[int, float, str, Any]:
+    """One run of an async agent among others on one worker's event loop
+    (--agent-concurrency, rewards/concurrent.py): past `timeout` it is cancelled
+    (STATUS_TIMEOUT), and neither that nor a raise touches the other runs."""
+    try:
+        out = await asyncio.wait_for(plugin.fn(task), timeout)
+    except asyncio.TimeoutError:
+        return STATUS_TIMEOUT, math.nan, f"timed out after {timeout:g} s (this run cancelled)", None
+    except Exception as e:  # noqa: BLE001 - the agent's error; a cancel of the worker's loop passes
+        return _raised(plugin, e)
+    return _reward(out, task)
+
+
+def _raised(plugin: AgentPlugin, e: BaseException) -> tuple[int, float, str, Any]:
+    return STATUS_ERROR, math.nan, f"raised {one_line(e)}{user_frame(e, plugin.path)}", None
+
+
+def _reward(out: Any, task: AgentTask) -> tuple[int, float, str, Any]:
+    """A run's return -> its status, reward and payload (SCORE_LATER: None under --reward-fn-path)."""
+    if out is None and task.reward_fn:
+        return STATUS_OK, 0.0, "", SCORE_LATER
     if not isinstance(out, (numbers.Real, np.bool_)):
-        return STATUS_ERROR, math.nan, f"agent returned {short_repr(out)}, not a reward (a number)", None
+        hint = "" if task.reward_fn else " or None with --reward-fn-path"
+        return STATUS_ERROR, math.nan, f"agent returned {short_repr(out)}, not a reward (a number{hint})", None
     return STATUS_OK, float(out), "", None
 
 
-KIND = PluginKind("agent", load_agent_plugin, call_agent)
+KIND = PluginKind("agent", load_agent_plugin, call_agent, acall_agent)

@@ -41,6 +41,16 @@ def die_with_parent(parent_pid: int, use_pdeathsig: bool = True, group: bool = F
     threading.Thread(target=watch, name="areno-parent-watch", daemon=True).start()
 
 
+def allow_children() -> None:
+    """Let this process start processes of its own (multiprocessing refuses in a
+    daemonic one: "daemonic processes are not allowed to have children"). A peer
+    spawned daemonic (an engine process) needs it for its episodes' workers; those
+    die with it all the same (die_with_parent, group), and it stops them on close."""
+    import multiprocessing
+
+    multiprocessing.current_process()._config["daemon"] = False  # noqa: SLF001 - the flag start() checks
+
+
 def descendants(pid: int | None = None) -> set[int]:
     """The live descendants of `pid` (this process when None), through
     /proc/PID/task/TID/children (Linux; empty elsewhere)."""

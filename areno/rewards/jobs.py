@@ -11,8 +11,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from areno.rewards.plugin import (MAX_MESSAGES, REWARD_LIMIT, STATUS_ERROR, STATUS_OK, RewardCounts, RewardError,
-                                  out_of_range)
+from areno.rewards.plugin import (MAX_MESSAGES, REWARD_LIMIT, STATUS_ERROR, STATUS_OK, STATUS_TIMEOUT, RewardCounts,
+                                  RewardError, out_of_range)
 
 
 class Job:
@@ -41,6 +41,7 @@ class Chunk:
     records: list
     seq: int
     attempts: int = 0
+    slot: int = 0  # which of its worker's concurrent slots runs it (rewards/concurrent.py)
     errors: dict | None = None  # chunk index (-1: all) -> message
     payloads: dict | None = None  # chunk index -> payload, for kinds that return one
 
@@ -145,6 +146,7 @@ class JobBook:
             self.fail(job, chunk.pos[bad], "nan", f"returned {v:g}{why} (rewards must be finite "
                       f"and within +-{REWARD_LIMIT:g}: scale it down)")
         errors = chunk.errors or {}
-        for i in np.flatnonzero(stat == STATUS_ERROR):
+        for i in np.flatnonzero((stat == STATUS_ERROR) | (stat == STATUS_TIMEOUT)):
             text = errors.get(int(i)) or errors.get(-1) or "raised an exception"
-            self.fail(job, chunk.pos[i : i + 1], "errors", text)
+            kind = "timeouts" if stat[i] == STATUS_TIMEOUT else "errors"
+            self.fail(job, chunk.pos[i : i + 1], kind, text)

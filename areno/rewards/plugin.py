@@ -17,9 +17,10 @@ import importlib
 import inspect
 import math
 import numbers
+import threading
 import typing
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import numpy as np
 
@@ -36,6 +37,8 @@ FAILURE_KINDS = ("errors", "timeouts", "nan", "worker_crashes")
 REWARD_LIMIT = 1e6
 MAX_MESSAGES = 5  # failure messages kept in a RewardResult
 STATUS_PENDING, STATUS_OK, STATUS_ERROR = 0, 1, 2  # per-sample status (in shared memory under workers)
+IMPORT_TIMEOUT_S = 120.0  # a plugin's import must finish within this (load_bounded; a worker's too)
+STATUS_TIMEOUT = 3  # a run the worker cancelled itself past the timeout (rewards/concurrent.py)
 
 
 @dataclass(frozen=True)
@@ -189,11 +192,14 @@ class PluginKind:
 
     call(plugin, record, loop) -> (status, value, message, payload): value is the
     float the pool's shared memory carries; payload (None for rewards) goes back
-    to the caller in one message per record, beside it."""
+    to the caller in one message per record, beside it. acall(plugin, record,
+    timeout): the same awaited, the run cancelled past `timeout` (STATUS_TIMEOUT),
+    for kinds whose async plugins run many at once in one worker (agents)."""
 
     what: str  # names the plugin in messages: "reward plugin", "environment"
     load: Callable[[str], Any]
     call: Callable[[Any, Any, Any], tuple[int, float, str, Any]]
+    acall: Callable[[Any, Any, float], Awaitable[tuple[int, float, str, Any]]] | None = None
 
 
 def _call_reward(plugin: RewardPlugin, rec: Any, loop: Any) -> tuple[int, float, str, Any]:
@@ -207,6 +213,30 @@ KIND_MODULES = {"reward": "areno.rewards.plugin", "env": "areno.envs.plugin", "a
 
 def plugin_kind(name: str) -> PluginKind:
     return importlib.import_module(KIND_MODULES[name]).KIND
+
+
+def load_bounded(kind: Any, path: str) -> Any:
+    """kind.load(path) (the plugin's import and checks), bounded by IMPORT_TIMEOUT_S,
+    as a worker's own import is: a plugin that waits on something at import (a
+    server, a lock, input()) is a RewardError naming it, not a silent hang. The
+    import runs in a thread the process leaves behind if it never returns."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["plugin"] = kind.load(path)
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="areno-plugin-import", daemon=True)
+    t.start()
+    t.join(IMPORT_TIMEOUT_S)
+    if t.is_alive():
+        raise RewardError(f"{kind.what} {path}: its import did not finish within {IMPORT_TIMEOUT_S:g} s "
+                          "(does it wait on something at import time?)")
+    if "error" in box:
+        raise box["error"]
+    return box["plugin"]
 
 
 # -- the records of a step ----------------------------------------------------

@@ -64,12 +64,15 @@ from areno.rewards.plugin import (
     RewardCounts,
     RewardError,
     RewardResult,
+    IMPORT_TIMEOUT_S,
+    load_bounded,
     plugin_kind,
     score_batch,
 )
 from areno.rewards.worker import Worker
 
-STARTUP_TIMEOUT_S = 120.0  # a worker must import the plugin within this
+STARTUP_TIMEOUT_S = IMPORT_TIMEOUT_S  # a worker must import the plugin within this
+KILL_GRACE_S = 5.0  # concurrent runs: past its timeout a run is cancelled; its worker killed this much later
 MAX_CHUNK = 64  # samples per chunk, per-sample plugins (batch plugins: 4x)
 
 _LIVE: "weakref.WeakSet[RewardScorer]" = weakref.WeakSet()
@@ -79,30 +82,6 @@ _LIVE: "weakref.WeakSet[RewardScorer]" = weakref.WeakSet()
 def _close_all() -> None:
     for scorer in list(_LIVE):
         scorer.close()
-
-
-def load_bounded(kind: Any, path: str) -> Any:
-    """kind.load(path) (the plugin's import and checks), bounded by STARTUP_TIMEOUT_S,
-    as a worker's own import is: a plugin that waits on something at import (a
-    server, a lock, input()) is a RewardError naming it, not a silent hang. The
-    import runs in a thread the process leaves behind if it never returns."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["plugin"] = kind.load(path)
-        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-            box["error"] = e
-
-    t = threading.Thread(target=run, name="areno-plugin-import", daemon=True)
-    t.start()
-    t.join(STARTUP_TIMEOUT_S)
-    if t.is_alive():
-        raise RewardError(f"{kind.what} {path}: its import did not finish within {STARTUP_TIMEOUT_S:g} s "
-                          "(does it wait on something at import time?)")
-    if "error" in box:
-        raise box["error"]
-    return box["plugin"]
 
 
 class RewardScorer:
@@ -121,6 +100,7 @@ class RewardScorer:
         on_error: OnError = "fail",
         chunk_size: int | None = None,
         kind: str = "reward",
+        concurrency: int = 1,
     ) -> None:
         if on_error not in ON_ERROR:
             raise UserError(f"RewardScorer: on_error must be one of {', '.join(ON_ERROR)}; got '{on_error}'")
@@ -133,6 +113,9 @@ class RewardScorer:
         self.timeout = float(timeout)
         self.on_error = on_error
         self.max_chunk = int(chunk_size or (4 * MAX_CHUNK if self.plugin.batch else MAX_CHUNK))
+        # Chunks a worker runs at once: an async plugin of a kind that can (agents) runs
+        # up to `concurrency` in one event loop (rewards/concurrent.py); others one.
+        self.slots = max(1, int(concurrency)) if self.kind.acall and self.plugin.is_async and workers else 1
         self._lock = threading.Lock()
         self._book = JobBook(self.path, on_error, self.workers, self.plugin.batch, self.max_chunk,
                              self.kind.what, lock=self._lock)
@@ -189,6 +172,11 @@ class RewardScorer:
             raise job.error
         return RewardResult(job.rewards, job.valid, RewardCounts(**job.counts), tuple(job.messages),
                             job.payloads if self.kind_name != "reward" else None)
+
+    @property
+    def capacity(self) -> int:
+        """How many records run at once (chunk_size 1: calls in flight)."""
+        return max(1, self.workers) * self.slots
 
     def workers_ready(self) -> int:
         """How many workers have imported the plugin (benchmarks and tests wait for all)."""
@@ -271,32 +259,35 @@ class RewardScorer:
                 self._book.abort_all(self._fatal)
         finally:
             for w in self._pool:
-                if w.chunk is None and w.proc.is_alive():
+                if not w.busy and w.proc.is_alive():
                     try:
                         w.conn.send(None)
                     except OSError:
                         pass
             for w in self._pool:
-                w.stop(kill=w.chunk is not None)
+                w.stop(kill=w.busy)
                 w.conn.close()
 
     def _spawn(self) -> Worker:
-        return Worker(self._ctx, self.path, self.max_chunk, self.kind_name)
+        return Worker(self._ctx, self.path, self.max_chunk, self.kind_name, self.slots, self.timeout)
 
     def _dispatch(self) -> None:
-        for w in self._pool:
-            if not self._book.pending:
-                return
-            if w.ready and w.chunk is None:
-                chunk = self._book.pending.popleft()
-                n = len(chunk.records)
-                np.frombuffer(w.status, np.int8)[:n] = STATUS_PENDING
-                chunk.errors, chunk.payloads = {}, {}
-                w.chunk = chunk
-                w.conn.send((chunk.seq, chunk.records))
+        for slot in range(self.slots):  # slot 0 of every worker first: the runs spread out
+            for w in self._pool:
+                if not self._book.pending:
+                    return
+                if w.ready and w.chunks[slot] is None:
+                    chunk = self._book.pending.popleft()
+                    w.stat(slot, len(chunk.records))[:] = STATUS_PENDING
+                    chunk.errors, chunk.payloads, chunk.slot = {}, {}, slot
+                    w.chunks[slot] = chunk
+                    w.conn.send((chunk.seq, chunk.records, slot))
 
     def _limit(self, chunk: Chunk) -> float:
-        return self.timeout * (len(chunk.records) if self.plugin.batch else 1)
+        # Concurrent runs: the worker cancels a late one itself; the kill, a grace later,
+        # is for a run that blocks its event loop (and takes the worker's other runs).
+        grace = KILL_GRACE_S if self.slots > 1 else 0.0
+        return self.timeout * (len(chunk.records) if self.plugin.batch else 1) + grace
 
     def _next_deadline(self) -> float:
         now = time.monotonic()
@@ -304,8 +295,10 @@ class RewardScorer:
         for w in self._pool:
             if not w.ready:
                 out = min(out, w.started + STARTUP_TIMEOUT_S)
-            elif w.chunk is not None and w.progress[0] == w.chunk.seq:
-                out = min(out, w.progress[2] + self._limit(w.chunk))
+            for slot, chunk in enumerate(w.chunks):
+                seq, _, t0 = w.clock(slot)
+                if chunk is not None and seq == chunk.seq:
+                    out = min(out, t0 + self._limit(chunk))
         return out
 
     def _service(self, ready: set) -> None:
@@ -318,14 +311,16 @@ class RewardScorer:
                 self._retire(slot, "worker_crashes", f"worker process died ({exit_text(code)})")
             elif not w.ready and now > w.started + STARTUP_TIMEOUT_S:
                 self._retire(slot, "timeouts", f"worker did not start within {STARTUP_TIMEOUT_S:.0f} s")
-            elif w.chunk is not None and self._expired(w, now):
-                self._retire(slot, "timeouts", f"timed out after {self._limit(w.chunk):g} s (worker killed)")
+            elif late := [s for s, c in enumerate(w.chunks) if c is not None and self._expired(w, s, now)]:
+                self._retire(slot, "timeouts", f"timed out after {self._limit(w.chunks[late[0]]):g} s "
+                             "(worker killed)", late)
 
-    def _expired(self, w: Worker, now: float) -> bool:
-        seq, pos, t0 = w.progress[0], w.progress[1], w.progress[2]
-        if seq != w.chunk.seq or now <= t0 + self._limit(w.chunk):
+    def _expired(self, w: Worker, slot: int, now: float) -> bool:
+        chunk = w.chunks[slot]
+        seq, pos, t0 = w.clock(slot)
+        if seq != chunk.seq or now <= t0 + self._limit(chunk):
             return False
-        return (w.progress[0], w.progress[1]) == (seq, pos)  # not moved on meanwhile
+        return w.clock(slot)[:2] == (seq, pos)  # not moved on meanwhile
 
     def _drain(self, w: Worker) -> None:
         try:
@@ -341,22 +336,26 @@ class RewardScorer:
             self._startup_failures = 0
         elif kind == "fatal":
             w.fatal = msg[1]
-        elif kind == "err" and w.chunk is not None and msg[1] == w.chunk.seq:
-            w.chunk.errors[msg[2]] = msg[3]
+        if kind in ("ready", "fatal") or (slot := w.slot_of(msg[1])) is None:
+            return  # None: a chunk already charged (its worker retired)
+        chunk = w.chunks[slot]
+        if kind == "err":
+            chunk.errors[msg[2]] = msg[3]
             if self.on_error == "fail":  # fail fast, do not wait for the chunk
-                pos = w.chunk.pos if msg[2] < 0 else w.chunk.pos[msg[2] : msg[2] + 1]
-                self._book.fail(w.chunk.job, pos, "errors", msg[3])
-        elif kind == "out" and w.chunk is not None and msg[1] == w.chunk.seq:
-            w.chunk.payloads[msg[2]] = msg[3]
-        elif kind == "done" and w.chunk is not None and msg[1] == w.chunk.seq:
-            n = len(w.chunk.records)
-            stat = np.frombuffer(w.status, np.int8)[:n].copy()
-            vals = np.frombuffer(w.values, np.float64)[:n].copy()
-            chunk, w.chunk = w.chunk, None
+                pos = chunk.pos if msg[2] < 0 else chunk.pos[msg[2] : msg[2] + 1]
+                self._book.fail(chunk.job, pos, "errors", msg[3])
+        elif kind == "out":
+            chunk.payloads[msg[2]] = msg[3]
+        elif kind == "done":
+            n = len(chunk.records)
+            stat, vals = w.stat(slot, n).copy(), w.vals(slot, n).copy()
+            w.chunks[slot] = None
             self._book.record(chunk, stat, vals)
 
-    def _retire(self, slot: int, kind: str, text: str) -> None:
-        """Kill worker `slot`, charge the sample it was on, requeue the rest, respawn."""
+    def _retire(self, slot: int, kind: str, text: str, late: list[int] | None = None) -> None:
+        """Kill worker `slot`, charge the sample it was on, requeue the rest, respawn.
+        Concurrent runs cannot be run again (an agent's calls went out): each one
+        in flight is charged, `kind` for the late slots (`late`), a crash for the rest."""
         w = self._pool[slot]
         w.stop(kill=True)
         self._drain(w)  # messages sent before it died
@@ -367,10 +366,22 @@ class RewardScorer:
             self._startup_failures += 1
             if self._startup_failures >= 3:
                 raise RewardError(f"{self.kind.what} {self.path}: worker processes keep dying at startup: {text}")
-        chunk, w.chunk = w.chunk, None
-        if chunk is not None:
-            self._salvage(w, chunk, kind, text)
+        chunks, w.chunks = w.chunks, [None] * w.slots
+        if w.slots == 1 and chunks[0] is not None:
+            self._salvage(w, chunks[0], kind, text)
+        for s, chunk in enumerate(chunks if w.slots > 1 else []):
+            if chunk is not None:
+                mine = late is None or s in late
+                self._lost(w, s, chunk, kind if mine else "worker_crashes",
+                           text if mine else f"its worker was killed ({kind}: {text}) while this run was on it")
         self._pool[slot] = self._spawn()
+
+    def _lost(self, w: Worker, slot: int, chunk: Chunk, kind: str, text: str) -> None:
+        """A concurrent slot's chunk whose worker is gone: what finished counts, the rest fails."""
+        n = len(chunk.records)
+        stat = w.stat(slot, n).copy()
+        self._book.record(chunk, stat, w.vals(slot, n).copy())
+        self._book.fail(chunk.job, chunk.pos[stat == STATUS_PENDING], kind, text)
 
     def _salvage(self, w: Worker, chunk: Chunk, kind: str, text: str) -> None:
         n = len(chunk.records)

@@ -21,6 +21,7 @@ from areno.errors import UserError, one_line
 from areno.procs.lifecycle import die_with_parent, set_title
 from areno.procs.signals import peer_ignores, spawning
 from areno.rewards.plugin import STATUS_ERROR, plugin_kind, score_batch
+from areno.rewards.concurrent import serve_concurrent
 from areno.rundir.log import redirect_child_output
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 
 
 def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, parent_pid: int,
-                 kind_name: str = "reward") -> None:
+                 kind_name: str = "reward", slots: int = 1, timeout: float = 0.0) -> None:
     peer_ignores()  # a stop of the whole job is the controller's (procs/signals.py)
     # A session (and process group) of its own, before the plugin runs: every
     # process the plugin starts (a compiler, a test binary, a fork) joins it,
@@ -48,9 +49,12 @@ def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, 
         conn.send(("fatal", str(e) if isinstance(e, UserError) else one_line(e)))
         return
     conn.send(("ready",))
-    loop = asyncio.new_event_loop() if plugin.is_async else None
     vals = np.frombuffer(values, dtype=np.float64)
     stat = np.frombuffer(status, dtype=np.int8)
+    if slots > 1:  # many async runs at once (the pool chose it: RewardScorer.slots)
+        serve_concurrent(kind, plugin, conn, progress, vals, stat, slots, timeout)
+        return
+    loop = asyncio.new_event_loop() if plugin.is_async else None
     while True:
         try:
             msg = conn.recv()
@@ -58,7 +62,7 @@ def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, 
             return
         if msg is None:
             return
-        seq, recs = msg
+        seq, recs = msg[0], msg[1]  # msg[2]: the slot, always 0 here
         # Write order matters: start time, then position, then chunk seq; the
         # controller reads seq, position, time (so never a stale time).
         progress[2] = time.monotonic()
@@ -91,15 +95,23 @@ def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, 
 
 
 class Worker:
-    def __init__(self, ctx: Any, path: str, max_chunk: int, kind_name: str = "reward") -> None:
-        self.progress = ctx.RawArray("d", 3)  # chunk seq, position, start time
-        self.progress[0] = -1
-        self.values = ctx.RawArray("d", max_chunk)
-        self.status = ctx.RawArray("b", max_chunk)
+    """The pool's handle on one worker process: `slots` chunks at a time (1 but
+    for concurrent async runs, rewards/concurrent.py), each slot with its progress
+    triple (chunk seq, position, start time) at 3*slot and its values and
+    statuses at slot*max_chunk in shared memory."""
+
+    def __init__(self, ctx: Any, path: str, max_chunk: int, kind_name: str = "reward", slots: int = 1,
+                 timeout: float = 0.0) -> None:
+        self.slots, self.max_chunk = slots, max_chunk
+        self.progress = ctx.RawArray("d", 3 * slots)
+        for s in range(slots):
+            self.progress[3 * s] = -1
+        self.values = ctx.RawArray("d", max_chunk * slots)
+        self.status = ctx.RawArray("b", max_chunk * slots)
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
             target=_worker_main,
-            args=(path, child, self.progress, self.values, self.status, os.getpid(), kind_name),
+            args=(path, child, self.progress, self.values, self.status, os.getpid(), kind_name, slots, timeout),
             daemon=True,
             name="areno-reward-worker",
         )
@@ -109,7 +121,27 @@ class Worker:
         self.started = time.monotonic()
         self.ready = False
         self.fatal = ""
-        self.chunk: Chunk | None = None  # the chunk it is scoring
+        self.chunks: list[Chunk | None] = [None] * slots  # the chunk each slot is scoring
+
+    def stat(self, slot: int, n: int) -> np.ndarray:
+        """[n] int8 view: the statuses of slot's chunk."""
+        return np.frombuffer(self.status, np.int8, n, slot * self.max_chunk)
+
+    def vals(self, slot: int, n: int) -> np.ndarray:
+        """[n] float64 view: the values of slot's chunk."""
+        return np.frombuffer(self.values, np.float64, n, 8 * slot * self.max_chunk)
+
+    def clock(self, slot: int) -> tuple[float, float, float]:
+        """Slot's (chunk seq, position, start time), read in the order the worker never tears."""
+        p = 3 * slot
+        return self.progress[p], self.progress[p + 1], self.progress[p + 2]
+
+    def slot_of(self, seq: int) -> int | None:
+        return next((s for s, c in enumerate(self.chunks) if c is not None and c.seq == seq), None)
+
+    @property
+    def busy(self) -> bool:
+        return any(c is not None for c in self.chunks)
 
     def stop(self, kill: bool) -> None:
         """Kill (or wait for) the process, then what is left of its process group
