@@ -65,7 +65,7 @@ from areno.config.env import multi_turn
 from areno.envs.driver import episode_spec
 from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
 from areno.errors import UserError, one_line
-from areno.metrics import policy_lag_metrics, wait_metrics
+from areno.metrics import inflight_metrics, policy_lag_metrics, wait_metrics
 from areno.producers import Data, Pending, Producer
 from areno.rewards import RewardCounts, RewardResult
 from areno.rollout.batch import RolloutBatch, oldest_version, with_version
@@ -123,6 +123,9 @@ class Rollouts:
         self.inflight: list[Inflight] = list(saved or [])
         self.taken: list[Inflight] = []  # the rounds of the step in progress (put back if it is undone)
         self.updates_at_train = updates
+        # --partial-rollouts: each version published is also offered to the rounds in
+        # flight, which load it between decode steps (fleet/inflight_loads.py).
+        self.partial = bool(getattr(run.cfg, "partial_rollouts", False))
 
     # -- the step ------------------------------------------------------------------
     def next_batch(self, step: int, timer: PhaseTimer) -> tuple[Filled, dict[str, float]]:
@@ -172,6 +175,8 @@ class Rollouts:
             region, synced = self.producer.publish(self.updates, self.updates % weight_slots(self.k))
             if region is not None:
                 self.published = (self.updates, region)
+                if self.partial:
+                    self.producer.offer(region, self.updates)
             else:
                 self.engine_version = self.updates
         self.taken = []
@@ -193,8 +198,9 @@ class Rollouts:
         lag = u - oldest[oldest < np.iinfo(np.int64).max]  # a response without a sampled token has none
         tokens = u - np.concatenate([b.token_version[b.policy_mask] for b in batches]).astype(np.int64)
         pend = [c.pending for c in self.taken if c.pending is not None]
-        return policy_lag_metrics(lag, self.k) | policy_lag_metrics(tokens, self.k, "token") | \
+        out = policy_lag_metrics(lag, self.k) | policy_lag_metrics(tokens, self.k, "token") | \
             wait_metrics([p.wait_s for p in pend], [p.info.get("idle_s", 0.0) for p in pend])
+        return out | inflight_metrics([p.info for p in pend]) if self.partial else out
 
     def admit(self, at_step: int) -> None:
         """Start every round after those in flight that is admitted while the trainer
@@ -228,7 +234,8 @@ class Rollouts:
         region = self.take_published()
         pending = self.producer.start(self.data, prompt_idx, run.cfg.n_samples,
                                       round_sampling(run.sampling_for(step), r), region,
-                                      overlap=run.cfg.overlap_rewards)
+                                      overlap=run.cfg.overlap_rewards,
+                                      version=self.engine_version if self.partial else None)
         return Inflight(step, prompt_idx, before, self.engine_version, pending)
 
     # -- around the loop -------------------------------------------------------------
@@ -258,12 +265,18 @@ class Rollouts:
         else:
             self.run.sampler.load_state_dict(taken[0].sampler_before)
 
-    def settle_interrupt(self, after_step: int, wait_s: float = INTERRUPT_WAIT_S) -> dict | None:
+    def settle_interrupt(self, after_step: int, wait_s: float | None = None) -> dict | None:
         """After an interrupt, with step `after_step` the last one finished: keep the
         rounds in flight that are whole within wait_s (a second Ctrl-C: none more),
         drop the others (left to run; their engines take no more commands) -> the
-        sampler state before the first one dropped, or None when none was."""
+        sampler state before the first one dropped, or None when none was.
+        wait_s None: INTERRUPT_WAIT_S, and under --partial-rollouts no limit: every
+        round is waited for and saved, so no generated token is lost (a dropped
+        one could not be sampled again as it was: which tokens a version sampled
+        there depended on timing)."""
         self.taken = []
+        if wait_s is None:
+            wait_s = float("inf") if self.partial else INTERRUPT_WAIT_S
         until, kept = time.monotonic() + wait_s, 0
         for cur in self.inflight:
             try:

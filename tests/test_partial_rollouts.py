@@ -1,0 +1,94 @@
+"""--partial-rollouts (issue 39): weights published while a round generates reach
+the engine processes between two decode steps (fleet/inflight_loads.py), every
+token carries the version that sampled it, and the refusals that name why the
+option needs split placement and K >= 1."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import refused
+
+PARTIAL_BAD = [
+    (["--partial-rollouts"], "--partial-rollouts needs --rollout-world-size >= 1: colocated engines sleep "
+     "while the ranks train"),
+    (["--partial-rollouts", "--rollout-world-size", "1"],
+     "--partial-rollouts needs --off-policy-steps >= 1: at 0 each rollout is collected before the ranks "
+     "train"),
+]
+
+
+@pytest.mark.parametrize("args,needle", PARTIAL_BAD, ids=[" ".join(a) for a, _ in PARTIAL_BAD])
+def test_partial_rollouts_refused_without_split_placement_and_k(args, needle, capsys):
+    assert needle in refused(args, capsys)
+
+
+def test_an_offered_version_is_loaded_between_decode_steps_of_a_round_checked(tiny_chat_path, monkeypatch):
+    """A round started with version 0 is offered version 1 mid-generation (the
+    gated engine waits at decode step 2 for it: offer_gate_hooks.py): its first two
+    tokens carry 0, the rest 1, in every response; the load is counted and its
+    fingerprint checked (a damaged region fails the round). Without a version the
+    round is the default one: no token versions, no in-flight load."""
+    from areno.procs.errors import BackendError
+    from areno.rollout.engine import SamplingConfig
+    from offer_gate_hooks import GATE_STEP
+    from test_async_loop import collected
+    from test_backend_units import make_split
+    from test_split_placement import PROMPTS, backend_config, split_placement
+
+    monkeypatch.setenv("ARENO_RANK_HOOKS", "offer_gate_hooks:OfferGate")
+    sampling = SamplingConfig(max_tokens=6, seed=3, ignore_eos=True)
+    with split_placement(backend_config(tiny_chat_path, 1)) as (be, fleet, engines):
+        out, info = collected(engines.start_rollout(*PROMPTS, 2, sampling, None))  # ungated, default
+        assert out.token_version is None and "inflight_loads" not in info
+
+        pending = engines.start_rollout(*PROMPTS, 2, sampling, None, version=0)  # waits at step 2
+        be.train(make_split(1))
+        engines.offer(be.publish_weights(slot=1), 1)
+        out, info = collected(pending)
+        assert info["inflight_loads"] == 1 and info["inflight_checks"] == 1
+        per_response = out.token_version.reshape(-1, sampling.max_tokens)  # every response 6 tokens
+        assert (per_response[:, :GATE_STEP] == 0).all() and (per_response[:, GATE_STEP:] == 1).all()
+
+        be.train(make_split(1))
+        region = be.publish_weights(slot=0)
+        entry = next(e for e in region.layout.entries if ".layers." in e.name)
+        be._weights[0].buf[entry.offset + 2] ^= 0x40  # one bit of one weight: the in-flight check must see it
+        engines.offer(region, 2)
+        with pytest.raises(BackendError, match="WeightSyncError"):
+            collected(engines.start_rollout(*PROMPTS, 2, sampling, None, version=1))
+
+
+def test_a_k1_run_trains_rounds_that_span_a_publish_and_saves_one_with_its_token_versions(
+        tmp_path, areno_cache):
+    """The whole loop, in-process, split placement at K = 1 with --partial-rollouts:
+    the gated engine (offer_gate_hooks.py) holds each round after the first at
+    decode step 2 until newer weights are offered, so round 2 (sampled from
+    version 0) takes version 1 mid-generation, and round 3 (from 1) takes 2. Step
+    2 trains tokens of both versions, counts the in-flight load and its
+    fingerprint check; the checkpoint at step 2 saves round 3 whole, responses
+    holding two versions each."""
+    import numpy as np
+
+    from areno.scheduler import INFLIGHT_FILE
+    from inprocess import run_here
+    from test_resume import HF1, ok, train_steps
+
+    out = tmp_path / "run"
+    ok(run_here(["train", *HF1, "--rollout-world-size", "1", "--off-policy-steps", "1", "--partial-rollouts",
+                 "--max-new-tokens", "8", "--max-steps", "3", "--seed", "0", "--save-interval", "2",
+                 "--keep-last", "0", "--output-dir", str(out)], areno_cache,
+                env={"ARENO_RANK_HOOKS": "offer_gate_hooks:OfferGate"}))
+    steps = train_steps(out)
+    assert sorted(steps) == [1, 2, 3]
+    assert [steps[s]["rollout/inflight_loads"] for s in (1, 2, 3)] == [0, 1, 1]
+    assert [steps[s]["rollout/inflight_checks"] for s in (1, 2, 3)] == [0, 1, 1]
+    two = steps[2]  # round 2: its first tokens by version 0 (lag 1), the rest by 1 (lag 0)
+    assert two["rollout/policy_lag_max"] == 1 and two["rollout/token_lag_0"] > 0 < two["rollout/token_lag_1"]
+    assert 0 < two["rollout/token_lag_mean"] < 1
+
+    with np.load(out / "checkpoints" / "step_000002" / INFLIGHT_FILE) as z:
+        versions, offsets = z["0/token_version"], z["0/response_offsets"]
+    spans = [set(versions[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
+    assert set().union(*spans) == {1, 2}
+    assert any(s == {1, 2} for s in spans)  # one response, two versions
