@@ -15,6 +15,8 @@ PARTIAL_BAD = [
     (["--partial-rollouts", "--rollout-world-size", "1"],
      "--partial-rollouts needs --off-policy-steps >= 1: at 0 each rollout is collected before the ranks "
      "train"),
+    (["--partial-rollouts", "--rollout-world-size", "1", "--off-policy-steps", "1", "--lora-rank", "8"],
+     "--partial-rollouts with --lora-rank: an adapter swap between decode steps is not built"),
 ]
 
 
@@ -92,3 +94,45 @@ def test_a_k1_run_trains_rounds_that_span_a_publish_and_saves_one_with_its_token
     spans = [set(versions[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
     assert set().union(*spans) == {1, 2}
     assert any(s == {1, 2} for s in spans)  # one response, two versions
+
+
+class _SlowRound:
+    """A round in flight that becomes whole only after the interrupt's default wait
+    (wait(until) is True iff `until` lies past it): no clock is read but the
+    scheduler's own."""
+
+    def __init__(self) -> None:
+        self.dropped = False
+
+    def wait(self, until: float) -> bool:
+        import time
+
+        from areno.scheduler import INTERRUPT_WAIT_S
+        return until > time.monotonic() + 2 * INTERRUPT_WAIT_S
+
+    def engines_done(self) -> None:
+        pass
+
+    def drop(self) -> None:
+        self.dropped = True
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["default", "partial"])
+def test_ctrl_c_under_partial_rollouts_waits_for_every_round_in_flight(partial):
+    """settle_interrupt: by default a round not whole within INTERRUPT_WAIT_S is
+    dropped (its prompts sampled again, exactly, from the checkpoint's weights);
+    under --partial-rollouts it is waited for and kept (no generated token lost:
+    which version sampled which token cannot be repeated)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from areno.scheduler import Inflight, Rollouts
+
+    run = SimpleNamespace(cfg=SimpleNamespace(off_policy_steps=1, partial_rollouts=partial), rows=None,
+                          prompts=None)
+    sched = Rollouts(run, SimpleNamespace(background=True), updates=3)
+    slow = _SlowRound()
+    sched.inflight = [Inflight(4, np.arange(2), {"pos": 7}, 3, pending=slow)]
+    before = sched.settle_interrupt(3)
+    assert (before, len(sched.inflight), slow.dropped) == ((None, 1, False) if partial else ({"pos": 7}, 0, True))
