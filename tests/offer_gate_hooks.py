@@ -1,8 +1,9 @@
 """ARENO_RANK_HOOKS=offer_gate_hooks:OfferGate (tests/test_partial_rollouts.py): an
-engine process's engine, wrapped so that from its second rollout on, at decode
-step GATE_STEP of each one, it waits (at most WAIT_S) until the controller has
-offered newer weights (--partial-rollouts: fleet/inflight_loads.py). A round
-thus spans a publish whatever the timing: its first GATE_STEP tokens are
+engine process's engine, wrapped so that from its second partial round on (a
+round under --partial-rollouts installs the step hook once: InflightLoads.begin),
+at decode step GATE_STEP of its first generate call, it waits (at most WAIT_S)
+until the controller has offered newer weights (fleet/inflight_loads.py). A
+round thus spans a publish whatever the timing: its first GATE_STEP tokens are
 sampled by the version it started with, the rest by the offered one."""
 
 from __future__ import annotations
@@ -18,17 +19,20 @@ WAIT_S = 60.0
 
 
 class OfferGatedEngine:
-    """The real engine; its step hook waits for an offer at GATE_STEP when `gated`."""
+    """The real engine; its step hook waits once a round for an offer at GATE_STEP."""
 
     def __init__(self, inner: Any) -> None:
         object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "rounds", 0)
         object.__setattr__(self, "gated", False)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "step_hook" and value is not None:
+        if name == "step_hook" and value is not None:  # a partial round begins
+            object.__setattr__(self, "rounds", self.rounds + 1)
+            object.__setattr__(self, "gated", self.rounds >= 2)
             value = self._gate(value)
         setattr(self.inner, name, value)
 
@@ -36,7 +40,8 @@ class OfferGatedEngine:
         loads = hook.__self__  # InflightLoads.step, bound
 
         def gated(steps: int) -> None:
-            if self.gated and steps == GATE_STEP:
+            if self.gated and steps == GATE_STEP:  # once a round (a multi-turn one generates per turn)
+                object.__setattr__(self, "gated", False)
                 deadline = time.monotonic() + WAIT_S
                 while loads._offer is None and time.monotonic() < deadline:
                     time.sleep(0.01)
@@ -45,16 +50,6 @@ class OfferGatedEngine:
 
 
 class OfferGate(TestRankHooks):  # keeps the suite's commands
-    def __init__(self) -> None:
-        self.rollouts = 0
-        self.engine: OfferGatedEngine | None = None
-
     def make_engine(self, cfg, device):
         engine, kind = make_engine(cfg.engine, cfg.model_path, device)
-        self.engine = OfferGatedEngine(engine)
-        return self.engine, kind
-
-    def rollout_begin(self, index: int) -> None:
-        self.rollouts += 1
-        if self.engine is not None:
-            object.__setattr__(self.engine, "gated", self.rollouts >= 2)
+        return OfferGatedEngine(engine), kind

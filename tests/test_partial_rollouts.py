@@ -30,7 +30,8 @@ def test_an_offered_version_is_loaded_between_decode_steps_of_a_round_checked(ti
     gated engine waits at decode step 2 for it: offer_gate_hooks.py): its first two
     tokens carry 0, the rest 1, in every response; the load is counted and its
     fingerprint checked (a damaged region fails the round). Without a version the
-    round is the default one: no token versions, no in-flight load."""
+    round is the default one: no token versions, no in-flight load; with one and
+    nothing offered, every token carries it."""
     from areno.procs.errors import BackendError
     from areno.rollout.engine import SamplingConfig
     from offer_gate_hooks import GATE_STEP
@@ -43,6 +44,8 @@ def test_an_offered_version_is_loaded_between_decode_steps_of_a_round_checked(ti
     with split_placement(backend_config(tiny_chat_path, 1)) as (be, fleet, engines):
         out, info = collected(engines.start_rollout(*PROMPTS, 2, sampling, None))  # ungated, default
         assert out.token_version is None and "inflight_loads" not in info
+        out, info = collected(engines.start_rollout(*PROMPTS, 2, sampling, None, version=0))  # ungated
+        assert (out.token_version == 0).all() and info["inflight_loads"] == 0  # nothing offered
 
         pending = engines.start_rollout(*PROMPTS, 2, sampling, None, version=0)  # waits at step 2
         be.train(make_split(1))
@@ -136,3 +139,18 @@ def test_ctrl_c_under_partial_rollouts_waits_for_every_round_in_flight(partial):
     sched.inflight = [Inflight(4, np.arange(2), {"pos": 7}, 3, pending=slow)]
     before = sched.settle_interrupt(3)
     assert (before, len(sched.inflight), slow.dropped) == ((None, 1, False) if partial else ({"pos": 7}, 0, True))
+
+
+def test_multi_turn_rounds_take_weights_mid_generation_and_count_each_tokens_version(
+        tmp_path, areno_cache, monkeypatch):
+    """--env-path under --partial-rollouts: the episode driver runs in the engine
+    process, its first turn of round 2 takes version 1 at decode step 2 (the gate),
+    and the part's token versions reach the trained batch (lag per token)."""
+    from test_compose import ENV, SPLIT, train
+
+    monkeypatch.setenv("ARENO_RANK_HOOKS", "offer_gate_hooks:OfferGate")
+    steps = train(tmp_path / "run", areno_cache, monkeypatch, *ENV, *SPLIT, "--off-policy-steps", "1",
+                  "--partial-rollouts", steps=3)
+    assert [steps[s]["rollout/inflight_loads"] for s in (1, 2, 3)] == [0, 1, 1]
+    two = steps[2]
+    assert two["rollout/policy_lag_max"] == 1 and two["rollout/token_lag_0"] > 0 < two["rollout/token_lag_1"]
