@@ -25,7 +25,17 @@ def test_partial_rollouts_refused_without_split_placement_and_k(args, needle, ca
     assert needle in refused(args, capsys)
 
 
-def test_an_offered_version_is_loaded_between_decode_steps_of_a_round_checked(tiny_chat_path, monkeypatch):
+def engine_config(path, kind: str):
+    """One rank, one engine process of `kind` (vLLM: in-process, a small KV cache)."""
+    from areno.backend.config import BackendConfig
+    from areno.rollout.factory import EngineSpec
+
+    return BackendConfig(model_path=str(path), world_size=1, rollout_world_size=1,
+                         engine=EngineSpec(kind=kind, fallback=False, max_model_len=64, kv_cache_bytes=16 << 20))
+
+
+@pytest.mark.parametrize("kind", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_an_offered_version_is_loaded_between_decode_steps_of_a_round_checked(tiny_chat_path, monkeypatch, kind):
     """A round started with version 0 is offered version 1 mid-generation (the
     gated engine waits at decode step 2 for it: offer_gate_hooks.py): its first two
     tokens carry 0, the rest 1, in every response; the load is counted and its
@@ -37,11 +47,14 @@ def test_an_offered_version_is_loaded_between_decode_steps_of_a_round_checked(ti
     from offer_gate_hooks import GATE_STEP
     from test_async_loop import collected
     from test_backend_units import make_split
-    from test_split_placement import PROMPTS, backend_config, split_placement
+    from test_split_placement import PROMPTS, split_placement
 
+    if kind == "vllm":
+        pytest.importorskip("vllm")
     monkeypatch.setenv("ARENO_RANK_HOOKS", "offer_gate_hooks:OfferGate")
     sampling = SamplingConfig(max_tokens=6, seed=3, ignore_eos=True)
-    with split_placement(backend_config(tiny_chat_path, 1)) as (be, fleet, engines):
+    with split_placement(engine_config(tiny_chat_path, kind)) as (be, fleet, engines):
+        assert fleet.hellos[0]["engine"] == kind
         out, info = collected(engines.start_rollout(*PROMPTS, 2, sampling, None))  # ungated, default
         assert out.token_version is None and "inflight_loads" not in info
         out, info = collected(engines.start_rollout(*PROMPTS, 2, sampling, None, version=0))  # ungated
