@@ -85,7 +85,8 @@ def test_a_k1_run_trains_rounds_that_span_a_publish_and_saves_one_with_its_token
     version 0) takes version 1 mid-generation, and round 3 (from 1) takes 2. Step
     2 trains tokens of both versions, counts the in-flight load and its
     fingerprint check; the checkpoint at step 2 saves round 3 whole, responses
-    holding two versions each."""
+    holding two versions each, and a run resumed there trains it as it was saved
+    (its tokens' lags those of the uninterrupted run's step 3)."""
     import numpy as np
 
     from areno.scheduler import INFLIGHT_FILE
@@ -110,6 +111,15 @@ def test_a_k1_run_trains_rounds_that_span_a_publish_and_saves_one_with_its_token
     spans = [set(versions[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
     assert set().union(*spans) == {1, 2}
     assert any(s == {1, 2} for s in spans)  # one response, two versions
+
+    # Resumed there, step 3 trains that saved round, every token at its own version's lag.
+    again = tmp_path / "resumed"
+    ok(run_here(["train", *HF1, "--rollout-world-size", "1", "--off-policy-steps", "1", "--partial-rollouts",
+                 "--max-new-tokens", "8", "--max-steps", "3", "--seed", "0", "--output-dir", str(again),
+                 "--resume", str(out / "checkpoints" / "step_000002")], areno_cache))
+    three, resumed = steps[3], train_steps(again)[3]
+    lags = [k for k in three if k.startswith("rollout/token_lag_")]
+    assert [resumed[k] for k in lags] == [three[k] for k in lags] and three["rollout/token_lag_0"] > 0
 
 
 class _SlowRound:
