@@ -15,8 +15,10 @@ One step, as the trainer runs it (docs/DESIGN.md, "The timeline of a step"):
     (the ranks learn)  engine processes generate the admitted rounds meanwhile
     publish(step)      the new weights: colocated engines load them now (they
                        slept while the ranks trained); engine processes get
-                       them with the next round sent, never inside one; then
-                       the rounds they admit start
+                       them with the next round sent, never inside one (under
+                       --partial-rollouts also offered to the rounds in
+                       flight, loaded between decode steps:
+                       fleet/inflight_loads.py); then the rounds they admit start
 
 Colocated engines live in the ranks, so colocated runs are depth 0 and a round
 runs when it is taken (producers.NowPending); K >= 1 needs engine processes.
@@ -29,7 +31,8 @@ step that takes more rounds (a refill) trains the later ones earlier than
 their tag, never later, so the bound holds. It samples with the newest
 published weights, decided when it is sent: which weights a round samples with
 depends on the loop's order, not on timing, so a seeded run is reproducible and
-a resume exact. In steady state every round lags exactly K (0, 1, .., K, K, ..).
+a resume exact (not under --partial-rollouts: there the tokens sampled after an
+offered version reached the engine carry it, and when it reached it is timing's). In steady state every round lags exactly K (0, 1, .., K, K, ..).
 
 Why the engines queue the rounds rather than the controller holding them back
 until an engine is free: the next round is there the moment one ends (no bubble
@@ -43,7 +46,7 @@ Checkpoints: a save (periodic, or the interrupt's) waits for every round in
 flight and saves each one (`inflight.npz`; a multi-turn round with its
 environment's rewards, which cannot be computed again), so the resumed run
 trains on the very samples the uninterrupted one did. An interrupt waits at
-most INTERRUPT_WAIT_S for them: one still generating then is dropped with
+most INTERRUPT_WAIT_S for them (under --partial-rollouts, for all of them): one still generating then is dropped with
 every later one, their prompts go back, and the resumed run samples them again
 from the checkpoint's weights (deterministic, with a smaller lag).
 """

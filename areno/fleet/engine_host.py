@@ -46,8 +46,8 @@ def generate_into(engine: Any, ids: np.ndarray, offsets: np.ndarray, n: int, sam
     {positions [p] int64 (into ids/offsets), lengths [p*n] int64, finish [p*n]
     uint8, start (token cursor in the region)} (+ ids/logprobs inline when the
     region has no segment; + versions [t] int32, each token's weight version,
-    when the engine was told its version: --partial-rollouts). emit None: a non-leader TP rank (runs, reports
-    nothing). Returns the tokens written."""
+    when the engine was told its version: --partial-rollouts). emit None: a
+    non-leader TP rank (runs, reports nothing). Returns the tokens written."""
     from areno.procs.segment import map_region
 
     region = map_region(out.segment, out.offset, out.nbytes, writable=True) \
