@@ -199,3 +199,4 @@ def test_the_demo_masters_its_task_with_partial_rollouts_two_rounds_ahead(tmp_pa
     assert rewards.size == 600 and max(r["rollout/policy_lag_max"] for r in steps.values()) <= 2
     early, late = rewards[:WINDOW].mean(), rewards[-WINDOW:].mean()
     assert early < 0.2 and late >= MASTERED, f"reward {early:.3f} -> {late:.3f}"
+
