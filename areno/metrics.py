@@ -172,6 +172,12 @@ LOOP_METRICS: tuple[LoopMetric, ...] = (
                "seconds the training ranks waited for the step's batch from the engines"),
     LoopMetric("time/wait_weights", "sum",
                "seconds the rollout engines waited for new weights (at most K versions behind)"),
+    LoopMetric("rollout/inflight_loads", "sum",
+               "--partial-rollouts: weight versions the engines loaded between two decode steps "
+               "of the step's rounds (summed over the engines)"),
+    LoopMetric("rollout/inflight_checks", "sum",
+               "--partial-rollouts: of those loads, the ones whose exact fingerprint was checked "
+               "(every one, on an engine that reports a fingerprint)"),
 )
 LOOP: dict[str, LoopMetric] = {m.key: m for m in LOOP_METRICS}
 
@@ -191,6 +197,13 @@ def policy_lag_metrics(lags: Sequence[int] | np.ndarray, k: int = 0, unit: str =
     return {f"rollout/{unit}_lag_mean": float(a.mean()) if a.size else 0.0,
             f"rollout/{unit}_lag_max": float(a.max()) if a.size else 0.0,
             **{lag_count_key(lag, unit): float(c) for lag, c in enumerate(counts)}}
+
+
+def inflight_metrics(infos: Sequence[dict]) -> dict[str, float]:
+    """rollout/inflight_loads and _checks of one step (--partial-rollouts): summed
+    over its rounds' engine replies (PendingRollout.collect's info)."""
+    return {"rollout/inflight_loads": float(sum(i.get("inflight_loads", 0) for i in infos)),
+            "rollout/inflight_checks": float(sum(i.get("inflight_checks", 0) for i in infos))}
 
 
 def wait_metrics(wait_batch_s: Sequence[float], wait_weights_s: Sequence[float]) -> dict[str, float]:

@@ -69,14 +69,21 @@ class Producer:
         """Engine processes load a published region now, checked (before an eval)."""
         self.run.engine.load(region)
 
+    def offer(self, region: Any, version: int) -> None:
+        """--partial-rollouts: engine processes may load a published region between
+        two decode steps of the rounds they generate (EngineView.offer)."""
+        self.run.engine.offer(region, version)
+
     def start(self, data: Data, prompt_idx: np.ndarray, n: int, sampling: SamplingConfig,
-              region: Any = None, overlap: bool = True) -> "Pending":
+              region: Any = None, overlap: bool = True, version: int | None = None) -> "Pending":
         """Round of prompts `prompt_idx` of `data`, n samples each; region: the
         weights engine processes load first (None: those they hold); overlap:
-        score single-turn parts as they come (--overlap-rewards)."""
+        score single-turn parts as they come (--overlap-rewards); version
+        (--partial-rollouts): the weights' version after region, newer ones
+        offered while it runs."""
         if not self.background:
             return NowPending(self, data, prompt_idx, n, sampling, overlap)
-        return SentPending(self, data, prompt_idx, n, sampling, region, overlap)
+        return SentPending(self, data, prompt_idx, n, sampling, region, overlap, version)
 
 
 class Pending:
@@ -146,7 +153,7 @@ class SentPending(Pending):
     during every wait of the controller (fleet/engines.py, PendingRollout)."""
 
     def __init__(self, producer: Producer, data: Data, prompt_idx: np.ndarray, n: int,
-                 sampling: SamplingConfig, region: Any, overlap: bool) -> None:
+                 sampling: SamplingConfig, region: Any, overlap: bool, version: int | None = None) -> None:
         run = producer.run
         self.producer, self.data, self.prompt_idx, self.n, self.info = producer, data, prompt_idx, n, {}
         self.timer = PhaseTimer(keep_spans=True)  # its decode and rewards, wherever they ran
@@ -157,7 +164,8 @@ class SentPending(Pending):
             episodes = EpisodeShare(producer.episodes, env_states(data.rows, data.prompts, prompt_idx, n), n)
         else:
             self.sink = PartScorer(run, data, prompt_idx, self.timer, n) if overlap else None
-        self.pending = run.engine.start_rollout(ids, offsets, n, sampling, region, self.sink, episodes=episodes)
+        self.pending = run.engine.start_rollout(ids, offsets, n, sampling, region, self.sink, episodes=episodes,
+                                                **({} if version is None else {"version": version}))
         self.sink = self.pending.sink
         self.whole_batch: RolloutBatch | None = None
 

@@ -15,8 +15,10 @@ One step, as the trainer runs it (docs/DESIGN.md, "The timeline of a step"):
     (the ranks learn)  engine processes generate the admitted rounds meanwhile
     publish(step)      the new weights: colocated engines load them now (they
                        slept while the ranks trained); engine processes get
-                       them with the next round sent, never inside one; then
-                       the rounds they admit start
+                       them with the next round sent, never inside one (under
+                       --partial-rollouts also offered to the rounds in
+                       flight, loaded between decode steps:
+                       fleet/inflight_loads.py); then the rounds they admit start
 
 Colocated engines live in the ranks, so colocated runs are depth 0 and a round
 runs when it is taken (producers.NowPending); K >= 1 needs engine processes.
@@ -29,7 +31,8 @@ step that takes more rounds (a refill) trains the later ones earlier than
 their tag, never later, so the bound holds. It samples with the newest
 published weights, decided when it is sent: which weights a round samples with
 depends on the loop's order, not on timing, so a seeded run is reproducible and
-a resume exact. In steady state every round lags exactly K (0, 1, .., K, K, ..).
+a resume exact (not under --partial-rollouts: there the tokens sampled after an
+offered version reached the engine carry it, and when it reached it is timing's). In steady state every round lags exactly K (0, 1, .., K, K, ..).
 
 Why the engines queue the rounds rather than the controller holding them back
 until an engine is free: the next round is there the moment one ends (no bubble
@@ -43,7 +46,7 @@ Checkpoints: a save (periodic, or the interrupt's) waits for every round in
 flight and saves each one (`inflight.npz`; a multi-turn round with its
 environment's rewards, which cannot be computed again), so the resumed run
 trains on the very samples the uninterrupted one did. An interrupt waits at
-most INTERRUPT_WAIT_S for them: one still generating then is dropped with
+most INTERRUPT_WAIT_S for them (under --partial-rollouts, for all of them): one still generating then is dropped with
 every later one, their prompts go back, and the resumed run samples them again
 from the checkpoint's weights (deterministic, with a smaller lag).
 """
@@ -65,7 +68,7 @@ from areno.config.env import multi_turn
 from areno.envs.driver import episode_spec
 from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
 from areno.errors import UserError, one_line
-from areno.metrics import policy_lag_metrics, wait_metrics
+from areno.metrics import inflight_metrics, policy_lag_metrics, wait_metrics
 from areno.producers import Data, Pending, Producer
 from areno.rewards import RewardCounts, RewardResult
 from areno.rollout.batch import RolloutBatch, oldest_version, with_version
@@ -123,6 +126,9 @@ class Rollouts:
         self.inflight: list[Inflight] = list(saved or [])
         self.taken: list[Inflight] = []  # the rounds of the step in progress (put back if it is undone)
         self.updates_at_train = updates
+        # --partial-rollouts: each version published is also offered to the rounds in
+        # flight, which load it between decode steps (fleet/inflight_loads.py).
+        self.partial = bool(getattr(run.cfg, "partial_rollouts", False))
 
     # -- the step ------------------------------------------------------------------
     def next_batch(self, step: int, timer: PhaseTimer) -> tuple[Filled, dict[str, float]]:
@@ -172,6 +178,8 @@ class Rollouts:
             region, synced = self.producer.publish(self.updates, self.updates % weight_slots(self.k))
             if region is not None:
                 self.published = (self.updates, region)
+                if self.partial:
+                    self.producer.offer(region, self.updates)
             else:
                 self.engine_version = self.updates
         self.taken = []
@@ -193,8 +201,9 @@ class Rollouts:
         lag = u - oldest[oldest < np.iinfo(np.int64).max]  # a response without a sampled token has none
         tokens = u - np.concatenate([b.token_version[b.policy_mask] for b in batches]).astype(np.int64)
         pend = [c.pending for c in self.taken if c.pending is not None]
-        return policy_lag_metrics(lag, self.k) | policy_lag_metrics(tokens, self.k, "token") | \
+        out = policy_lag_metrics(lag, self.k) | policy_lag_metrics(tokens, self.k, "token") | \
             wait_metrics([p.wait_s for p in pend], [p.info.get("idle_s", 0.0) for p in pend])
+        return out | inflight_metrics([p.info for p in pend]) if self.partial else out
 
     def admit(self, at_step: int) -> None:
         """Start every round after those in flight that is admitted while the trainer
@@ -228,7 +237,8 @@ class Rollouts:
         region = self.take_published()
         pending = self.producer.start(self.data, prompt_idx, run.cfg.n_samples,
                                       round_sampling(run.sampling_for(step), r), region,
-                                      overlap=run.cfg.overlap_rewards)
+                                      overlap=run.cfg.overlap_rewards,
+                                      version=self.engine_version if self.partial else None)
         return Inflight(step, prompt_idx, before, self.engine_version, pending)
 
     # -- around the loop -------------------------------------------------------------
@@ -258,12 +268,18 @@ class Rollouts:
         else:
             self.run.sampler.load_state_dict(taken[0].sampler_before)
 
-    def settle_interrupt(self, after_step: int, wait_s: float = INTERRUPT_WAIT_S) -> dict | None:
+    def settle_interrupt(self, after_step: int, wait_s: float | None = None) -> dict | None:
         """After an interrupt, with step `after_step` the last one finished: keep the
         rounds in flight that are whole within wait_s (a second Ctrl-C: none more),
         drop the others (left to run; their engines take no more commands) -> the
-        sampler state before the first one dropped, or None when none was."""
+        sampler state before the first one dropped, or None when none was.
+        wait_s None: INTERRUPT_WAIT_S, and under --partial-rollouts no limit: every
+        round is waited for and saved, so no generated token is lost (a dropped
+        one could not be sampled again as it was: which tokens a version sampled
+        there depended on timing)."""
         self.taken = []
+        if wait_s is None:
+            wait_s = float("inf") if self.partial else INTERRUPT_WAIT_S
         until, kept = time.monotonic() + wait_s, 0
         for cur in self.inflight:
             try:

@@ -64,3 +64,23 @@ def test_bench_async_partial_mode_reports_the_three_modes_side_by_side(tmp_path:
             sync["trained_tokens_per_tick"], name
         assert part["idle"] < ahead["idle"], name
         assert len(part["lag_hist"]) == 3 and sync["lag_hist"][1:] == [] and sync["retired"] == 0.0
+
+
+@pytest.mark.bench
+def test_bench_async_partial_real_runs_sync_k_ahead_and_partial_rollouts_side_by_side(tmp_path: Path) -> None:
+    """--partial-real: the real loop on the tail at K = 0, K-ahead and
+    --partial-rollouts (arenobench/partial_real.py), one table. A K-ahead round
+    samples with one version (token lag = policy lag); a partial one's later
+    tokens may come from newer weights (token lag <= policy lag, never above)."""
+    out = tmp_path / "partial_real.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--partial-real", "--train-s", "0.2", "--tail-steps", "5",
+                           "--partial-k", "1", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=child_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| mode | step (mean) | vs sync | wait_batch | policy lag | token lag | in-flight loads/step |" \
+        in proc.stdout
+    sync, ahead, part = json.loads(out.read_text())["partial_real"]
+    assert [r["k"] for r in (sync, ahead, part)] == [0, 1, 1] and part["mode"] == "partial (K=1)"
+    assert sync["policy_lag_mean"] == sync["inflight_loads_per_step"] == ahead["inflight_loads_per_step"] == 0
+    assert ahead["token_lag_mean"] == ahead["policy_lag_mean"] == 1
+    assert part["token_lag_mean"] <= part["policy_lag_mean"] <= 1 and part["measured_steps"] >= 1

@@ -26,6 +26,7 @@ from areno.metrics import (
     TRAIN_METRICS,
     WAIT_PHASES,
     finalize_step,
+    inflight_metrics,
     lag_count_key,
     policy_lag_metrics,
     reduce_opt_steps,
@@ -131,10 +132,11 @@ def test_loop_metrics_are_declared_once_with_their_reductions() -> None:
     keys = [m.key for m in LOOP_METRICS]
     assert keys == ["rollout/policy_lag_mean", "rollout/policy_lag_max", "rollout/policy_lag_<l>",
                     "rollout/token_lag_mean", "rollout/token_lag_max", "rollout/token_lag_<l>",
-                    "time/wait_batch", "time/wait_weights"]
+                    "time/wait_batch", "time/wait_weights", "rollout/inflight_loads",
+                    "rollout/inflight_checks"]
     assert set(keys).isdisjoint(METRICS[k].key for k in TRAIN_METRICS)
     assert all(m.help for m in LOOP_METRICS)
-    assert [f"time/{p}" for p in WAIT_PHASES] == keys[6:]
+    assert [f"time/{p}" for p in WAIT_PHASES] == keys[6:8]
     # The distribution, not only the maximum: samples per lag 0..K (issue 27).
     assert policy_lag_metrics([0, 2, 1, 1], k=3) == {
         "rollout/policy_lag_mean": 1.0, "rollout/policy_lag_max": 2.0, "rollout/policy_lag_0": 1.0,
@@ -142,7 +144,10 @@ def test_loop_metrics_are_declared_once_with_their_reductions() -> None:
     assert policy_lag_metrics([], k=1) == {"rollout/policy_lag_mean": 0.0, "rollout/policy_lag_max": 0.0,
                                            "rollout/policy_lag_0": 0.0, "rollout/policy_lag_1": 0.0}
     assert wait_metrics([0.5, 0.25], []) == {"time/wait_batch": 0.75, "time/wait_weights": 0.0}
-    fixed = set(policy_lag_metrics([1])) | set(policy_lag_metrics([1], unit="token")) | set(wait_metrics([], []))
+    fixed = set(policy_lag_metrics([1])) | set(policy_lag_metrics([1], unit="token")) | \
+        set(wait_metrics([], [])) | set(inflight_metrics([]))
+    assert inflight_metrics([{"inflight_loads": 2, "inflight_checks": 2}, {}]) == {
+        "rollout/inflight_loads": 2.0, "rollout/inflight_checks": 2.0}
     counts = {lag_count_key(lag, u) for lag in (0, 1) for u in ("policy", "token")}
     assert fixed - counts | {"rollout/policy_lag_<l>", "rollout/token_lag_<l>"} == set(LOOP)
     from areno.rundir.reporting import PHASES

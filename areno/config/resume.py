@@ -12,7 +12,9 @@ loop's two options, --rollout-world-size is a resource (how many processes
 sample, as --world-size and --tensor-parallel-size) and may change;
 --off-policy-steps may not: it decides which policy version samples each
 step's batch, that is the data a step trains on, and it brings
---recompute-logprobs and --tis-cap with it, which change the loss. Options not given
+--recompute-logprobs and --tis-cap with it, which change the loss; nor may
+--partial-rollouts (it decides whether a round's later tokens come from newer
+weights). Options not given
 on the command line (or in --config) take the checkpoint's values, so
 `areno train --output-dir DIR --resume latest` continues the run as it was.
 """

@@ -95,6 +95,12 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
         "given). Needs --rollout-world-size. 0: synchronous, every batch sampled by the "
         "current policy.",
         "Rollout", ge=0)
+    partial_rollouts: bool = opt(
+        False, "Partial rollouts (in-flight weight updates): weights the ranks publish while a "
+        "rollout generates reach its engines between two decode steps, the requests they hold "
+        "kept, and every token carries the version that sampled it (the lag is counted per "
+        "token). Needs --rollout-world-size and --off-policy-steps >= 1. Which tokens get which "
+        "version depends on timing, so a resume is not bit-exact (off: it is).", "Rollout")
     # -- Rewards -------------------------------------------------------------
     reward_fn_path: str | None = opt(
         None, "Reward plugin: a .py file defining reward_fn(record) -> float or "

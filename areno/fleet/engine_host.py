@@ -45,8 +45,9 @@ def generate_into(engine: Any, ids: np.ndarray, offsets: np.ndarray, n: int, sam
     """Generate n samples per prompt, streaming each finished part to `emit` as
     {positions [p] int64 (into ids/offsets), lengths [p*n] int64, finish [p*n]
     uint8, start (token cursor in the region)} (+ ids/logprobs inline when the
-    region has no segment). emit None: a non-leader TP rank (runs, reports
-    nothing). Returns the tokens written."""
+    region has no segment; + versions [t] int32, each token's weight version,
+    when the engine was told its version: --partial-rollouts). emit None: a
+    non-leader TP rank (runs, reports nothing). Returns the tokens written."""
     from areno.procs.segment import map_region
 
     region = map_region(out.segment, out.offset, out.nbytes, writable=True) \
@@ -62,6 +63,8 @@ def generate_into(engine: Any, ids: np.ndarray, offsets: np.ndarray, n: int, sam
                 raise RuntimeError(f"engine wrote {cursor + t} tokens into a region of {out.capacity}")
             meta = dict(positions=pos, lengths=np.diff(part.response_offsets),
                         finish=part.finish_reason, start=cursor)
+            if part.token_version is not None:  # the engine was told its version (--partial-rollouts)
+                meta["versions"] = part.token_version
             if region is not None:
                 _write(region, skew + 4 * cursor, part.response_ids)
                 _write(region, skew + 4 * (out.capacity + cursor), part.response_logprobs)

@@ -37,6 +37,7 @@ import torch
 
 from areno.fleet.engine_host import OutRegion, generate_into
 from areno.fleet.hooks import EngineHooks, load_hooks
+from areno.fleet.inflight_loads import InflightLoads
 from areno.procs.device import claim_device
 from areno.procs.heartbeat import start_beating
 from areno.procs.lifecycle import allow_children, die_with_parent, set_title
@@ -95,6 +96,11 @@ class EngineWorker:
         self.engine, self.engine_kind = made if made is not None else \
             make_engine(cfg.engine, cfg.model_path, self.device)
         self.sync_check = SyncCheck(reports_fingerprint(self.engine), self.index)
+        # --partial-rollouts: weights offered mid-round, loaded between decode steps.
+        # "offer" runs on the command reader thread (procs.serve.queued_commands), not
+        # behind the rounds queued here, and has no reply.
+        self.inflight = InflightLoads(self.engine, self.sync_check)
+        self.immediate = {"offer": self.inflight.offer}
         self.emit = None  # set by serve(): sends one ("part", ...) message mid-command
         self._idle_since: float | None = None  # the end of the last rollout (cmd_rollout)
         self._episodes = None  # EpisodeHost or AgentEpisodes, at the first `episodes` command
@@ -120,7 +126,7 @@ class EngineWorker:
         return {"tokens": tokens, "generate_s": time.perf_counter() - t0}
 
     def cmd_rollout(self, region: WeightRegion | None, ids: np.ndarray, offsets: np.ndarray, n: int,
-                    sampling, out: OutRegion) -> dict:
+                    sampling, out: OutRegion, version: int | None = None) -> dict:
         """The rollout of split placement's loop (scheduler.py): load the newest
         published weights first when given (between rollouts, never inside one),
         then sample, streaming each finished part as `generate` does: the
@@ -129,18 +135,36 @@ class EngineWorker:
         queue here (procs.serve.queued_commands reads commands as they come): up to
         --off-policy-steps of them run back to back. idle_s: how long this engine
         waited since its last rollout ended (for the next weights: the loop sends
-        a rollout once it is admitted)."""
+        a rollout once it is admitted). version (--partial-rollouts): the weights'
+        version after `region`; newer weights may come between decode steps
+        (fleet/inflight_loads.py), and a region not newer than those held is
+        not loaded again."""
         idle_s = 0.0 if self._idle_since is None else max(0.0, time.monotonic() - self._idle_since)
-        loaded = self.cmd_load_region(region) if region is not None else {}
+        loaded = self._load_first(region, version)
         t1 = time.perf_counter()
         self.hooks.rollout_begin(self.index)
-        tokens = generate_into(self.engine, ids, offsets, n, sampling, out, self.emit) if offsets.size > 1 else 0
+        try:
+            tokens = generate_into(self.engine, ids, offsets, n, sampling, out, self.emit) \
+                if offsets.size > 1 else 0
+        finally:
+            loaded |= self.inflight.finish() if version is not None else {}
         self.hooks.rollout_end(self.index, tokens)
         self._idle_since = time.monotonic()
         return loaded | {"tokens": tokens, "idle_s": idle_s, "generate_s": time.perf_counter() - t1}
 
+    def _load_first(self, region: WeightRegion | None, version: int | None) -> dict:
+        """A round's weights before it samples: `region` when given (under
+        --partial-rollouts, `version`, only when newer than those held), then the
+        in-flight loads begin."""
+        if version is None:
+            return self.cmd_load_region(region) if region is not None else {}
+        loaded = self.cmd_load_region(region) if region is not None and self.inflight.newer(version) else {}
+        self.inflight.begin(version)
+        return loaded
+
     def cmd_episodes(self, region: WeightRegion | None, ids: np.ndarray, offsets: np.ndarray, n: int,
-                     sampling, out: OutRegion, spec, states: list, share: tuple[int, int]) -> dict:
+                     sampling, out: OutRegion, spec, states: list, share: tuple[int, int],
+                     version: int | None = None) -> dict:
         """A multi-turn rollout of split placement: load `region` first when given (as
         cmd_rollout), then run the episode driver (envs/driver.py) here, beside the
         engine, with this process's own environment workers: every turn of every
@@ -153,13 +177,14 @@ class EngineWorker:
         comes back as `reward_error` (the controller raises it: the run's exit 2).
         An agent's spec (--agent-path) runs the gateway's driver instead
         (gateway/host.py, AgentEpisodes: its workers and gateway live here), and
-        its part carries the prompts the agents' conversations chose."""
+        its part carries the prompts the agents' conversations chose.
+        version: as cmd_rollout's (--partial-rollouts)."""
         from areno.envs.driver import EpisodeHost
         from areno.gateway.host import AgentEpisodes
         from areno.rewards.plugin import RewardError
 
         idle_s = 0.0 if self._idle_since is None else max(0.0, time.monotonic() - self._idle_since)
-        loaded = self.cmd_load_region(region) if region is not None else {}
+        loaded = self._load_first(region, version)
         t1 = time.perf_counter()
         kind = AgentEpisodes if spec.agent else EpisodeHost
         if not isinstance(self._episodes, kind):
@@ -175,6 +200,7 @@ class EngineWorker:
             return loaded | {"reward_error": str(e), "tokens": 0, "idle_s": idle_s}
         finally:
             self._idle_since = time.monotonic()
+            loaded |= self.inflight.finish() if version is not None else {}
         tokens = int(done.batch.response_ids.size) if offsets.size > 1 else 0
         return loaded | {"tokens": tokens, "idle_s": idle_s, "generate_s": time.perf_counter() - t1}
 
@@ -194,8 +220,9 @@ def episode_part(done) -> dict:
     return dict(positions=np.arange(b.num_prompts, dtype=np.int64), lengths=np.diff(b.response_offsets),
                 finish=b.finish_reason, start=0, ids=b.response_ids, logprobs=b.response_logprobs,
                 mask=b.response_mask, prompt_ids=b.prompt_ids, prompt_offsets=b.prompt_offsets,
-                turn_cut=b.turn_cut, token_version=b.token_version, rewards=sc.rewards, valid=sc.valid,
-                counts=sc.counts, messages=sc.messages, env=done.metrics(), turns=done.turns)
+                turn_cut=b.turn_cut, rewards=sc.rewards, valid=sc.valid, counts=sc.counts,
+                messages=sc.messages, env=done.metrics(), turns=done.turns,
+                **({} if b.token_version is None else {"versions": b.token_version}))
 
 
 class _SeedShare:

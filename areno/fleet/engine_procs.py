@@ -221,6 +221,15 @@ class EngineProcs:
                            probe_tolerance=min(r["probe_tolerance"] for r in probed))
         return timings
 
+    def offer(self, region: WeightRegion, version: int) -> None:
+        """--partial-rollouts: every engine process may load `region` (weight
+        `version`) between two decode steps of the round it generates
+        (fleet/inflight_loads.py). A message with no reply, taken by each one's
+        command reader at once, not behind its queued rounds."""
+        self._check_open()
+        for i in range(self.count):
+            self.peers.post(i, "offer", {"region": region, "version": version})
+
     def log_sync(self, timings: dict[str, float]) -> dict[str, float]:
         """A sync's figures, also as one line in run.log (weight_sync.log_sync)."""
         from areno.fleet.weight_sync import log_sync  # torch: not at import (module docstring)

@@ -86,6 +86,12 @@ class EngineView(Protocol):
         """Load a published region now, checked (engine processes, before an eval)."""
         ...
 
+    def offer(self, region: WeightRegion, version: int) -> None:
+        """--partial-rollouts: a published region of weight `version` for the engines
+        to load between two decode steps of the rounds they generate now
+        (fleet/inflight_loads.py); engines that cannot: nothing."""
+        ...
+
 
 class EngineHost(Protocol):
     """Who holds the engines' pipes: the TorchBackend (engines in the ranks) or
@@ -150,7 +156,8 @@ class PeerEngines:
 
     def start_rollout(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int,
                       sampling: SamplingConfig, region: WeightRegion | None,
-                      sink: "PartSink | None" = None, episodes: "Episodes | None" = None) -> "PendingRollout":
+                      sink: "PartSink | None" = None, episodes: "Episodes | None" = None,
+                      version: int | None = None) -> "PendingRollout":
         """Split placement: send a rollout to the engine processes and return at once
         (the asynchronous loop trains meanwhile); each engine first loads `region`
         when given. Several may be out at once: they queue on the engines, each
@@ -159,15 +166,18 @@ class PeerEngines:
         as they are read, which is during every wait of the controller (a
         background stream); dropped (Ctrl-C), it is left to run: the ranks save
         at once. episodes: a multi-turn rollout, each engine process running the
-        episode driver on its share of the groups (EngineWorker.cmd_episodes)."""
+        episode driver on its share of the groups (EngineWorker.cmd_episodes).
+        version (--partial-rollouts): the weight version after `region`, which the
+        engines tag tokens with and compare offers to (fleet/inflight_loads.py)."""
+        region_kw = {"region": region, **({} if version is None else {"version": version})}
         seg = self._free_segments.pop() if self._free_segments else self.host.new_rollout_segment()
         lane = f"rollout{next(self._lanes)}"
         stream = self.host.open_stream("rollout", lane=lane, detach=True, background=True)
         if episodes is None:
-            plan = self._send(stream, "rollout", prompt_ids, prompt_offsets, n, sampling, seg=seg, region=region)
+            plan = self._send(stream, "rollout", prompt_ids, prompt_offsets, n, sampling, seg=seg, **region_kw)
         else:
             plan = self._send(stream, "episodes", prompt_ids, prompt_offsets, n, sampling, seg=seg,
-                              region=region, spec=episodes.spec, per_engine=episodes.share)
+                              spec=episodes.spec, per_engine=episodes.share, **region_kw)
         return PendingRollout(self, stream, plan, sink if sink is not None else Parts())
 
     def _send(self, stream: ReplyStream, cmd: str, prompt_ids: np.ndarray, prompt_offsets: np.ndarray,
@@ -218,7 +228,7 @@ class PeerEngines:
             response_offsets=offsets_from_lengths(lengths), response_logprobs=rlp,
             group_index=np.repeat(np.arange(pos.size, dtype=np.int64), n),
             finish_reason=meta["finish"], response_mask=meta.get("mask"),
-            turn_cut=meta.get("turn_cut"), token_version=meta.get("token_version"),
+            turn_cut=meta.get("turn_cut"), token_version=meta.get("versions"),
         )
 
     def sync_weights(self) -> dict[str, float]:
@@ -229,6 +239,9 @@ class PeerEngines:
 
     def load(self, region: WeightRegion) -> dict[str, float]:
         raise RuntimeError(f"{type(self).__name__} loads the trainer's weights through sync_weights")
+
+    def offer(self, region: WeightRegion, version: int) -> None:
+        """Engines in the ranks sleep while the ranks train: no round runs to offer to."""
 
 
 class RankSide(Protocol):
@@ -272,6 +285,9 @@ class ProcEngines(PeerEngines):
 
     def load(self, region: WeightRegion) -> dict[str, float]:
         return self.fleet.load(region)
+
+    def offer(self, region: WeightRegion, version: int) -> None:
+        self.fleet.offer(region, version)
 
     @property
     def dead(self) -> Any:  # type: ignore[override]
@@ -379,6 +395,8 @@ class PendingRollout:
         self.engines.last_tokens = [r["tokens"] for r in replies]
         self.engines._free_segments.append(self.plan.segment)
         info = {"idle_s": max(r["idle_s"] for r in replies)}
+        if any("inflight_loads" in r for r in replies):  # --partial-rollouts (fleet/inflight_loads.py)
+            info |= {k: sum(r.get(k, 0) for r in replies) for k in ("inflight_loads", "inflight_checks")}
         if failed := [r["reward_error"] for r in replies if "reward_error" in r]:
             info["reward_error"] = failed[0]  # an environment's failure (episodes): the caller raises it
         loaded = [r["load_s"] for r in replies if "load_s" in r]

@@ -156,12 +156,15 @@ def region_tensors(buf: Any, layout: WeightLayout) -> Iterator[tuple[str, torch.
     yield from layout.views(buf)
 
 
-def load_region(engine: Any, region: WeightRegion, check: SyncCheck) -> dict:
+def load_region(engine: Any, region: WeightRegion, check: SyncCheck, version: int | None = None,
+                probe: bool = True) -> dict:
     """Reader side of the shared-memory transport: load every tensor of `region`
     into `engine` (under LoRA: the adapter, as a colocated rank loads it,
     adapter_sync.load_adapter), then run `check` -> its result. An adapter is
     checked against the sender's fingerprint, so a region damaged in between
-    fails the check as a full one does."""
+    fails the check as a full one does. version: an in-flight load of that
+    weight version (update_weights_inflight, between two decode steps:
+    fleet/inflight_loads.py); probe False: the fingerprint only."""
     from areno.procs.segment import map_region
 
     mem = map_region(region.segment, 0, region.layout.nbytes)
@@ -171,12 +174,14 @@ def load_region(engine: Any, region: WeightRegion, check: SyncCheck) -> dict:
         if region.adapter is not None:  # the base is in the engine since its start
             load_adapter(engine, tensors, region.adapter, region.version, fingerprint=False)
             held = engine.adapter_fingerprint() if check.fingerprinted else None
+        elif version is not None:
+            engine.update_weights_inflight(tensors, version)
         else:
             engine.load_weights(tensors)
     finally:
         tensors.close()  # drops its last view: the map closes
         mem.close()
-    return check.check(engine, region.fingerprint, region.probe, held=held)
+    return check.check(engine, region.fingerprint, region.probe if probe else None, held=held)
 
 
 def check_engine_names(engine: Any, names: Iterable[str]) -> None:

@@ -170,6 +170,18 @@ class Peers:
             self.abort()
             raise err from None
 
+    def post(self, rank: int, cmd: str, kwargs: dict) -> None:
+        """Send `cmd` to `rank` with no reply owed (a peer that runs it on its
+        command reader: procs.serve.queued_commands' immediate)."""
+        if self.is_closed():
+            raise BackendError("backend is closed (a rank failed or close() was called)")
+        try:
+            with signals_held():  # sent whole or not at all
+                self.conns[rank].send((cmd, kwargs))
+        except (OSError, ValueError) as e:
+            self.abort()
+            raise BackendError(f"{self.label(rank)}: cannot send {cmd!r} ({e}); it is gone", rank=rank) from None
+
     def drain(self, what: str, pending: set[int], drain_s: float) -> bool:
         """Read and drop replies until every pending peer has finished (True) or
         drain_s passed, a peer failed, or a second interrupt came (False)."""

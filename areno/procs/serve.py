@@ -42,7 +42,7 @@ def serve_worker(make: Callable[[], Any], conn: Connection, index: int, queued: 
     except BaseException as e:  # noqa: BLE001 - reported, then exit
         reply_error(conn, index, e)
         return
-    recv = queued_commands(conn) if queued else conn.recv
+    recv = queued_commands(conn, getattr(worker, "immediate", {})) if queued else conn.recv
     while True:
         try:
             cmd, kwargs = recv()
@@ -76,19 +76,27 @@ def command_of(worker: Any, cmd: str) -> Callable[..., Any]:
     return functools.partial(extra, worker)
 
 
-def queued_commands(conn: Connection) -> Callable[[], tuple]:
+def queued_commands(conn: Connection, immediate: dict[str, Callable[..., None]] | None = None,
+                    ) -> Callable[[], tuple]:
     """An engine process's commands, read by a thread of their own as they come ->
     the call that takes the next: the controller queues rollouts there while one
     runs (scheduler.py), and a command bigger than the pipe's buffer must not
     hold the controller's send until this rollout ends (while its parts fill
     the other direction). Reading and sending on one pipe from two threads is
-    safe: the two directions share no state."""
+    safe: the two directions share no state. immediate: commands run on the
+    reader thread as they come, with no reply (an engine process's "offer" of
+    weights mid-round: fleet/inflight_loads.py)."""
+    immediate = immediate or {}
     inbox: queue.Queue = queue.Queue()
 
     def read() -> None:
         while True:
             try:
-                inbox.put(conn.recv())
+                msg = conn.recv()
+                if isinstance(msg, tuple) and msg[0] in immediate:
+                    immediate[msg[0]](**msg[1])
+                    continue
+                inbox.put(msg)
             except (EOFError, OSError) as e:
                 inbox.put(e)
                 return

@@ -39,8 +39,9 @@ K = 1 within 1.15x of the ideal, which at R = T is about 0.6x of K = 0
 synchronous and K-ahead rounds on a long-tail workload (lognormal lengths,
 sigma --tail-sigma) and on an environment with heavy-tailed delays, and prints
 trained tokens per tick and engine idle fraction side by side
-(arenobench/partial_sim.py says what is modelled): engine processes cannot
-take weights mid-round yet, so no real run has the mode.
+(arenobench/partial_sim.py says what is modelled). `--partial-real` runs the
+real loop on the tail instead (arenobench/partial_real.py): K = 0, K-ahead and
+--partial-rollouts at --partial-k.
 
 `--demo` instead runs the embedded demo as it is (no stand-ins, 600 steps, seed
 0) three times: colocated (today's default), one engine process with K = 0, and
@@ -69,6 +70,7 @@ from arenobench.lib import child_env
 HOOKS_SPEC = "arenobench.async_loop:FixedCostHooks"  # the value of ARENO_RANK_HOOKS
 ROLLOUT_ENV, TRAIN_ENV, LOG_ENV = "ARENO_BENCH_ASYNC_ROLLOUT_S", "ARENO_BENCH_ASYNC_TRAIN_S", "ARENO_BENCH_ASYNC_LOG"
 TIMES_ENV = "ARENO_BENCH_ASYNC_ROLLOUT_TIMES"  # a JSON list: rollout i's seconds (the tail)
+HOLD_ENV = "ARENO_BENCH_ASYNC_HOLD_AT"  # "begin": a rollout's stand-in time before it decodes (partial_real.py)
 WARMUP = 2
 TARGET_IDEAL, TARGET_SYNC_RATIO = 1.15, 0.6
 
@@ -88,6 +90,9 @@ class FixedCostHooks(RankHooks):
         self.rollout_times = json.loads(Path(times).read_text()) if times else None  # the tail's, by rollout
         self.rollouts = 0
         self.log = Path(os.environ[LOG_ENV]) if os.environ.get(LOG_ENV) else None
+        # Held before decoding, weights offered meanwhile (--partial-rollouts) reach the
+        # round's first step boundary: the stand-in's time counts as decoding time.
+        self.hold_at_begin = os.environ.get(HOLD_ENV) == "begin"
         self.t0 = self.t_begin = 0.0
 
     def _hold(self, kind: str, peer: int, cost: float) -> None:
@@ -107,11 +112,17 @@ class FixedCostHooks(RankHooks):
 
     def rollout_begin(self, peer: int) -> None:
         self.t0, self.t_begin = time.perf_counter(), time.monotonic()
+        if self.hold_at_begin:
+            self._hold("rollout", peer, self._next_cost())
 
     def rollout_end(self, peer: int, tokens: int) -> None:
+        if not self.hold_at_begin:
+            self._hold("rollout", peer, self._next_cost())
+
+    def _next_cost(self) -> float:
         times, i = self.rollout_times, self.rollouts
         self.rollouts += 1
-        self._hold("rollout", peer, times[i % len(times)] if times else self.rollout_s)
+        return times[i % len(times)] if times else self.rollout_s
 
 
 def tail_times(n: int, mean_s: float, completions: int, sigma: float) -> list[float]:
@@ -126,17 +137,20 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def run_one(k: int, rollout_s: float, train_s: float, steps: int, tmp: Path,
-            times: Path | None = None) -> dict:
+            times: Path | None = None, extra: tuple[str, ...] = (), env_extra: dict | None = None,
+            tag: str = "") -> dict:
     """One `areno train` run -> its measured steps' metrics and the hooks' records.
-    times: a JSON list of rollout seconds (the tail) instead of rollout_s each."""
-    out = tmp / f"k{k}-r{rollout_s:g}-t{train_s:g}{'-tail' if times else ''}"
+    times: a JSON list of rollout seconds (the tail) instead of rollout_s each;
+    extra: more flags; env_extra: more environment; tag: in its directory's name."""
+    out = tmp / f"k{k}-r{rollout_s:g}-t{train_s:g}{'-tail' if times else ''}{tag}"
     log = out / "hooks"
     log.mkdir(parents=True)
     cmd = [sys.executable, "-m", "areno.cli", "train", "--rollout-engine", "hf", "--world-size", "1",
            "--rollout-world-size", "1", "--off-policy-steps", str(k), "--max-steps", str(steps),
-           "--seed", "0", "--no-save", "--log-completions", "0", "--output-dir", str(out)]
+           "--seed", "0", "--no-save", "--log-completions", "0", "--output-dir", str(out), *extra]
     env = child_env(ARENO_RANK_HOOKS=HOOKS_SPEC, **{ROLLOUT_ENV: str(rollout_s), TRAIN_ENV: str(train_s),
-                                                   LOG_ENV: str(log), **({TIMES_ENV: str(times)} if times else {})})
+                                                   LOG_ENV: str(log), **({TIMES_ENV: str(times)} if times else {}),
+                                                   **(env_extra or {})})
     t0 = time.perf_counter()
     res = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
     if res.returncode != 0:
@@ -258,7 +272,21 @@ def main(argv: list[str] | None = None) -> int:
                          "workloads, side by side (arenobench/partial_sim.py; no areno run)")
     ap.add_argument("--partial-k", type=int, default=2, help="K of the K-ahead and partial modes")
     ap.add_argument("--partial-steps", type=int, default=20, help="steps of each simulated run")
+    ap.add_argument("--partial-real", action="store_true",
+                    help="real runs on the tail (stand-ins): K=0, K-ahead and --partial-rollouts at --partial-k, "
+                         "side by side (arenobench/partial_real.py)")
     args = ap.parse_args(argv)
+    if args.partial_real:
+        from arenobench.partial_real import partial_real
+
+        with tempfile.TemporaryDirectory(prefix="areno-async-partial-") as d:
+            text, rows = partial_real(args.partial_k, args.train_s, args.tail_steps, args.tail_ratio,
+                                      args.tail_completions, args.tail_sigma, Path(d))
+        print(text)
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"partial_real": rows}, indent=1))
+        return 0
     if args.partial:
         from arenobench.partial_sim import partial_report
 

@@ -1,0 +1,91 @@
+"""An engine process's in-flight weight loads under --partial-rollouts.
+
+While a round generates, the controller *offers* each version the ranks publish
+(EngineProcs.offer: a message with no reply, which the command reader thread
+hands to `offer` at once, not behind the queued rounds). The engine's step hook
+(`step`, run between two decode steps: rollout/hf_inflight.py,
+rollout/vllm_inflight.py) loads the newest offer in place with
+`update_weights_inflight`, the requests it holds kept, and checks the exact
+fingerprint of what it loaded, every time (a torn or stale region must never
+sample). The probe (a forward of the fixed sequence) costs more than a decode
+step: it is deferred to the round's end (`finish`), run on the newest region
+loaded when that one carries a probe reference.
+
+Why an offer is never read after its slot is rewritten: version v's region is
+rewritten by v + K + 1, published only once the round carrying v was collected
+(scheduler.py); that round starts here after the offer of v came (one pipe, in
+order), and `begin` drops every offer not newer than the version a round starts
+with.
+
+Per round: begin(version) -> step(...) at each step boundary -> finish() -> the
+reply's figures {inflight_loads, inflight_checks, inflight_load_s, + probe}.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from areno.fleet.weight_sync import SyncCheck, WeightRegion, load_region
+
+
+class InflightLoads:
+    """The in-flight loads of one engine process (`engine`, checked by `check`)."""
+
+    def __init__(self, engine: Any, check: SyncCheck) -> None:
+        self.engine, self.check = engine, check
+        self.version: int | None = None  # the weights the engine holds (None: not told yet)
+        self._offer: tuple[int, WeightRegion] | None = None
+        self._lock = threading.Lock()  # the reader thread offers while the hook takes
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loads, self.checks, self.load_s = 0, 0, 0.0
+        self._probe: WeightRegion | None = None  # the newest region loaded in this round
+
+    def offer(self, region: WeightRegion, version: int) -> None:
+        """The command reader thread: weights of `version` were published (kept if newest)."""
+        with self._lock:
+            if self._offer is None or version > self._offer[0]:
+                self._offer = (int(version), region)
+
+    def newer(self, version: int) -> bool:
+        """Whether weights of `version` are newer than those the engine holds."""
+        return self.version is None or version > self.version
+
+    def begin(self, version: int) -> None:
+        """A round starts, the engine holding `version` at least (loaded just now, or
+        newer ones loaded in flight before): tag its tokens, drop stale offers."""
+        self.version = version if self.newer(version) else self.version
+        self.engine.weight_version = self.version
+        with self._lock:
+            if self._offer is not None and self._offer[0] <= self.version:
+                self._offer = None
+        self._reset()
+        self.engine.step_hook = self.step
+
+    def step(self, steps: int) -> None:
+        """Step boundary (the engine's step_hook): load the newest offer, if newer."""
+        with self._lock:
+            offer, self._offer = self._offer, None
+        if offer is None or not self.newer(offer[0]):
+            return
+        version, region = offer
+        t0 = time.perf_counter()
+        # Fingerprint now (probe=False): the probe is the round end's (finish).
+        load_region(self.engine, region, self.check, version=version, probe=False)
+        self.version = version
+        self.loads += 1
+        self.checks += int(self.check.fingerprinted)
+        self.load_s += time.perf_counter() - t0
+        self._probe = region
+
+    def finish(self) -> dict:
+        """The round ended -> its figures for the reply (the deferred probe's with them)."""
+        self.engine.step_hook = None
+        out: dict = {"inflight_loads": self.loads, "inflight_checks": self.checks,
+                     "inflight_load_s": self.load_s}
+        if self._probe is not None and self._probe.probe is not None:
+            out |= self.check.check(self.engine, self._probe.fingerprint, self._probe.probe)
+        return out

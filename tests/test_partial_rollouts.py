@@ -1,0 +1,202 @@
+"""--partial-rollouts (issue 39): weights published while a round generates reach
+the engine processes between two decode steps (fleet/inflight_loads.py), every
+token carries the version that sampled it, and the refusals that name why the
+option needs split placement and K >= 1."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import refused
+
+PARTIAL_BAD = [
+    (["--partial-rollouts"], "--partial-rollouts needs --rollout-world-size >= 1: colocated engines sleep "
+     "while the ranks train"),
+    (["--partial-rollouts", "--rollout-world-size", "1"],
+     "--partial-rollouts needs --off-policy-steps >= 1: at 0 each rollout is collected before the ranks "
+     "train"),
+    (["--partial-rollouts", "--rollout-world-size", "1", "--off-policy-steps", "1", "--lora-rank", "8"],
+     "--partial-rollouts with --lora-rank: an adapter swap between decode steps is not built"),
+]
+
+
+@pytest.mark.parametrize("args,needle", PARTIAL_BAD, ids=[" ".join(a) for a, _ in PARTIAL_BAD])
+def test_partial_rollouts_refused_without_split_placement_and_k(args, needle, capsys):
+    assert needle in refused(args, capsys)
+
+
+def engine_config(path, kind: str):
+    """One rank, one engine process of `kind` (vLLM: in-process, a small KV cache)."""
+    from areno.backend.config import BackendConfig
+    from areno.rollout.factory import EngineSpec
+
+    return BackendConfig(model_path=str(path), world_size=1, rollout_world_size=1,
+                         engine=EngineSpec(kind=kind, fallback=False, max_model_len=64, kv_cache_bytes=16 << 20))
+
+
+@pytest.mark.parametrize("kind", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_an_offered_version_is_loaded_between_decode_steps_of_a_round_checked(tiny_chat_path, monkeypatch, kind):
+    """A round started with version 0 is offered version 1 mid-generation (the
+    gated engine waits at decode step 2 for it: offer_gate_hooks.py): its first two
+    tokens carry 0, the rest 1, in every response; the load is counted and its
+    fingerprint checked (a damaged region fails the round). Without a version the
+    round is the default one: no token versions, no in-flight load; with one and
+    nothing offered, every token carries it."""
+    from areno.procs.errors import BackendError
+    from areno.rollout.engine import SamplingConfig
+    from offer_gate_hooks import GATE_STEP
+    from test_async_loop import collected
+    from test_backend_units import make_split
+    from test_split_placement import PROMPTS, split_placement
+
+    if kind == "vllm":
+        pytest.importorskip("vllm")
+    monkeypatch.setenv("ARENO_RANK_HOOKS", "offer_gate_hooks:OfferGate")
+    sampling = SamplingConfig(max_tokens=6, seed=3, ignore_eos=True)
+    with split_placement(engine_config(tiny_chat_path, kind)) as (be, fleet, engines):
+        assert fleet.hellos[0]["engine"] == kind
+        out, info = collected(engines.start_rollout(*PROMPTS, 2, sampling, None))  # ungated, default
+        assert out.token_version is None and "inflight_loads" not in info
+        out, info = collected(engines.start_rollout(*PROMPTS, 2, sampling, None, version=0))  # ungated
+        assert (out.token_version == 0).all() and info["inflight_loads"] == 0  # nothing offered
+
+        pending = engines.start_rollout(*PROMPTS, 2, sampling, None, version=0)  # waits at step 2
+        be.train(make_split(1))
+        engines.offer(be.publish_weights(slot=1), 1)
+        out, info = collected(pending)
+        assert info["inflight_loads"] == 1 and info["inflight_checks"] == 1
+        per_response = out.token_version.reshape(-1, sampling.max_tokens)  # every response 6 tokens
+        assert (per_response[:, :GATE_STEP] == 0).all() and (per_response[:, GATE_STEP:] == 1).all()
+
+        be.train(make_split(1))
+        region = be.publish_weights(slot=0)
+        entry = next(e for e in region.layout.entries if ".layers." in e.name)
+        be._weights[0].buf[entry.offset + 2] ^= 0x40  # one bit of one weight: the in-flight check must see it
+        engines.offer(region, 2)
+        with pytest.raises(BackendError, match="WeightSyncError"):
+            collected(engines.start_rollout(*PROMPTS, 2, sampling, None, version=1))
+
+
+def test_a_k1_run_trains_rounds_that_span_a_publish_and_saves_one_with_its_token_versions(
+        tmp_path, areno_cache):
+    """The whole loop, in-process, split placement at K = 1 with --partial-rollouts:
+    the gated engine (offer_gate_hooks.py) holds each round after the first at
+    decode step 2 until newer weights are offered, so round 2 (sampled from
+    version 0) takes version 1 mid-generation, and round 3 (from 1) takes 2. Step
+    2 trains tokens of both versions, counts the in-flight load and its
+    fingerprint check; the checkpoint at step 2 saves round 3 whole, responses
+    holding two versions each, and a run resumed there trains it as it was saved
+    (its tokens' lags those of the uninterrupted run's step 3)."""
+    import numpy as np
+
+    from areno.scheduler import INFLIGHT_FILE
+    from inprocess import run_here
+    from test_resume import HF1, ok, train_steps
+
+    out = tmp_path / "run"
+    ok(run_here(["train", *HF1, "--rollout-world-size", "1", "--off-policy-steps", "1", "--partial-rollouts",
+                 "--max-new-tokens", "8", "--max-steps", "3", "--seed", "0", "--save-interval", "2",
+                 "--keep-last", "0", "--output-dir", str(out)], areno_cache,
+                env={"ARENO_RANK_HOOKS": "offer_gate_hooks:OfferGate"}))
+    steps = train_steps(out)
+    assert sorted(steps) == [1, 2, 3]
+    assert [steps[s]["rollout/inflight_loads"] for s in (1, 2, 3)] == [0, 1, 1]
+    assert [steps[s]["rollout/inflight_checks"] for s in (1, 2, 3)] == [0, 1, 1]
+    two = steps[2]  # round 2: its first tokens by version 0 (lag 1), the rest by 1 (lag 0)
+    assert two["rollout/policy_lag_max"] == 1 and two["rollout/token_lag_0"] > 0 < two["rollout/token_lag_1"]
+    assert 0 < two["rollout/token_lag_mean"] < 1
+
+    with np.load(out / "checkpoints" / "step_000002" / INFLIGHT_FILE) as z:
+        versions, offsets = z["0/token_version"], z["0/response_offsets"]
+    spans = [set(versions[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
+    assert set().union(*spans) == {1, 2}
+    assert any(s == {1, 2} for s in spans)  # one response, two versions
+
+    # Resumed there, step 3 trains that saved round, every token at its own version's lag.
+    again = tmp_path / "resumed"
+    ok(run_here(["train", *HF1, "--rollout-world-size", "1", "--off-policy-steps", "1", "--partial-rollouts",
+                 "--max-new-tokens", "8", "--max-steps", "3", "--seed", "0", "--output-dir", str(again),
+                 "--resume", str(out / "checkpoints" / "step_000002")], areno_cache))
+    three, resumed = steps[3], train_steps(again)[3]
+    lags = [k for k in three if k.startswith("rollout/token_lag_")]
+    assert [resumed[k] for k in lags] == [three[k] for k in lags] and three["rollout/token_lag_0"] > 0
+
+
+class _SlowRound:
+    """A round in flight that becomes whole only after the interrupt's default wait
+    (wait(until) is True iff `until` lies past it): no clock is read but the
+    scheduler's own."""
+
+    def __init__(self) -> None:
+        self.dropped = False
+
+    def wait(self, until: float) -> bool:
+        import time
+
+        from areno.scheduler import INTERRUPT_WAIT_S
+        return until > time.monotonic() + 2 * INTERRUPT_WAIT_S
+
+    def engines_done(self) -> None:
+        pass
+
+    def drop(self) -> None:
+        self.dropped = True
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["default", "partial"])
+def test_ctrl_c_under_partial_rollouts_waits_for_every_round_in_flight(partial):
+    """settle_interrupt: by default a round not whole within INTERRUPT_WAIT_S is
+    dropped (its prompts sampled again, exactly, from the checkpoint's weights);
+    under --partial-rollouts it is waited for and kept (no generated token lost:
+    which version sampled which token cannot be repeated)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from areno.scheduler import Inflight, Rollouts
+
+    run = SimpleNamespace(cfg=SimpleNamespace(off_policy_steps=1, partial_rollouts=partial), rows=None,
+                          prompts=None)
+    sched = Rollouts(run, SimpleNamespace(background=True), updates=3)
+    slow = _SlowRound()
+    sched.inflight = [Inflight(4, np.arange(2), {"pos": 7}, 3, pending=slow)]
+    before = sched.settle_interrupt(3)
+    assert (before, len(sched.inflight), slow.dropped) == ((None, 1, False) if partial else ({"pos": 7}, 0, True))
+
+
+def test_multi_turn_rounds_take_weights_mid_generation_and_count_each_tokens_version(
+        tmp_path, areno_cache, monkeypatch):
+    """--env-path under --partial-rollouts: the episode driver runs in the engine
+    process, its first turn of round 2 takes version 1 at decode step 2 (the gate),
+    and the part's token versions reach the trained batch (lag per token)."""
+    from test_compose import ENV, SPLIT, train
+
+    monkeypatch.setenv("ARENO_RANK_HOOKS", "offer_gate_hooks:OfferGate")
+    steps = train(tmp_path / "run", areno_cache, monkeypatch, *ENV, *SPLIT, "--off-policy-steps", "1",
+                  "--partial-rollouts", steps=3)
+    assert [steps[s]["rollout/inflight_loads"] for s in (1, 2, 3)] == [0, 1, 1]
+    two = steps[2]
+    assert two["rollout/policy_lag_max"] == 1 and two["rollout/token_lag_0"] > 0 < two["rollout/token_lag_1"]
+
+
+@pytest.mark.learning
+def test_the_demo_masters_its_task_with_partial_rollouts_two_rounds_ahead(tmp_path, areno_cache):
+    """Issue 39's learning check: the embedded demo, seeded (0), its 600 steps at
+    K = 2 with --partial-rollouts (how many loads land mid-round is timing's, so
+    none is asserted). Measured at seed 0 on 2 cores: 0.058 -> 0.987 over the
+    last 20 steps, the 20-step mean at 0.9 by step 239, 55 in-flight loads."""
+    import numpy as np
+
+    from inprocess import run_here
+    from test_demo_learns import MASTERED, WINDOW
+    from test_resume import ok, train_steps
+
+    out = tmp_path / "demo"
+    ok(run_here(["train", "--rollout-world-size", "1", "--off-policy-steps", "2", "--partial-rollouts",
+                 "--seed", "0", "--no-save", "--max-steps", "600", "--output-dir", str(out)], areno_cache))
+    steps = train_steps(out)
+    rewards = np.array([r["reward/mean"] for _, r in sorted(steps.items())])
+    assert rewards.size == 600 and max(r["rollout/policy_lag_max"] for r in steps.values()) <= 2
+    early, late = rewards[:WINDOW].mean(), rewards[-WINDOW:].mean()
+    assert early < 0.2 and late >= MASTERED, f"reward {early:.3f} -> {late:.3f}"
+
