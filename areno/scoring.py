@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from areno.fleet.engines import Parts
+from areno.fleet.rollouts import Parts
 from areno.rewards import RewardResult, reward_records
 from areno.rollout.batch import RolloutBatch, decode_completions
 from areno.timing import PhaseTimer

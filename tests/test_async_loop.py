@@ -23,7 +23,7 @@ import pytest
 
 from areno.scheduler import INFLIGHT_FILE, INFLIGHT_META, admitted, load_inflight
 from areno.errors import UserError
-from areno.fleet.engines import Parts
+from areno.fleet.rollouts import Parts
 from areno.rundir.checkpoint import latest_checkpoint, read_state
 from inprocess import run_here
 from test_backend_units import make_split

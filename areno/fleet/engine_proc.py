@@ -214,7 +214,7 @@ class EngineWorker:
 def episode_part(done) -> dict:
     """An EnvRollout (or AgentRollout) -> the part message of cmd_episodes: its
     arrays inline (whole buffers), its prompts (an agent's conversation chose
-    them), turn_cut and token_version, the rewards and counts, the env/* (and
+    them), turn_cut and the tokens' versions, the rewards and counts, the env/* (and
     agent/*) metrics, the trajectories' turns."""
     b, sc = done.batch, done.scored
     return dict(positions=np.arange(b.num_prompts, dtype=np.int64), lengths=np.diff(b.response_offsets),

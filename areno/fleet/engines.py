@@ -22,14 +22,13 @@ import heapq
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
 from areno.fleet.engine_host import OutRegion
+from areno.fleet.rollouts import Episodes, PartSink, Parts, PendingRollout, RolloutPlan
 from areno.procs.replies import ReplyStream
-from areno.procs.signals import signals_held
 from areno.fleet.weight_sync import WeightRegion
 from areno.rollout.batch import RolloutBatch, csr_take, offsets_from_lengths
 from areno.rollout.engine import SamplingConfig, engine_sampling, validate_prompts
@@ -182,7 +181,7 @@ class PeerEngines:
 
     def _send(self, stream: ReplyStream, cmd: str, prompt_ids: np.ndarray, prompt_offsets: np.ndarray,
               n: int, sampling: SamplingConfig, seg: "ShmSegment | None" = None,
-              per_engine: "Callable[[int, int, np.ndarray], dict] | None" = None, **extra) -> "RolloutPlan":
+              per_engine: "Callable[[int, int, np.ndarray], dict] | None" = None, **extra) -> RolloutPlan:
         """Split the prompts over the engines by whole groups and send each its share,
         to write into `seg` (default: the host's rollout segment). per_engine(g, E,
         its prompt positions) -> more arguments for engine g (then the seed goes as
@@ -204,7 +203,7 @@ class PeerEngines:
             stream.send(r, cmd, ids=sub_ids, offsets=sub_off, n=n, sampling=s, out=out, **lead, **extra, **own)
         return RolloutPlan(ids, offsets, n, members, starts, caps, seg)
 
-    def _part(self, plan: "RolloutPlan", g: int, meta: dict) -> tuple[np.ndarray, RolloutBatch]:
+    def _part(self, plan: RolloutPlan, g: int, meta: dict) -> tuple[np.ndarray, RolloutBatch]:
         """One finished part of engine group g -> (prompt positions, its RolloutBatch)."""
         ids, offsets, n = plan.ids, plan.offsets, plan.n
         pos, start, cap = plan.members[g][meta["positions"]], plan.starts[g], plan.caps[g]
@@ -292,123 +291,3 @@ class ProcEngines(PeerEngines):
     @property
     def dead(self) -> Any:  # type: ignore[override]
         return self.fleet.dead
-
-
-@dataclass(frozen=True)
-class RolloutPlan:
-    """How one rollout was split: the validated prompts (CSR), n, and per engine
-    group its prompt positions, region start (bytes) and capacity (tokens)."""
-
-    ids: np.ndarray
-    offsets: np.ndarray
-    n: int
-    members: list[np.ndarray]
-    starts: list[int]
-    caps: list[int]
-    segment: "ShmSegment"  # where the engines write the token ids and log-probs
-
-
-class Parts:
-    """A rollout's finished parts as they come -> the batch in prompt order (merge).
-    add = keep (the batch) + score (nothing here; scoring.PartScorer's decode and
-    rewards), two steps so that an interrupt between them loses no part."""
-
-    def __init__(self) -> None:
-        self.parts: list[RolloutBatch] = []
-        self.positions: list[np.ndarray] = []
-
-    def add(self, pos: np.ndarray, part: RolloutBatch) -> None:
-        self.keep(pos, part)
-        self.score(pos, part)
-
-    def keep(self, pos: np.ndarray, part: RolloutBatch, meta: dict | None = None) -> None:
-        """meta: the engine's message for the part (what else it carries: an episode's rewards)."""
-        self.parts.append(part)
-        self.positions.append(pos)
-
-    def score(self, pos: np.ndarray, part: RolloutBatch) -> None:
-        """Work on a kept part (none here)."""
-
-    def merge(self) -> tuple[RolloutBatch, np.ndarray]:
-        """(the batch in prompt order, the permutation from arrival order to it)."""
-        return RolloutBatch.merge_parts(self.parts, self.positions)
-
-
-class PartSink(Protocol):
-    def keep(self, pos: np.ndarray, part: RolloutBatch, meta: dict | None = None) -> None: ...
-
-    def score(self, pos: np.ndarray, part: RolloutBatch) -> None: ...
-
-
-class Episodes(Protocol):
-    """A multi-turn rollout's arguments for the engine processes (scheduler.py)."""
-
-    spec: Any  # envs.driver.EpisodeSpec
-
-    def share(self, g: int, num_engines: int, positions: np.ndarray) -> dict: ...
-
-
-class PendingRollout:
-    """A rollout the engine processes are generating (PeerEngines.start_rollout);
-    its parts go to `sink` as they are read (consume)."""
-
-    def __init__(self, engines: PeerEngines, stream: ReplyStream, plan: RolloutPlan, sink: PartSink) -> None:
-        self.engines, self.stream, self.plan, self.sink = engines, stream, plan, sink
-        self.replies: dict[int, dict] = {}  # engine group -> its final reply
-        stream.on_message = self.consume
-
-    @property
-    def whole(self) -> bool:
-        """Every engine has sent its last part and its final reply."""
-        return not self.stream.pending
-
-    def consume(self) -> None:
-        """Take what was read for this rollout so far: each part into the sink,
-        kept whole under an interrupt (the rollout it completes may be saved),
-        then scored (an interrupted run needs no rewards)."""
-        inbox = self.stream.inbox
-        while inbox:
-            with signals_held():
-                r, kind, meta = inbox.popleft()
-                g = self.engines._group_of[r]
-                if kind == "ok":
-                    self.replies[g] = meta
-                    continue
-                pos, part = self.engines._part(self.plan, g, meta)
-                self.sink.keep(pos, part, meta)
-            self.sink.score(pos, part)
-
-    def wait(self, until: float) -> bool:
-        """Wait until the rollout is whole (True) or time.monotonic() reaches `until`."""
-        done = self.stream.wait(until)
-        self.consume()
-        return done
-
-    def collect(self) -> dict[str, float]:
-        """Wait for every engine (its parts are in the sink then) -> {idle_s: the
-        longest an engine waited before it; sync_load_s: the slowest load, when it
-        began with one}. Its segment goes back to the engines' pool."""
-        self.consume()
-        for _ in self.stream.events(self.engines.host.config.command_timeout_s):
-            pass  # nothing comes out: its hook (consume) takes each message as it is read
-        replies = [self.replies[g] for g in range(self.engines.num_engines)]
-        self.engines.last_tokens = [r["tokens"] for r in replies]
-        self.engines._free_segments.append(self.plan.segment)
-        info = {"idle_s": max(r["idle_s"] for r in replies)}
-        if any("inflight_loads" in r for r in replies):  # --partial-rollouts (fleet/inflight_loads.py)
-            info |= {k: sum(r.get(k, 0) for r in replies) for k in ("inflight_loads", "inflight_checks")}
-        if failed := [r["reward_error"] for r in replies if "reward_error" in r]:
-            info["reward_error"] = failed[0]  # an environment's failure (episodes): the caller raises it
-        loaded = [r["load_s"] for r in replies if "load_s" in r]
-        if loaded:
-            info["sync_load_s"] = max(loaded)
-            probed = [r for r in replies if "probe_diff" in r]
-            probe = {"probe_diff": max(r["probe_diff"] for r in probed),
-                     "probe_tolerance": min(r["probe_tolerance"] for r in probed)} if probed else {}
-            self.engines.host.log_sync({"sync_load_s": info["sync_load_s"], **probe})
-        return info
-
-    def drop(self) -> None:
-        """Leave it to run (Ctrl-C): its engines take no more commands, and its
-        segment is never reused (they may still write into it)."""
-        self.stream.settle()
