@@ -30,12 +30,14 @@ def agent(tmp_path):
     (GOOD, ["--max-trajectory-tokens", "1"], "below --max-new-tokens"),
     (GOOD, ["--agent-tool-parser", "nosuch"], "--agent-tool-parser nosuch: vLLM has no such tool parser"),
 ])
-def test_agent_mistakes_are_one_line(tmp_path, capsys, source, extra, message):
+def test_agent_mistakes_are_one_line(tmp_path, capsys, monkeypatch, source, extra, message):
     p = tmp_path / "agent.py"
     if source is not None:
         p.write_text(source)
+    monkeypatch.chdir(tmp_path)
     line = refused(["--agent-path", str(p), *extra], capsys)
     assert message in line, line
+    assert not (tmp_path / "runs").exists()  # refused before the run directory is made
 
 
 def test_agent_with_an_env_and_its_options_alone_are_refused(agent, tmp_path, capsys):

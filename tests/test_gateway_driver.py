@@ -70,11 +70,8 @@ def agent(task):
 
 # The same three tool turns with the async client: one worker holds every run.
 ASYNC_AGENT = '''
-from openai import AsyncOpenAI
-
-
 async def agent(task):
-    client = AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    client = task.async_client()  # the worker's shared connections, bound to this run
     msgs = [{"role": "user", "content": task.row["q"]}]
     for k in range(3):
         r = await client.chat.completions.create(model=task.model, messages=msgs, max_tokens=5)
@@ -86,11 +83,8 @@ async def agent(task):
 
 # Returns None (the reward plugin scores the conversation), but run 1 its own number.
 NONE_AGENT = '''
-from openai import OpenAI
-
-
 def agent(task):
-    client = OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
+    client = task.client()
     msgs = [{"role": "user", "content": task.row["q"]}]
     r = client.chat.completions.create(model=task.model, messages=msgs, max_tokens=5)
     msgs += [r.choices[0].message, {"role": "tool", "tool_call_id": "c0", "content": "42"}]
@@ -257,3 +251,24 @@ def test_trained_tokens_are_the_sampled_tokens_on_smollm2(smol_path, tmp_path, k
     assert out.turns.tolist() == [3, 3] and out.branches == 2
     assert assert_trained_is_sampled(trace, out) == 6
     assert "SmolLM" not in tok.decode(out.batch.prompt_tokens(0))  # the agent's own system turn
+
+
+def test_a_tasks_clients_are_bound_to_its_run_and_share_the_workers_connections():
+    """task.client() / task.async_client(): each run's own base URL and key, one
+    connection pool per worker (per event loop for the async one), no retries."""
+    import asyncio
+
+    from areno.gateway.plugin import AgentTask
+
+    tasks = [AgentTask("1+1=", None, None, {}, i, f"http://127.0.0.1:9/runs/k{i}/v1", f"k{i}") for i in range(2)]
+    a, b = (t.client() for t in tasks)
+    assert (str(a.base_url), a.api_key, a.max_retries) == ("http://127.0.0.1:9/runs/k0/v1/", "k0", 0)
+    assert str(b.base_url).endswith("/runs/k1/v1/") and b.api_key == "k1"
+    assert a._client is b._client  # one httpx pool
+
+    async def both():
+        return [t.async_client() for t in tasks]
+
+    first, again = asyncio.run(both()), asyncio.run(both())
+    assert first[0]._client is first[1]._client and first[1].api_key == "k1"
+    assert again[0]._client is not first[0]._client  # another loop, another pool

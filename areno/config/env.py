@@ -110,6 +110,10 @@ def check_env_options(cfg: Any) -> None:
     if cfg.max_trajectory_tokens and cfg.max_trajectory_tokens < cfg.max_new_tokens:
         raise UserError(f"--max-trajectory-tokens {cfg.max_trajectory_tokens} is below --max-new-tokens "
                         f"{cfg.max_new_tokens}: not even one whole turn would fit")
+    if cfg.agent_tool_parser not in ("hermes", "none"):  # a name typed by the user: before the run dir
+        from areno.gateway.tools import tool_parser_class
+
+        tool_parser_class(cfg.agent_tool_parser)
 
 
 def check_agent_options(cfg: Any) -> None:
@@ -128,3 +132,7 @@ def check_agent_options(cfg: Any) -> None:
     if cfg.max_trajectory_tokens and cfg.max_trajectory_tokens < cfg.max_new_tokens:
         raise UserError(f"--max-trajectory-tokens {cfg.max_trajectory_tokens} is below --max-new-tokens "
                         f"{cfg.max_new_tokens}: not even one whole turn would fit")
+    if cfg.agent_tool_parser not in ("hermes", "none"):  # a name typed by the user: before the run dir
+        from areno.gateway.tools import tool_parser_class
+
+        tool_parser_class(cfg.agent_tool_parser)

@@ -5,7 +5,9 @@ An agent is one Python file that defines
     def agent(task: AgentTask) -> float | None   # may be async
 
 It runs however it likes against the OpenAI-compatible endpoint at
-`task.base_url` (key `task.api_key`: any OpenAI client, `OPENAI_BASE_URL`),
+`task.base_url` (key `task.api_key`: any OpenAI client, `OPENAI_BASE_URL`;
+`task.client()` / `task.async_client()` give one bound to the run over the
+worker's shared connections),
 and returns the run's reward, or None when the run has --reward-fn-path
 (`task.reward_fn`): that plugin then scores the final conversation
 (gateway/driver.py, AgentDriver._score_later). Each call of `agent` is one trajectory: its own
@@ -30,6 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from areno.errors import UserError, import_user_file, is_signal_interrupt, one_line, user_frame
+from areno.gateway.clients import async_client, sync_client
 from areno.rewards.plugin import STATUS_ERROR, STATUS_OK, STATUS_TIMEOUT, PluginKind, short_repr
 
 
@@ -49,6 +52,16 @@ class AgentTask:
     api_key: str  # the same run's key (also accepted on /v1 as a Bearer token)
     model: str = "policy"  # any model name is accepted
     reward_fn: bool = False  # agent() may return None: --reward-fn-path scores the final conversation
+
+    def client(self) -> Any:
+        """An `openai.OpenAI` bound to this run, sharing the worker's connections
+        (gateway/clients.py: far cheaper than making one per run)."""
+        return sync_client(self.base_url, self.api_key)
+
+    def async_client(self) -> Any:
+        """An `openai.AsyncOpenAI` bound to this run (call it inside the agent's
+        coroutine), sharing the worker's connections."""
+        return async_client(self.base_url, self.api_key)
 
 
 @dataclass(frozen=True)

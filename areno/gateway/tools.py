@@ -23,16 +23,7 @@ class ToolCallParser:
 
     def _get(self) -> Any:
         if self._parser is None:
-            try:
-                from vllm.tool_parsers import ToolParserManager
-            except ImportError as e:
-                raise UserError(f"--agent-tool-parser {self.name}: tool calls are parsed with vLLM's tool "
-                                f"parsers, and vLLM does not import here ({e}); use --agent-tool-parser none") from e
-            try:
-                cls = ToolParserManager.get_tool_parser(self.name)
-            except KeyError as e:
-                raise UserError(f"--agent-tool-parser {self.name}: vLLM has no such tool parser") from e
-            self._parser = cls(self.tokenizer)
+            self._parser = tool_parser_class(self.name)(self.tokenizer)
         return self._parser
 
     def check(self) -> None:
@@ -52,3 +43,17 @@ class ToolCallParser:
                   "function": {"name": c.function.name, "arguments": c.function.arguments}}
                  for j, c in enumerate(info.tool_calls)]
         return info.content, calls
+
+
+def tool_parser_class(name: str) -> type:
+    """vLLM's tool parser class called `name`; UserError (one line) if there is none
+    or vLLM does not import."""
+    try:
+        from vllm.tool_parsers import ToolParserManager
+    except ImportError as e:
+        raise UserError(f"--agent-tool-parser {name}: tool calls are parsed with vLLM's tool "
+                        f"parsers, and vLLM does not import here ({e}); use --agent-tool-parser none") from e
+    try:
+        return ToolParserManager.get_tool_parser(name)
+    except KeyError as e:
+        raise UserError(f"--agent-tool-parser {name}: vLLM has no such tool parser") from e
