@@ -165,7 +165,7 @@ class SentPending(Pending):
         else:
             self.sink = PartScorer(run, data, prompt_idx, self.timer, n) if overlap else None
         self.pending = run.engine.start_rollout(ids, offsets, n, sampling, region, self.sink, episodes=episodes,
-                                                **({} if version is None else {"version": version}))
+                                                version=version)
         self.sink = self.pending.sink
         self.whole_batch: RolloutBatch | None = None
 

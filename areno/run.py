@@ -247,6 +247,14 @@ def open_run(cfg: TrainConfig, engine: Any = None, early: EarlyPeers | None = No
         yield run
 
 
+def _agent_host(cfg: TrainConfig, tokenizer: Any) -> AgentHost:
+    """--agent-path, colocated: the agents' workers and the gateway on this process."""
+    return AgentHost(cfg.agent_path, tokenizer, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
+                     on_error=cfg.on_reward_error, tool_parser=cfg.agent_tool_parser,
+                     concurrency=cfg.agent_concurrency,
+                     reward_fn_path=resolve_plugin_path(cfg.reward_fn_path) if cfg.reward_fn_path else None)
+
+
 @contextlib.contextmanager
 def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
               early: EarlyPeers | None) -> Iterator[Run]:
@@ -289,17 +297,12 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
                                                start_step=resume.step, completions=bool(cfg.log_completions)))
         run = Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows, prompts=prompts,
                   sampler=sampler, sampling=settings.sampling(cfg), scorer=scorer, envs=envs, backend=backend,
-                  engine=engine,
-                  logger=logger, world_size=world_size, total_steps=total, step=resume.step, evalset=evalset,
-                  max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
+                  engine=engine, logger=logger, world_size=world_size, total_steps=total, step=resume.step,
+                  evalset=evalset, max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
         if cfg.agent_path and not engine.background:
             # Colocated: the gateway on this process, the driver runs here over the ranks'
             # engines. Split placement: each engine process has its own (gateway/host.py).
-            run.agents = stack.enter_context(AgentHost(
-                cfg.agent_path, tokenizer, workers=cfg.reward_workers, timeout=cfg.reward_timeout,
-                on_error=cfg.on_reward_error, tool_parser=cfg.agent_tool_parser,
-                concurrency=cfg.agent_concurrency,
-                reward_fn_path=resolve_plugin_path(cfg.reward_fn_path) if cfg.reward_fn_path else None))
+            run.agents = stack.enter_context(_agent_host(cfg, tokenizer))
         logger.info(start_line(run, resume, device))
         run.rollouts = rollouts_for(run, int(resume.state.get("weight_version", resume.step)), inflight,
                                     model_path)

@@ -154,33 +154,32 @@ class Peers:
     def send(self, stream: ReplyStream, rank: int, cmd: str, kwargs: dict) -> None:
         if self.streams.get(stream.lane) is not stream:  # opened by open(): an abandoned one was settled there
             raise RuntimeError(f"{cmd!r} sent on a stream that is not open")
-        if self.is_closed():
-            raise BackendError("backend is closed (a rank failed or close() was called)")
-        if rank in self.stale:
+        if rank in self.stale and not self.is_closed():
             raise BackendError(f"{cmd!r}: {self.label(rank)} is still in an abandoned command", rank=rank)
-        try:
-            with signals_held():  # sent whole and owed, or neither
-                self.conns[rank].send((cmd, kwargs))
-                stream.pending.add(rank)
-                stream.owed.add(rank)
-        except (OSError, ValueError) as e:
-            dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
-            err = (self.death(dead[0], cmd, []) if dead else
-                   BackendError(f"rank {rank}: cannot send {cmd!r} ({e}); rank is gone", rank=rank))
-            self.abort()
-            raise err from None
+        self._write(rank, cmd, kwargs, stream)
 
     def post(self, rank: int, cmd: str, kwargs: dict) -> None:
         """Send `cmd` to `rank` with no reply owed (a peer that runs it on its
         command reader: procs.serve.queued_commands' immediate)."""
+        self._write(rank, cmd, kwargs, None)
+
+    def _write(self, rank: int, cmd: str, kwargs: dict, stream: ReplyStream | None) -> None:
+        """The one write to a peer: sent whole (and owed to `stream`), or neither;
+        a peer gone aborts the owner with the death it died."""
         if self.is_closed():
             raise BackendError("backend is closed (a rank failed or close() was called)")
         try:
-            with signals_held():  # sent whole or not at all
+            with signals_held():
                 self.conns[rank].send((cmd, kwargs))
+                if stream is not None:
+                    stream.pending.add(rank)
+                    stream.owed.add(rank)
         except (OSError, ValueError) as e:
+            dead = [r for r, p in enumerate(self.procs) if p.exitcode is not None]
+            err = (self.death(dead[0], cmd, []) if dead else
+                   BackendError(f"{self.label(rank)}: cannot send {cmd!r} ({e}); it is gone", rank=rank))
             self.abort()
-            raise BackendError(f"{self.label(rank)}: cannot send {cmd!r} ({e}); it is gone", rank=rank) from None
+            raise err from None
 
     def drain(self, what: str, pending: set[int], drain_s: float) -> bool:
         """Read and drop replies until every pending peer has finished (True) or

@@ -56,19 +56,8 @@ import numpy as np
 from areno.errors import UserError, one_line
 from areno.procs.lifecycle import descendants, exit_text, kill_new_descendants
 from areno.rewards.jobs import JobBook, Chunk
-from areno.rewards.plugin import (
-    STATUS_ERROR,
-    STATUS_PENDING,
-    ON_ERROR,
-    OnError,
-    RewardCounts,
-    RewardError,
-    RewardResult,
-    IMPORT_TIMEOUT_S,
-    load_bounded,
-    plugin_kind,
-    score_batch,
-)
+from areno.rewards.plugin import (IMPORT_TIMEOUT_S, ON_ERROR, STATUS_ERROR, STATUS_PENDING, OnError, RewardCounts,
+                                  RewardError, RewardResult, load_bounded, plugin_kind, score_batch)
 from areno.rewards.worker import Worker
 
 STARTUP_TIMEOUT_S = IMPORT_TIMEOUT_S  # a worker must import the plugin within this

@@ -69,29 +69,41 @@ def _worker_main(path: str, conn: Any, progress: Any, values: Any, status: Any, 
         progress[1] = 0
         progress[0] = seq
         if plugin.batch:
-            results, err = score_batch(plugin, recs, loop)
-            if err:
-                conn.send(("err", seq, -1, err))  # before the status, so status => message sent
-                stat[: len(recs)] = STATUS_ERROR
-            else:
-                for i, (s, v, m) in enumerate(results):
-                    if s == STATUS_ERROR:
-                        conn.send(("err", seq, i, m))
-                    vals[i] = v
-                    stat[i] = s
+            _serve_batch(plugin, recs, loop, conn, seq, vals, stat)
         else:
-            for i, rec in enumerate(recs):
-                if i:
-                    progress[2] = time.monotonic()
-                    progress[1] = i
-                s, v, m, payload = kind.call(plugin, rec, loop)
-                if s == STATUS_ERROR:
-                    conn.send(("err", seq, i, m))
-                elif payload is not None:  # before the status, as errors: status => message sent
-                    conn.send(("out", seq, i, payload))
-                vals[i] = v
-                stat[i] = s
+            _serve_calls(kind, plugin, recs, loop, conn, seq, progress, vals, stat)
         conn.send(("done", seq))
+
+
+def _serve_batch(plugin: Any, recs: list, loop: Any, conn: Any, seq: int, vals: np.ndarray,
+                 stat: np.ndarray) -> None:
+    """A chunk scored by reward_fn_batch: one call; its raise fails every record."""
+    results, err = score_batch(plugin, recs, loop)
+    if err:
+        conn.send(("err", seq, -1, err))  # before the status, so status => message sent
+        stat[: len(recs)] = STATUS_ERROR
+        return
+    for i, (s, v, m) in enumerate(results):
+        if s == STATUS_ERROR:
+            conn.send(("err", seq, i, m))
+        vals[i] = v
+        stat[i] = s
+
+
+def _serve_calls(kind: Any, plugin: Any, recs: list, loop: Any, conn: Any, seq: int, progress: Any,
+                 vals: np.ndarray, stat: np.ndarray) -> None:
+    """A chunk called record by record, each one's clock in `progress`."""
+    for i, rec in enumerate(recs):
+        if i:
+            progress[2] = time.monotonic()
+            progress[1] = i
+        s, v, m, payload = kind.call(plugin, rec, loop)
+        if s == STATUS_ERROR:
+            conn.send(("err", seq, i, m))
+        elif payload is not None:  # before the status, as errors: status => message sent
+            conn.send(("out", seq, i, payload))
+        vals[i] = v
+        stat[i] = s
 
 
 class Worker:

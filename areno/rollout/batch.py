@@ -223,34 +223,44 @@ class RolloutBatch:
         prompt_views = [parts[k].prompt_ids[a:z]
                         for k, a, z in zip(p_part[inv].tolist(), p_a[inv].tolist(), p_b[inv].tolist())]
 
-        def cat(views: list[np.ndarray], dtype) -> np.ndarray:
-            return np.concatenate(views) if views else np.zeros(0, dtype)
-
-        masks = [b.response_mask for b in parts]
-        if all(m is None for m in masks):
-            mask = None
-        else:
-            full = [b.policy_mask.astype(np.uint8) if m is None else m for b, m in zip(parts, masks)]
-            mask = cat([full[k][a:z] for k, a, z in runs], np.uint8)
-        versions = [b.token_version for b in parts]
-        if any(v is None for v in versions) and not all(v is None for v in versions):
-            raise ValueError("merge_parts: some parts carry token_version and some do not "
-                             "(stamp them first: with_version)")
-        version = None if versions[0] is None else cat([versions[k][a:z] for k, a, z in runs], np.int32)
+        mask, version = _optional_token_arrays(parts, runs)
         cuts = [b.turn_cut for b in parts]
         cut = None if all(c is None for c in cuts) else np.concatenate(
             [overlong_mask(b) for b in parts])[resp_perm]
         batch = RolloutBatch(
             response_mask=mask, turn_cut=cut, token_version=version,
-            prompt_ids=cat(prompt_views, np.int32),
+            prompt_ids=_cat(prompt_views, np.int32),
             prompt_offsets=_offsets(p_b[inv] - p_a[inv]),
-            response_ids=cat([parts[k].response_ids[a:z] for k, a, z in runs], np.int32),
+            response_ids=_cat([parts[k].response_ids[a:z] for k, a, z in runs], np.int32),
             response_offsets=_offsets(r_len),
-            response_logprobs=cat([parts[k].response_logprobs[a:z] for k, a, z in runs], np.float32),
+            response_logprobs=_cat([parts[k].response_logprobs[a:z] for k, a, z in runs], np.float32),
             group_index=new_group[resp_perm],
             finish_reason=np.concatenate([b.finish_reason for b in parts])[resp_perm],
         )
         return batch, resp_perm
+
+
+def _cat(views: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(views) if views else np.zeros(0, dtype)
+
+
+def _optional_token_arrays(parts: list[RolloutBatch], runs: list[tuple[int, int, int]],
+                           ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """merge_parts' per-token arrays that a batch may lack: (response_mask uint8,
+    token_version int32) of the runs (part, start, end) in order; a mask is
+    None only if every part's is (a part without one: its policy mask), a
+    version must be on every part or none."""
+    masks = [b.response_mask for b in parts]
+    mask = None
+    if any(m is not None for m in masks):
+        full = [b.policy_mask.astype(np.uint8) if m is None else m for b, m in zip(parts, masks)]
+        mask = _cat([full[k][a:z] for k, a, z in runs], np.uint8)
+    versions = [b.token_version for b in parts]
+    if any(v is None for v in versions) and not all(v is None for v in versions):
+        raise ValueError("merge_parts: some parts carry token_version and some do not "
+                         "(stamp them first: with_version)")
+    version = None if versions[0] is None else _cat([versions[k][a:z] for k, a, z in runs], np.int32)
+    return mask, version
 
 
 def _checked_positions(parts: list["RolloutBatch"], positions: list[np.ndarray]) -> list[np.ndarray]:

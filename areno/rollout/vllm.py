@@ -97,25 +97,14 @@ class VLLMEngine:
         on_cpu = current_platform.is_cpu()
         if on_cpu and kv_cache_memory_bytes is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
-        kwargs: dict[str, Any] = dict(
-            model=str(model),
-            tensor_parallel_size=tensor_parallel_size,
-            dtype=dtype,
-            seed=seed,
-            logprobs_mode="processed_logprobs",
-            enable_prefix_caching=enable_prefix_caching,
+        given = dict(max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                     kv_cache_memory_bytes=kv_cache_memory_bytes)
+        self.llm = LLM(
+            model=str(model), tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
+            logprobs_mode="processed_logprobs", enable_prefix_caching=enable_prefix_caching,
             enable_sleep_mode=enable_sleep_mode and not on_cpu,
-        )
-        if max_model_len is not None:
-            kwargs["max_model_len"] = max_model_len
-        if gpu_memory_utilization is not None:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        if kv_cache_memory_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
-        if max_lora_rank > 0:
-            kwargs.update(lora_llm_kwargs(max_lora_rank))
-        kwargs.update(llm_kwargs)
-        self.llm = LLM(**kwargs)
+            **{k: v for k, v in given.items() if v is not None},  # else vLLM's own defaults
+            **(lora_llm_kwargs(max_lora_rank) if max_lora_rank > 0 else {}), **llm_kwargs)
         # What vLLM chose from VLLM_USE_V2_MODEL_RUNNER (rollout.factory.select_vllm_runner).
         self.runner = "V2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
         self.note = f"vLLM {vllm.__version__}, {self.runner} model runner"
