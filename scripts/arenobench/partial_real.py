@@ -12,7 +12,10 @@ What it can show today: a round is still --batch-size prompts sent together
 "Partial rollouts: what is built"), so the partial mode takes fresher weights
 (a lower token lag, rollout/inflight_loads per step) at the K-ahead step time;
 the throughput goal of issue 39 needs the continuous submission that
-arenobench/partial_sim.py simulates.
+arenobench/partial_sim.py simulates. Tail fill (fleet/tail_fill.py) does not
+show here: these runs use the transformers engine, and a stand-in holds each
+round a fixed time before it decodes; arenobench/tail_fill.py measures it on
+the vLLM engine alone.
 """
 
 from __future__ import annotations
