@@ -178,6 +178,9 @@ LOOP_METRICS: tuple[LoopMetric, ...] = (
     LoopMetric("rollout/inflight_checks", "sum",
                "--partial-rollouts: of those loads, the ones whose exact fingerprint was checked "
                "(every one, on an engine that reports a fingerprint)"),
+    LoopMetric("rollout/tail_filled", "sum",
+               "--partial-rollouts: sequences of the step's rounds that an engine started inside "
+               "the previous round's generation loop, as its tail drained (tail fill, vLLM)"),
 )
 LOOP: dict[str, LoopMetric] = {m.key: m for m in LOOP_METRICS}
 
@@ -200,10 +203,10 @@ def policy_lag_metrics(lags: Sequence[int] | np.ndarray, k: int = 0, unit: str =
 
 
 def inflight_metrics(infos: Sequence[dict]) -> dict[str, float]:
-    """rollout/inflight_loads and _checks of one step (--partial-rollouts): summed
-    over its rounds' engine replies (PendingRollout.collect's info)."""
-    return {"rollout/inflight_loads": float(sum(i.get("inflight_loads", 0) for i in infos)),
-            "rollout/inflight_checks": float(sum(i.get("inflight_checks", 0) for i in infos))}
+    """rollout/inflight_loads, _checks and tail_filled of one step (--partial-rollouts):
+    summed over its rounds' engine replies (PendingRollout.collect's info)."""
+    return {f"rollout/{k}": float(sum(i.get(k, 0) for i in infos))
+            for k in ("inflight_loads", "inflight_checks", "tail_filled")}
 
 
 def wait_metrics(wait_batch_s: Sequence[float], wait_weights_s: Sequence[float]) -> dict[str, float]:

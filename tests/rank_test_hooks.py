@@ -25,6 +25,15 @@ def cmd_debug(worker: Any, action: str, seconds: float = 0.0) -> None:
         dist.barrier()
 
 
+def hold_until_queued(worker: Any, count: int, wait_s: float = 60.0) -> None:
+    """An engine process waits (at most wait_s) until `count` commands are queued
+    behind this one, so a test's rollouts are all there when the first starts
+    (tests/test_tail_fill.py)."""
+    deadline = time.monotonic() + wait_s
+    while len(worker.inbox) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def full_state(worker: Any) -> dict | None:
     """Every exported tensor of a RankWorker, gathered to CPU (rank 0; None elsewhere)."""
     out = {n: t.to("cpu", copy=True) for n, t in worker.full_state()}
@@ -34,7 +43,8 @@ def full_state(worker: Any) -> dict | None:
 class TestRankHooks(RankHooks):
     __test__ = False  # not a pytest class
 
-    COMMANDS: dict[str, Callable[..., Any]] = {"debug": cmd_debug, "full_state": full_state}
+    COMMANDS: dict[str, Callable[..., Any]] = {"debug": cmd_debug, "full_state": full_state,
+                                                "hold_until_queued": hold_until_queued}
 
     def command(self, name: str) -> Callable[..., Any] | None:
         return self.COMMANDS.get(name)

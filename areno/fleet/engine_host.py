@@ -48,34 +48,49 @@ def generate_into(engine: Any, ids: np.ndarray, offsets: np.ndarray, n: int, sam
     region has no segment; + versions [t] int32, each token's weight version,
     when the engine was told its version: --partial-rollouts). emit None: a
     non-leader TP rank (runs, reports nothing). Returns the tokens written."""
-    from areno.procs.segment import map_region
-
-    region = map_region(out.segment, out.offset, out.nbytes, writable=True) \
-        if emit is not None and out.segment else None
-    skew = out.offset % 4096 if region is not None else 0
-    cursor = 0
+    writer = PartWriter(out, emit is not None)
     try:
         for pos, part in engine.generate_stream(ids, offsets, n, sampling, min_groups=1):
-            if emit is None:
-                continue
-            t = part.response_ids.size
-            if cursor + t > out.capacity:
-                raise RuntimeError(f"engine wrote {cursor + t} tokens into a region of {out.capacity}")
-            meta = dict(positions=pos, lengths=np.diff(part.response_offsets),
-                        finish=part.finish_reason, start=cursor)
-            if part.token_version is not None:  # the engine was told its version (--partial-rollouts)
-                meta["versions"] = part.token_version
-            if region is not None:
-                _write(region, skew + 4 * cursor, part.response_ids)
-                _write(region, skew + 4 * (out.capacity + cursor), part.response_logprobs)
-            else:
-                meta.update(ids=part.response_ids, logprobs=part.response_logprobs)
-            cursor += t
-            emit(meta)
+            if emit is not None:
+                emit(writer.write(pos, part))
     finally:
-        if region is not None:
-            region.close()
-    return cursor
+        writer.close()
+    return writer.cursor
+
+
+class PartWriter:
+    """One command's OutRegion, written part after part at a running cursor:
+    write(pos, part) -> the part's message (generate_into says what it holds)."""
+
+    def __init__(self, out: OutRegion, leader: bool = True) -> None:
+        from areno.procs.segment import map_region
+
+        self.out = out
+        self.region = map_region(out.segment, out.offset, out.nbytes, writable=True) \
+            if leader and out.segment else None
+        self.skew = out.offset % 4096 if self.region is not None else 0
+        self.cursor = 0
+
+    def write(self, pos: np.ndarray, part: Any) -> dict:
+        t, cursor = part.response_ids.size, self.cursor
+        if cursor + t > self.out.capacity:
+            raise RuntimeError(f"engine wrote {cursor + t} tokens into a region of {self.out.capacity}")
+        meta = dict(positions=pos, lengths=np.diff(part.response_offsets),
+                    finish=part.finish_reason, start=cursor)
+        if part.token_version is not None:  # the engine was told its version (--partial-rollouts)
+            meta["versions"] = part.token_version
+        if self.region is not None:
+            _write(self.region, self.skew + 4 * cursor, part.response_ids)
+            _write(self.region, self.skew + 4 * (self.out.capacity + cursor), part.response_logprobs)
+        else:
+            meta.update(ids=part.response_ids, logprobs=part.response_logprobs)
+        self.cursor += t
+        return meta
+
+    def close(self) -> None:
+        if self.region is not None:
+            self.region.close()
+            self.region = None
 
 
 def _write(region: Any, at: int, a: np.ndarray) -> None:

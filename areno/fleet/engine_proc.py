@@ -38,15 +38,17 @@ import torch
 from areno.fleet.engine_host import OutRegion, generate_into
 from areno.fleet.hooks import EngineHooks, load_hooks
 from areno.fleet.inflight_loads import InflightLoads
+from areno.fleet.tail_fill import run_rounds
 from areno.procs.device import claim_device
 from areno.procs.heartbeat import start_beating
 from areno.procs.lifecycle import allow_children, die_with_parent, set_title
-from areno.procs.serve import quiet_peer, serve_worker
+from areno.procs.serve import CommandInbox, quiet_peer, serve_worker
 from areno.rundir.log import move_child_output, redirect_child_output
 from areno.timing import startup_mark
 from areno.fleet.weight_sync import SyncCheck, WeightRegion, load_region, reports_fingerprint
 from areno.rollout.engine import engine_sampling
 from areno.rollout.factory import make_engine
+from areno.rollout.vllm_rounds import RoundRequest
 
 if TYPE_CHECKING:
     from areno.fleet.engine_procs import EngineProcsConfig
@@ -102,6 +104,10 @@ class EngineWorker:
         self.inflight = InflightLoads(self.engine, self.sync_check)
         self.immediate = {"offer": self.inflight.offer}
         self.emit = None  # set by serve(): sends one ("part", ...) message mid-command
+        # Set by serve_worker (queued commands): the queued commands, and a reply sent
+        # before the command ends (tail fill: a rollout replies for those it took).
+        self.inbox: CommandInbox | None = None
+        self.reply = None
         self._idle_since: float | None = None  # the end of the last rollout (cmd_rollout)
         self._episodes = None  # EpisodeHost or AgentEpisodes, at the first `episodes` command
 
@@ -141,6 +147,13 @@ class EngineWorker:
         not loaded again."""
         idle_s = 0.0 if self._idle_since is None else max(0.0, time.monotonic() - self._idle_since)
         loaded = self._load_first(region, version)
+        if version is not None and self.inbox is not None and offsets.size > 1 and \
+                hasattr(self.engine, "generate_rounds"):  # tail fill (fleet/tail_fill.py)
+            self.hooks.rollout_begin(self.index)
+            try:
+                return run_rounds(self, RoundRequest(ids, offsets, n, sampling), out, loaded | {"idle_s": idle_s})
+            finally:
+                self._idle_since = time.monotonic()
         t1 = time.perf_counter()
         self.hooks.rollout_begin(self.index)
         try:

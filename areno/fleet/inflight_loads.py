@@ -19,6 +19,9 @@ with.
 
 Per round: begin(version) -> step(...) at each step boundary -> finish() -> the
 reply's figures {inflight_loads, inflight_checks, inflight_load_s, + probe}.
+Under tail fill (fleet/tail_fill.py) a queued round joins the generation
+(adopt: its region loaded here, when newer), and a round that ends while a
+later one still runs takes `figures()`; the last one's finish() probes.
 """
 
 from __future__ import annotations
@@ -69,9 +72,22 @@ class InflightLoads:
         """Step boundary (the engine's step_hook): load the newest offer, if newer."""
         with self._lock:
             offer, self._offer = self._offer, None
-        if offer is None or not self.newer(offer[0]):
-            return
-        version, region = offer
+        if offer is not None and self.newer(offer[0]):
+            self.load(offer[1], offer[0])
+
+    def adopt(self, region: WeightRegion | None, version: int) -> None:
+        """A queued round joins the running generation (tail fill, fleet/tail_fill.py):
+        its weights `region` of `version` are loaded now, between decode steps, when
+        newer than those held, so none of its tokens samples older weights."""
+        if region is not None and self.newer(version):
+            self.load(region, version)
+        self.version = version if self.newer(version) else self.version
+        with self._lock:
+            if self._offer is not None and self._offer[0] <= self.version:
+                self._offer = None
+
+    def load(self, region: WeightRegion, version: int) -> None:
+        """Load `region` in flight, checked by its fingerprint (the probe: `finish`)."""
         t0 = time.perf_counter()
         # Fingerprint now (probe=False): the probe is the round end's (finish).
         load_region(self.engine, region, self.check, version=version, probe=False)
@@ -81,11 +97,18 @@ class InflightLoads:
         self.load_s += time.perf_counter() - t0
         self._probe = region
 
+    def figures(self) -> dict:
+        """The loads since the last figures (a round's, when a later round keeps the
+        generation going: no probe while the engine holds requests)."""
+        out: dict = {"inflight_loads": self.loads, "inflight_checks": self.checks,
+                     "inflight_load_s": self.load_s}
+        self.loads, self.checks, self.load_s = 0, 0, 0.0
+        return out
+
     def finish(self) -> dict:
         """The round ended -> its figures for the reply (the deferred probe's with them)."""
         self.engine.step_hook = None
-        out: dict = {"inflight_loads": self.loads, "inflight_checks": self.checks,
-                     "inflight_load_s": self.load_s}
+        out = self.figures()
         if self._probe is not None and self._probe.probe is not None:
             out |= self.check.check(self.engine, self._probe.fingerprint, self._probe.probe)
         return out

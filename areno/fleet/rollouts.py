@@ -121,7 +121,7 @@ class PendingRollout:
         self.engines._free_segments.append(self.plan.segment)
         info = {"idle_s": max(r["idle_s"] for r in replies)}
         if any("inflight_loads" in r for r in replies):  # --partial-rollouts (fleet/inflight_loads.py)
-            info |= {k: sum(r.get(k, 0) for r in replies) for k in ("inflight_loads", "inflight_checks")}
+            info |= {k: sum(r.get(k, 0) for r in replies) for k in ("inflight_loads", "inflight_checks", "tail_filled")}
         if failed := [r["reward_error"] for r in replies if "reward_error" in r]:
             info["reward_error"] = failed[0]  # an environment's failure (episodes): the caller raises it
         loaded = [r["load_s"] for r in replies if "load_s" in r]

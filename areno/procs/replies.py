@@ -268,8 +268,13 @@ class Peers:
 
     def route(self, r: int, msg: tuple, waiting: ReplyStream) -> ReplyStream:
         """Put peer r's message into the inbox of the oldest open stream r owes a
-        reply (`waiting` when none does: a settled stream draining) -> that stream."""
-        owner = next((s for s in self.streams.values() if r in s.pending), waiting)
+        reply (`waiting` when none does: a settled stream draining) -> that stream.
+        A part tagged "ahead" j belongs to the j-th stream after that one: an engine
+        process that started a queued rollout inside the one it runs (tail fill,
+        fleet/tail_fill.py) streams its parts before the older one's reply."""
+        owing = [s for s in self.streams.values() if r in s.pending]
+        ahead = msg[1].get("ahead", 0) if msg[0] == "part" and isinstance(msg[1], dict) else 0
+        owner = owing[min(ahead, len(owing) - 1)] if owing else waiting
         owner.inbox.append((r, msg[0], msg[1]))
         if msg[0] == "ok":
             owner.pending.discard(r)

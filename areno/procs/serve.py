@@ -43,6 +43,8 @@ def serve_worker(make: Callable[[], Any], conn: Connection, index: int, queued: 
         reply_error(conn, index, e)
         return
     recv = queued_commands(conn, getattr(worker, "immediate", {})) if queued else conn.recv
+    if queued:  # a rollout may take the ones queued behind it, and reply to them itself (tail fill)
+        worker.inbox, worker.reply = recv, lambda result: conn.send(("ok", result))
     while True:
         try:
             cmd, kwargs = recv()
@@ -77,17 +79,17 @@ def command_of(worker: Any, cmd: str) -> Callable[..., Any]:
 
 
 def queued_commands(conn: Connection, immediate: dict[str, Callable[..., None]] | None = None,
-                    ) -> Callable[[], tuple]:
+                    ) -> "CommandInbox":
     """An engine process's commands, read by a thread of their own as they come ->
-    the call that takes the next: the controller queues rollouts there while one
-    runs (scheduler.py), and a command bigger than the pipe's buffer must not
+    the inbox whose call takes the next: the controller queues rollouts there while
+    one runs (scheduler.py), and a command bigger than the pipe's buffer must not
     hold the controller's send until this rollout ends (while its parts fill
     the other direction). Reading and sending on one pipe from two threads is
     safe: the two directions share no state. immediate: commands run on the
     reader thread as they come, with no reply (an engine process's "offer" of
     weights mid-round: fleet/inflight_loads.py)."""
     immediate = immediate or {}
-    inbox: queue.Queue = queue.Queue()
+    inbox = CommandInbox()
 
     def read() -> None:
         while True:
@@ -102,13 +104,36 @@ def queued_commands(conn: Connection, immediate: dict[str, Callable[..., None]] 
                 return
 
     threading.Thread(target=read, name="areno-engine-commands", daemon=True).start()
+    return inbox
 
-    def take() -> tuple:
-        item = inbox.get()
+
+class CommandInbox:
+    """The commands read, in order: `inbox()` takes the next (blocking); `pop_if`
+    takes the next only when it is there and `want(cmd, kwargs)` says so, which is
+    how a running rollout takes the one queued behind it (fleet/tail_fill.py)."""
+
+    def __init__(self) -> None:
+        self._q: queue.Queue = queue.Queue()
+
+    def put(self, item: Any) -> None:
+        self._q.put(item)
+
+    def __call__(self) -> tuple:
+        item = self._q.get()
         if isinstance(item, BaseException):
             raise item
         return item
-    return take
+
+    def __len__(self) -> int:
+        return self._q.qsize()
+
+    def pop_if(self, want: Callable[[str, dict], bool]) -> tuple | None:
+        """The next command, taken, if one is queued and `want` it; else None."""
+        with self._q.mutex:  # the reader thread only appends: the head cannot change under us
+            head = self._q.queue[0] if self._q.queue else None
+            if not isinstance(head, tuple) or not want(*head):
+                return None
+            return self._q.queue.popleft()
 
 
 def reply_error(conn: Connection, index: int, e: BaseException) -> None:

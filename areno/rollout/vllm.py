@@ -45,6 +45,7 @@ from areno.rollout.probe import Fingerprint, WeightSyncError  # noqa: E402
 from areno.rollout.vllm_fingerprint import held_fingerprint  # noqa: E402
 from areno.rollout.vllm_inflight import SwapLog  # noqa: E402
 from areno.rollout.vllm_lora import VLLMAdapters, lora_llm_kwargs  # noqa: E402
+from areno.rollout.vllm_rounds import RoundRequest, stream_rounds  # noqa: E402
 from areno.rollout.vllm_outputs import FlatLogprobs, batch_from_request_outputs  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,12 @@ class VLLMEngine:
                     self.step_hook(steps)
         finally:
             self._swaps = None
+
+    def generate_rounds(self, first: RoundRequest, admit: Callable[[int], RoundRequest | None],
+                        ) -> Iterator[tuple[int, np.ndarray, RolloutBatch]]:
+        """Tail fill: `first`, then the rounds `admit` adds between steps, in one
+        loop (rollout.vllm_rounds.stream_rounds): (round, positions, part) as groups finish."""
+        return stream_rounds(self, first, admit)
 
     def _requests(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int,
                   sampling: SamplingConfig) -> tuple[np.ndarray, np.ndarray, list, list, Any]:

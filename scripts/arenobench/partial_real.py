@@ -12,7 +12,10 @@ What it can show today: a round is still --batch-size prompts sent together
 "Partial rollouts: what is built"), so the partial mode takes fresher weights
 (a lower token lag, rollout/inflight_loads per step) at the K-ahead step time;
 the throughput goal of issue 39 needs the continuous submission that
-arenobench/partial_sim.py simulates.
+arenobench/partial_sim.py simulates. Tail fill (fleet/tail_fill.py) does not
+show here: these runs use the transformers engine, and a stand-in holds each
+round a fixed time before it decodes; arenobench/tail_fill.py measures it on
+the vLLM engine alone.
 """
 
 from __future__ import annotations
@@ -41,13 +44,18 @@ def partial_real(k: int, train_s: float, steps: int, tail_ratio: float, completi
                      "policy_lag_mean": mean(run, "rollout/policy_lag_mean"),
                      "token_lag_mean": mean(run, "rollout/token_lag_mean"),
                      "inflight_loads_per_step": mean(run, "rollout/inflight_loads"),
+                     "tail_filled_per_step": mean(run, "rollout/tail_filled"),
+                     "trained_tokens_per_s": mean(run, "train/loss_tokens") / mean(run, "time/step"),
+                     # the engine's idle time (its replies' idle_s, summed per step) over the step's
+                     "engine_idle_frac": mean(run, "time/wait_weights") / mean(run, "time/step"),
                      "measured_steps": len(run["steps"])})
         print(f"  {name}: {rows[-1]['step_s']:.3f} s/step", flush=True)
     sync = rows[0]["step_s"]
-    out = ["| mode | step (mean) | vs sync | wait_batch | policy lag | token lag | in-flight loads/step |",
-           "| --- " * 7 + "|"]
+    out = ["| mode | step (mean) | vs sync | trained tok/s | engine idle | wait_batch | policy lag | token lag "
+           "| in-flight loads/step | tail-filled/step |", "| --- " * 10 + "|"]
     for r in rows:
         out.append(f"| {r['mode']} | {r['step_s']:.3f} s | {sync / r['step_s']:.2f}x | "
+                   f"{r['trained_tokens_per_s']:.0f} | {100 * r['engine_idle_frac']:.0f}% | "
                    f"{1e3 * r['wait_batch_s']:.0f} ms | {r['policy_lag_mean']:.2f} | {r['token_lag_mean']:.2f} | "
-                   f"{r['inflight_loads_per_step']:.2f} |")
+                   f"{r['inflight_loads_per_step']:.2f} | {r['tail_filled_per_step']:.2f} |")
     return "\n".join(out), rows
