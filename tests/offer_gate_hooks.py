@@ -2,7 +2,8 @@
 engine process's engine, wrapped so that from its second partial round on (a
 round under --partial-rollouts installs the step hook once: InflightLoads.begin),
 at decode step GATE_STEP of its first generate call, it waits (at most WAIT_S)
-until the controller has offered newer weights (fleet/inflight_loads.py). A
+until the controller has offered newer weights (fleet/inflight_loads.py), and
+before it takes none (an offer that comes earlier waits for that step). A
 round thus spans a publish whatever the timing: its first GATE_STEP tokens are
 sampled by the version it started with, the rest by the offered one."""
 
@@ -40,6 +41,8 @@ class OfferGatedEngine:
         loads = hook.__self__  # InflightLoads.step, bound
 
         def gated(steps: int) -> None:
+            if self.gated and steps < GATE_STEP:
+                return  # an offer that came early waits: the first GATE_STEP tokens are the start version's
             if self.gated and steps == GATE_STEP:  # once a round (a multi-turn one generates per turn)
                 object.__setattr__(self, "gated", False)
                 deadline = time.monotonic() + WAIT_S
