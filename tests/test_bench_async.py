@@ -77,9 +77,10 @@ def test_bench_async_partial_real_runs_sync_k_ahead_and_partial_rollouts_side_by
                            "--partial-k", "1", "--out", str(out)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300, env=child_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| mode | step (mean) | vs sync | wait_batch | policy lag | token lag | in-flight loads/step |" \
-        in proc.stdout
+    assert "| mode | step (mean) | vs sync | trained tok/s | engine idle | wait_batch | policy lag | token lag " \
+        "| in-flight loads/step | tail-filled/step |" in proc.stdout
     sync, ahead, part = json.loads(out.read_text())["partial_real"]
+    assert all(r["trained_tokens_per_s"] > 0 and 0 <= r["engine_idle_frac"] <= 1 for r in (sync, ahead, part))
     assert [r["k"] for r in (sync, ahead, part)] == [0, 1, 1] and part["mode"] == "partial (K=1)"
     assert sync["policy_lag_mean"] == sync["inflight_loads_per_step"] == ahead["inflight_loads_per_step"] == 0
     assert ahead["token_lag_mean"] == ahead["policy_lag_mean"] == 1
