@@ -100,9 +100,9 @@ def learn(run: Run, step: int, filled: Filled, timer: PhaseTimer,
                 norm_len=max_policy_tokens(cfg), keep=keep, workspace=run.workspace,
             )
     if cfg.log_completions:
+        shown = None if cfg.agent_path else run.prompts.texts  # an agent's prompt is its conversation's
         run.logger.stage_completions(completion_records(
-            step, cfg.log_completions, run.tokenizer, run.prompts.texts, prompt_idx, batch,
-            scored.rewards, adv))
+            step, cfg.log_completions, run.tokenizer, shown, prompt_idx, batch, scored.rewards, adv))
     update_starts()  # from the update on, an interrupt waits for the step to end
     with timer("train"):  # each rank sleeps its own engine meanwhile (RankWorker.cmd_train)
         trained = run.backend.train(split) if split.pack.num_seqs else TrainSteps()

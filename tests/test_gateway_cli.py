@@ -54,9 +54,11 @@ def test_the_demo_trains_the_guess_game_as_an_openai_client_agent(tmp_path):
     file shows whole conversations, the metrics the gateway's counts."""
     from areno.cli import main
 
-    out, evalset = tmp_path / "run", tmp_path / "eval.jsonl"
+    out, evalset, agent = tmp_path / "run", tmp_path / "eval.jsonl", tmp_path / "agent.py"
     evalset.write_text('{"prompt": "1+2=", "answer": "3"}\n{"prompt": "4+4=", "answer": "8"}\n')
-    rc = main(["train", "--agent-path", str(GUESS), "--max-turns", "2", "--max-steps", "2", "--batch-size", "4",
+    # The agent's conversation opens with its own words: the completions file shows them.
+    agent.write_text(GUESS.read_text().replace("prompt = task.prompt\n", 'prompt = "9:" + task.prompt\n'))
+    rc = main(["train", "--agent-path", str(agent), "--max-turns", "2", "--max-steps", "2", "--batch-size", "4",
                "--reward-workers", "4", "--log-completions", "4", "--output-dir", str(out), "--no-save",
                "--eval-dataset-path", str(evalset), "--eval-interval", "2"])
     assert rc in (0, None)
@@ -64,6 +66,7 @@ def test_the_demo_trains_the_guess_game_as_an_openai_client_agent(tmp_path):
     assert any("eval/pass@1" in m for m in steps)
     recs = [json.loads(x) for x in (out / "completions.jsonl").read_text().splitlines()]
     assert any("[env: :" in r["completion"] for r in recs), recs  # a wrong first guess, then the secret
+    assert recs and all(r["prompt"].replace(" ", "").startswith("9:") for r in recs), recs
     m = [m for m in steps if "agent/calls" in m][-1]  # the last training step (eval lines follow)
     assert m["agent/calls"] >= 32 and m["agent/branches"] == 0 and 1.0 <= m["env/turns_mean"] <= 2.0
 

@@ -22,14 +22,23 @@ def sample_indices(num_responses: int, n: int, step: int) -> np.ndarray:
     return (np.arange(k, dtype=np.int64) * num_responses // max(k, 1) + step) % max(num_responses, 1)
 
 
-def completion_records(step: int, n: int, tokenizer: Any, prompt_texts: list[str],
+def completion_records(step: int, n: int, tokenizer: Any, prompt_texts: list[str] | None,
                        prompt_idx: np.ndarray, batch: RolloutBatch, rewards: np.ndarray,
                        advantages: np.ndarray) -> list[dict[str, Any]]:
     """n records {step, sample, prompt, completion, reward, advantage, finish_reason}.
-    rewards: [R] float32 (NaN: not scored -> null); advantages: [R] float32."""
+    rewards: [R] float32 (NaN: not scored -> null); advantages: [R] float32.
+    prompt_texts None: each prompt is the batch's own, decoded (an agent's
+    conversation chose it, not the dataset row's rendering)."""
     idx = sample_indices(batch.num_responses, n, step)
     if not idx.size:
         return []
+    if prompt_texts is None:
+        groups = np.unique(batch.group_index[idx])
+        po = batch.prompt_offsets
+        shown = tokenizer.batch_decode([batch.prompt_ids[po[g]:po[g + 1]].tolist() for g in groups.tolist()])
+        prompt_texts, prompt_idx = [""] * batch.num_prompts, np.arange(batch.num_prompts)
+        for g, text in zip(groups.tolist(), shown):
+            prompt_texts[g] = text
     if batch.response_mask is not None:
         texts = trajectory_texts(tokenizer, batch, idx)
     else:
