@@ -10,6 +10,8 @@ a run whose agents never pass `tools` does not need it.
 
 from __future__ import annotations
 
+import contextlib
+import io
 from typing import Any
 
 from areno.errors import UserError
@@ -49,7 +51,10 @@ def tool_parser_class(name: str) -> type:
     """vLLM's tool parser class called `name`; UserError (one line) if there is none
     or vLLM does not import."""
     try:
-        from vllm.tool_parsers import ToolParserManager
+        # Checked with the options, before the run dir takes third-party output: vLLM's
+        # import notices (Triton on CPU) must not join the one-line error.
+        with contextlib.redirect_stderr(io.StringIO()):
+            from vllm.tool_parsers import ToolParserManager
     except ImportError as e:
         raise UserError(f"--agent-tool-parser {name}: tool calls are parsed with vLLM's tool "
                         f"parsers, and vLLM does not import here ({e}); use --agent-tool-parser none") from e
