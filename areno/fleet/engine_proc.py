@@ -147,15 +147,14 @@ class EngineWorker:
         not loaded again."""
         idle_s = 0.0 if self._idle_since is None else max(0.0, time.monotonic() - self._idle_since)
         loaded = self._load_first(region, version)
+        self.hooks.rollout_begin(self.index)
         if version is not None and self.inbox is not None and offsets.size > 1 and \
                 hasattr(self.engine, "generate_rounds"):  # tail fill (fleet/tail_fill.py)
-            self.hooks.rollout_begin(self.index)
             try:
                 return run_rounds(self, RoundRequest(ids, offsets, n, sampling), out, loaded | {"idle_s": idle_s})
             finally:
                 self._idle_since = time.monotonic()
         t1 = time.perf_counter()
-        self.hooks.rollout_begin(self.index)
         try:
             tokens = generate_into(self.engine, ids, offsets, n, sampling, out, self.emit) \
                 if offsets.size > 1 else 0
