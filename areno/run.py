@@ -89,6 +89,7 @@ class Run:
     max_tokens_per_micro: int = 8192  # --max-tokens-per-micro, or the device's default
     rollouts: Rollouts = None  # type: ignore[assignment]  # the scheduler: set once the engines are up
     agents: AgentHost | None = None  # --agent-path: the agents' workers and the gateway they call
+    recent_rewards: list[float] = field(default_factory=list)  # the last steps' sampling/reward_generated (--stop-at-reward)
 
     @property
     def dead(self) -> Any:
@@ -298,7 +299,8 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
         run = Run(cfg=cfg, output_dir=out, model_path=base_model, tokenizer=tokenizer, rows=rows, prompts=prompts,
                   sampler=sampler, sampling=settings.sampling(cfg), scorer=scorer, envs=envs, backend=backend,
                   engine=engine, logger=logger, world_size=world_size, total_steps=total, step=resume.step,
-                  evalset=evalset, max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device))
+                  evalset=evalset, max_tokens_per_micro=cfg.max_tokens_per_micro or default_micro_tokens(device),
+                  recent_rewards=list(resume.state.get("recent_rewards", [])))
         if cfg.agent_path and not engine.background:
             # Colocated: the gateway on this process, the driver runs here over the ranks'
             # engines. Split placement: each engine process has its own (gateway/host.py).

@@ -23,7 +23,7 @@ from areno.dynsample import Filled
 from areno.rundir.completions import completion_records
 from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config.env import max_policy_tokens
-from areno.config.train import TrainConfig
+from areno.config.train import STOP_WINDOW, TrainConfig
 from areno.runtime.interrupt import interrupted, interrupted_at_startup, made_run_dir
 from areno.procs.signals import interrupts_raise, raise_held, step_window
 from areno.metrics import train_metrics
@@ -216,11 +216,17 @@ def train_loop(run: Run) -> None:
             with step_window() as update_starts:
                 metrics = train_step(run, step, update_starts=update_starts)
                 run.step = step
+                # every generated sample's: under --dynamic-sampling reward/mean is the kept groups'
+                run.recent_rewards = [*run.recent_rewards, metrics["sampling/reward_generated"]][-STOP_WINDOW:]
                 run.logger.log(step, metrics)
                 if not cfg.no_save and due(step, cfg.save_interval):
                     run.save(step)
             if due(step, cfg.eval_interval):
                 run.evaluate(step)
+            if reward_reached(run.recent_rewards, cfg.stop_at_reward):
+                run.logger.info(f"the mean reward of the last {STOP_WINDOW} steps reached "
+                                f"--stop-at-reward {cfg.stop_at_reward:g}")
+                break
     except (BackendError, WeightSyncError) as e:  # every process is stopped on the way out
         stopped(run, e)
     except RewardError as e:  # the plugin's failure (exit 2); the steps before it are saved
@@ -247,6 +253,12 @@ def train_loop(run: Run) -> None:
         settle_interrupted_step(run, None)
         interrupted(run)
     run.logger.info(f"done: {steps_text(run.step)}; metrics in {run.logger.metrics_path}")
+
+
+def reward_reached(recent: list[float], target: float | None) -> bool:
+    """Whether --stop-at-reward ends the run: the last STOP_WINDOW steps' mean rewards
+    (recent, oldest first) average at least `target`; never with fewer steps."""
+    return target is not None and len(recent) >= STOP_WINDOW and float(np.mean(recent[-STOP_WINDOW:])) >= target
 
 
 def due(step: int, interval: int) -> bool:

@@ -16,7 +16,7 @@ import pytest
 
 from areno.cli import main
 from test_async_loop import saved_steps
-from test_demo_learns import MASTERED, WINDOW
+from test_demo_learns import STOP, assert_learned
 from test_resume import EVAL_ROWS, HF1, UNTIMED, train_steps
 
 GUESS = str(Path(__file__).resolve().parents[1] / "examples" / "guess" / "env.py")
@@ -126,14 +126,14 @@ def rewards_of(steps: dict[int, dict]) -> np.ndarray:
 def test_the_guess_demo_masters_its_game_two_rounds_ahead_on_an_engine_process(tmp_path, areno_cache,
                                                                                 monkeypatch):
     """examples/guess at K = 2 with split placement (its README command plus two
-    flags). Measured at seed 0: 0.17 over the first 10 steps, 0.98 over the last
-    20, the 20-step mean at 0.9 by step 108 (colocated K = 0: test_env_learns)."""
+    flags, and --stop-at-reward). Measured at seed 0: 0.17 over the first 10 steps,
+    0.98 over the last 20 of 200, the 20-step mean at 0.9 by step 103-108 (where
+    the run stops; colocated K = 0: test_env_learns)."""
     steps = train(tmp_path / "guess", areno_cache, monkeypatch, *ENV, *SPLIT, "--off-policy-steps", "2",
-                  "--no-save", steps=200, base=())
-    r = rewards_of(steps)
-    assert r.size == 200 and steps[200]["rollout/policy_lag_max"] == 2
-    assert r[:10].mean() < 0.4 and r[-20:].mean() >= 0.9, (r[:10].mean(), r[-20:].mean())
-    assert steps[200]["env/turns_mean"] > 1.5  # it reads the env's answer on turn 2
+                  "--no-save", *STOP, steps=200, base=())
+    assert_learned(rewards_of(steps), 200, early_bar=0.4, early=10)
+    assert max(r["rollout/policy_lag_max"] for r in steps.values()) == 2
+    assert steps[max(steps)]["env/turns_mean"] > 1.5  # it reads the env's answer on turn 2
 
 
 @pytest.mark.learning
@@ -142,14 +142,14 @@ def test_the_demo_masters_its_task_with_dynamic_sampling_two_rounds_ahead(tmp_pa
     """The embedded demo with --dynamic-sampling reward at K = 2 on an engine process,
     400 of its 600 steps (its cosine schedule ends at 400), held to the demo's
     bar on the reward of every generated sample (reward/mean is the kept groups',
-    which leaves out the all-right ones by design). Measured at seed 0: 0.06 over
-    the first 20 steps, 0.97 over the last 20, 0.9 by step 244; 1074 rounds."""
+    which leaves out the all-right ones by design; --stop-at-reward uses the former).
+    Measured at seed 0: 0.06 over the first 20 steps, 0.97 over the last 20 of 400,
+    0.9 by step 227-244 (where the run stops); 1074 rounds in 400 steps."""
     steps = train(tmp_path / "demo", areno_cache, monkeypatch, *SPLIT, "--off-policy-steps", "2",
-                  "--dynamic-sampling", "reward", "--no-save", steps=400, base=())
+                  "--dynamic-sampling", "reward", "--no-save", *STOP, steps=400, base=())
     generated = np.array([r["sampling/reward_generated"] for _, r in sorted(steps.items())])
     # Most steps take two or three rounds, so rounds in flight are taken a step after
     # they start: measured lag 1 (0 at step 1), never over K.
-    assert generated.size == 400 and 1 <= max(r["rollout/policy_lag_max"] for r in steps.values()) <= 2
-    assert sum(r["sampling/rounds"] for r in steps.values()) > 400  # refills ran under admission
-    early, late = generated[:WINDOW].mean(), generated[-WINDOW:].mean()
-    assert early < 0.2 and late >= MASTERED, f"reward {early:.3f} -> {late:.3f}"
+    assert 1 <= max(r["rollout/policy_lag_max"] for r in steps.values()) <= 2
+    assert sum(r["sampling/rounds"] for r in steps.values()) > len(steps)  # refills ran under admission
+    assert_learned(generated, 400)

@@ -37,7 +37,7 @@ LOCATION: frozenset[str] = frozenset({"output_dir", "save_path", "resume"})
 # May differ from the checkpoint's value; applied and printed.
 MAY_CHANGE: frozenset[str] = frozenset({
     # run length
-    "max_steps", "epochs",
+    "max_steps", "epochs", "stop_at_reward",
     # logging, checkpoints, evaluation
     "report_to", "log_completions", "save_interval", "keep_last", "no_save", "save_merged", "eval_dataset_path",
     "eval_split",

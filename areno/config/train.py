@@ -32,6 +32,8 @@ GROUPS = (
     "Logging and checkpoints",
 )
 
+STOP_WINDOW = 20  # steps whose mean reward --stop-at-reward compares
+
 
 def opt(default: Any, help: str, group: str, *, ge: float | None = None, gt: float | None = None,
         le: float | None = None, lt: float | None = None, shown: str | None = None) -> Any:
@@ -273,6 +275,9 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
     # -- Logging and checkpoints -------------------------------------------------
     max_steps: int | None = opt(None, "Stop after this many steps.", "Logging and checkpoints",
                                 ge=1, shown="unset (run --epochs)")
+    stop_at_reward: float | None = opt(
+        None, f"End the run once the mean reward of the last {STOP_WINDOW} steps' samples (all of them, "
+        "under --dynamic-sampling too) reaches this; the final eval and save follow, as at --max-steps.", "Logging and checkpoints", shown="unset (never)")
     epochs: int = opt(1, "Passes over the dataset (a run stops at whichever limit comes first).",
                       "Logging and checkpoints", ge=1)
     seed: int = opt(0, "Seed of data order, sampling and initialisation.",

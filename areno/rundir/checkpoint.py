@@ -132,6 +132,7 @@ def save_checkpoint(run: Checkpointed, step: int) -> Path:
             # when their files (scheduler.py) are missing or cut short.
             **({"weight_version": ahead.updates, "inflight": len(ahead.inflight)} if ahead else {}),
             "model_path": run.model_path,
+            "recent_rewards": list(getattr(run, "recent_rewards", [])),  # --stop-at-reward's window
             "config": run.cfg.to_dict(),
         }
         _write_json(tmp / STATE_FILE, state)
