@@ -404,3 +404,17 @@ def test_vllm_sleeps_at_level_2_and_wakes_weights_then_loads_then_kv_cache(engin
     engine.load_weights(original_state.items())
     assert calls == [("sleep", 2), ("wake_up", ["weights"]), ("reload_weights",), ("wake_up", ["kv_cache"])]
     assert engine.generate(ids, off, 1, SamplingConfig(max_tokens=2)).num_responses == len(PROMPTS)
+
+
+@pytest.mark.parametrize("engine", ["vllm"], indirect=True)
+def test_vllm_on_cpu_prefills_whole_so_seeded_prompts_past_its_token_budget_sample(engine, make_prompts):
+    """More prompt tokens than one engine step takes (vLLM's budget: 4096). With
+    chunked prefill a seeded request's prompt was split across steps, and vLLM's
+    CPU sampler died rewinding its generator ("CPU Generator does not use offset")."""
+    sched = engine.llm.llm_engine.vllm_config.scheduler_config
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(5, 300, 120).tolist() for _ in range(48)]
+    assert 48 * 120 > sched.max_num_batched_tokens
+    ids, off = make_prompts(prompts)
+    b = engine.generate(ids, off, 1, SamplingConfig(max_tokens=4, seed=3))
+    assert b.num_prompts == 48 and (b.response_lengths > 0).all() and not sched.enable_chunked_prefill

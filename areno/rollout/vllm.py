@@ -53,6 +53,13 @@ log = logging.getLogger(__name__)
 HAS_FLAT_LOGPROBS = FlatLogprobs is not None and hasattr(SamplingParams(), "flat_logprobs")
 # Default KV cache on CPU when the caller gives none: vLLM would claim most RAM.
 CPU_KV_CACHE_BYTES = 512 << 20
+# Whole prefills on CPU. vLLM rewinds a seeded request's generator after a prefill
+# chunk (the token sampled there is dropped), and torch's CPU Generator has no
+# offset to rewind: "CPU Generator does not use offset". areno seeds every request,
+# so a step whose prompts passed vLLM's token budget (4096) died, as could an
+# in-flight load's recompute. Without chunking vLLM raises the budget to
+# max_model_len, so any one sequence's prefill fits in a step.
+CPU_SCHEDULING = {"enable_chunked_prefill": False}
 # Level 2 frees the weights too (level 1 keeps a host copy); see VLLMEngine.sleep.
 SLEEP_LEVEL = 2
 
@@ -99,7 +106,7 @@ class VLLMEngine:
         if on_cpu and kv_cache_memory_bytes is None and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             kv_cache_memory_bytes = CPU_KV_CACHE_BYTES
         given = dict(max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                     kv_cache_memory_bytes=kv_cache_memory_bytes)
+                     kv_cache_memory_bytes=kv_cache_memory_bytes, **(CPU_SCHEDULING if on_cpu else {}))
         self.llm = LLM(
             model=str(model), tensor_parallel_size=tensor_parallel_size, dtype=dtype, seed=seed,
             logprobs_mode="processed_logprobs", enable_prefix_caching=enable_prefix_caching,
