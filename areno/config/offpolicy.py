@@ -54,7 +54,7 @@ def check_off_policy(cfg: Any) -> None:
                         "process holds one device, and vLLM's tensor-parallel workers need a device each "
                         "(colocated engines, without --rollout-world-size, take --tensor-parallel-size)")
     if getattr(cfg, "partial_rollouts", False):
-        check_partial(m, k, getattr(cfg, "lora_rank", 0))
+        check_partial(m, k)
     if not k:
         return
     flag = f"--off-policy-steps {k}"  # any K >= 1: K rollouts queue on the engines (scheduler.py)
@@ -70,16 +70,12 @@ def check_off_policy(cfg: Any) -> None:
         raise UserError(f"{flag} needs --tis-cap (the importance weight of a stale sample)")
 
 
-def check_partial(m: int, k: int, lora_rank: int = 0) -> None:
+def check_partial(m: int, k: int) -> None:
     """--partial-rollouts needs weights that change while a rollout runs: engine
-    processes (split placement) and K >= 1 (a version published during a round);
-    an adapter's swap between decode steps is not built."""
+    processes (split placement) and K >= 1 (a version published during a round)."""
     if not m:
         raise UserError("--partial-rollouts needs --rollout-world-size >= 1: colocated engines sleep "
                         "while the ranks train, so no new weights can arrive while they generate")
     if not k:
         raise UserError("--partial-rollouts needs --off-policy-steps >= 1: at 0 each rollout is "
                         "collected before the ranks train, so no version is published while one generates")
-    if lora_rank:
-        raise UserError("--partial-rollouts with --lora-rank: an adapter swap between decode steps is not "
-                        "built (engine processes take a new adapter at the start of a rollout); drop one")

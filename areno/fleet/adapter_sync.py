@@ -40,20 +40,22 @@ def adapter_tensors(named: Iterable[tuple[str, torch.Tensor]],
 
 
 def load_adapter(engine: Any, named: Iterable[tuple[str, torch.Tensor]], config: Any,
-                 version: int, fingerprint: bool = True) -> tuple[Fingerprint | None, dict]:
+                 version: int, fingerprint: bool = True, inflight: int | None = None,
+                 ) -> tuple[Fingerprint | None, dict]:
     """`named`: the adapter as (peft saved name, full tensor), e.g. backend.lora's
     `adapter_state` (every rank iterates it to the end: FSDP2 gathers) or a
     published region's views (weight_sync.load_region). Copies it in the engine's
     dtype (`engine.adapter_dtype`) and `engine.load_adapter(tensors, config,
     version)`. -> (the fingerprint the engine's `adapter_fingerprint()` must
     equal, None where the engine's is not exact (a TP shard) or `fingerprint` is
-    off (the sender computed it: a published region); {adapter_bytes,
+    off (the sender computed it: a published region); inflight: the weight version
+    of a load between decode steps (partial rollouts); {adapter_bytes,
     adapter_tensors, gather_s, load_s}). The check itself: weight_sync.SyncCheck."""
     t0 = time.perf_counter()
     tensors = adapter_tensors(named, getattr(engine, "adapter_dtype", None))
     exact = fingerprint and getattr(engine, "fingerprint_exact", True)
     want = adapter_fingerprint_of(tensors, config) if exact else None  # before the engine may keep them
     t1 = time.perf_counter()
-    engine.load_adapter(tensors, config, version)
+    engine.load_adapter(tensors, config, version, **({} if inflight is None else {"inflight": inflight}))
     return want, {"adapter_bytes": adapter_nbytes(tensors), "adapter_tensors": len(tensors),
                   "gather_s": t1 - t0, "load_s": time.perf_counter() - t1}

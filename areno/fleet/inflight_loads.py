@@ -109,6 +109,8 @@ class InflightLoads:
         """The round ended -> its figures for the reply (the deferred probe's with them)."""
         self.engine.step_hook = None
         out = self.figures()
-        if self._probe is not None and self._probe.probe is not None:
-            out |= self.check.check(self.engine, self._probe.fingerprint, self._probe.probe)
+        region = self._probe
+        if region is not None and region.probe is not None:  # an adapter is checked as what it serves
+            held = self.engine.adapter_fingerprint() if region.adapter is not None and self.check.fingerprinted else None
+            out |= self.check.check(self.engine, region.fingerprint, region.probe, held=held)
         return out

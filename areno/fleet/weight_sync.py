@@ -172,7 +172,7 @@ def load_region(engine: Any, region: WeightRegion, check: SyncCheck, version: in
     held = None
     try:
         if region.adapter is not None:  # the base is in the engine since its start
-            load_adapter(engine, tensors, region.adapter, region.version, fingerprint=False)
+            load_adapter(engine, tensors, region.adapter, region.version, fingerprint=False, inflight=version)
             held = engine.adapter_fingerprint() if check.fingerprinted else None
         elif version is not None:
             engine.update_weights_inflight(tensors, version)

@@ -265,11 +265,16 @@ class HFEngine:
         return self.adapters is not None and self.adapters.injected
 
     # -- LoRA adapter (rollout.hf_lora) ---------------------------------------
-    def load_adapter(self, tensors: Mapping[str, torch.Tensor], config: Any, version: int) -> None:
+    def load_adapter(self, tensors: Mapping[str, torch.Tensor], config: Any, version: int,
+                     inflight: int | None = None) -> None:
         """Copy a peft adapter (saved names, LoraConfig) into the model's LoRA
-        layers (built at the first load); served from now on."""
+        layers (built at the first load); served from now on. inflight: weight
+        version of a load at a step boundary, the rows' cache recomputed under
+        the new adapter before the next token (as update_weights_inflight)."""
         self._check_awake()
         self._lora_on().load(tensors, config, version)
+        if inflight is not None:
+            self.weight_version, self.kv_stale = int(inflight), True
 
     def adapter_fingerprint(self) -> Fingerprint:
         """What the model's LoRA layers hold (rollout.lora); empty before a load."""

@@ -35,12 +35,7 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths, with_version  # noqa: E402
 from areno.models.directory import local_model_dir  # noqa: E402
 from areno.rollout.factory import check_vllm_version, select_vllm_runner  # noqa: E402
-from areno.rollout.engine import (  # noqa: E402
-    SamplingConfig,
-    prompt_seeds,
-    validate_prompts,
-    validate_sequence,
-)
+from areno.rollout.engine import SamplingConfig, prompt_seeds, validate_prompts, validate_sequence  # noqa: E402
 from areno.rollout.probe import Fingerprint, WeightSyncError  # noqa: E402
 from areno.rollout.vllm_fingerprint import held_fingerprint  # noqa: E402
 from areno.rollout.vllm_inflight import SwapLog  # noqa: E402
@@ -53,12 +48,9 @@ log = logging.getLogger(__name__)
 HAS_FLAT_LOGPROBS = FlatLogprobs is not None and hasattr(SamplingParams(), "flat_logprobs")
 # Default KV cache on CPU when the caller gives none: vLLM would claim most RAM.
 CPU_KV_CACHE_BYTES = 512 << 20
-# Whole prefills on CPU. vLLM rewinds a seeded request's generator after a prefill
-# chunk (the token sampled there is dropped), and torch's CPU Generator has no
-# offset to rewind: "CPU Generator does not use offset". areno seeds every request,
-# so a step whose prompts passed vLLM's token budget (4096) died, as could an
-# in-flight load's recompute. Without chunking vLLM raises the budget to
-# max_model_len, so any one sequence's prefill fits in a step.
+# Whole prefills on CPU: vLLM rewinds a seeded request's generator after a prefill
+# chunk, which torch's CPU Generator cannot ("CPU Generator does not use offset"),
+# and areno seeds every request. Unchunked, vLLM's budget becomes max_model_len.
 CPU_SCHEDULING = {"enable_chunked_prefill": False}
 # Level 2 frees the weights too (level 1 keeps a host copy); see VLLMEngine.sleep.
 SLEEP_LEVEL = 2
@@ -287,11 +279,17 @@ class VLLMEngine:
         return self.llm.apply_model(held_fingerprint)[0]
 
     # -- LoRA adapter (rollout.vllm_lora) ----------------------------------------
-    def load_adapter(self, tensors: Mapping[str, torch.Tensor], config: Any, version: int) -> None:
-        """Serve this adapter (peft names and LoraConfig) from now on, as
-        "areno-v<version>" (strictly increasing); the previous one is removed."""
+    def load_adapter(self, tensors: Mapping[str, torch.Tensor], config: Any, version: int,
+                     inflight: int | None = None) -> None:
+        """Serve this adapter (peft names, LoraConfig) as "areno-v<version>" (strictly
+        increasing), the previous one removed. inflight: the weight version of a load
+        between engine steps, the requests held kept (vllm_lora.VLLMAdapters.load)."""
         self._check_awake()
-        self._lora_on().load(tensors, config, version)
+        core = None if inflight is None else self.llm.llm_engine.engine_core.engine_core
+        if core is not None and self._swaps is not None:
+            self._swaps.record(core, inflight)
+        self._lora_on().load(tensors, config, version, running=core)
+        self.weight_version = self.weight_version if inflight is None else int(inflight)
 
     def adapter_fingerprint(self) -> Fingerprint:
         """What the engine serves now (rollout.lora): A and scaled B of the

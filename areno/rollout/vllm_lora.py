@@ -104,6 +104,22 @@ def served_fingerprint(worker: Any, lora_id: int | None, rank: int = 0) -> Finge
     return held_fingerprint(held, padded)
 
 
+def move_requests(llm: Any, core: Any, request: Any) -> None:
+    """Every request `core` holds (the in-process engine core) and the worker's
+    cached state of each now name `request`'s adapter: a preempted request is
+    scheduled again, and put back into the worker's batch, with its own."""
+    for r in core.scheduler.requests.values():
+        if r.lora_request is not None:
+            r.lora_request = request
+    llm.collective_rpc(_move_worker_requests, args=(request,))
+
+
+def _move_worker_requests(worker: Any, request: Any) -> None:
+    for state in worker.model_runner.requests.values():
+        if state.lora_request is not None:
+            state.lora_request = request
+
+
 class VLLMAdapters:
     """The adapter state of one VLLMEngine: the current request, its directory."""
 
@@ -119,7 +135,12 @@ class VLLMAdapters:
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self._root = base / f"areno-lora-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
-    def load(self, tensors: Mapping[str, torch.Tensor], config: Any, version: int) -> None:
+    def load(self, tensors: Mapping[str, torch.Tensor], config: Any, version: int, running: Any = None) -> None:
+        """Add the adapter of `version`, then remove the previous one. running: the
+        in-process engine core of a load between engine steps (partial rollouts):
+        the requests it holds are moved onto the new adapter and preempted, so vLLM
+        prefills prompt and tokens again under it (the recompute policy of
+        rollout/vllm_inflight.py) before the previous adapter goes."""
         from vllm.lora.request import LoRARequest
 
         check_config(config)
@@ -141,12 +162,14 @@ class VLLMAdapters:
         old, old_dir = self.request, self._dir
         self.request, self._dir, self.version, self.names = request, path, version, names
         self.rank = int(config.r)
+        if running is not None:
+            move_requests(self.llm, running, request)
+        if not self.llm.reset_prefix_cache(reset_running_requests=running is not None):
+            raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running)")
         if old is not None:
             self.llm.llm_engine.remove_lora(old.lora_int_id)
         if old_dir is not None:
             shutil.rmtree(old_dir, ignore_errors=True)
-        if not self.llm.reset_prefix_cache():
-            raise WeightSyncError("vLLM refused to reset its prefix cache (requests still running)")
 
     def restore(self) -> None:
         """Put the current adapter back into a slot (after a wake or a base-weight
