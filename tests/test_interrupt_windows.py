@@ -118,7 +118,7 @@ def test_an_interrupt_inside_a_periodic_save_waits_for_it(tmp_path, monkeypatch,
     from areno.procs.errors import BackendError
     def step(run, n, update_starts):  # the real one calls it as its update starts
         update_starts()
-        return {}
+        return {"sampling/reward_generated": 0.0}
 
     def save(n: int) -> None:
         if backend.closed:
@@ -136,8 +136,10 @@ def test_an_interrupt_inside_a_periodic_save_waits_for_it(tmp_path, monkeypatch,
     backend = SimpleNamespace(step=0, dead=None, closed=False, fired=False)
     sampler = SimpleNamespace(state_dict=lambda: {}, load_state_dict=lambda s: None)
     logger = SimpleNamespace(log=lambda *a, **k: None, info=print)
-    run = SimpleNamespace(cfg=SimpleNamespace(no_save=False, save_interval=1, eval_interval=0, save_path=None),
-                          output_dir=tmp_path, step=0, total_steps=3, backend=backend, dead=None, sampler=sampler,
+    run = SimpleNamespace(cfg=SimpleNamespace(no_save=False, save_interval=1, eval_interval=0, save_path=None,
+                                              stop_at_reward=None),
+                          recent_rewards=[], output_dir=tmp_path, step=0, total_steps=3, backend=backend, dead=None,
+                          sampler=sampler,
                           logger=logger, save=save,
                           rollouts=SimpleNamespace(taken=[], put_back=lambda: None,
                                                    settle_interrupt=lambda after_step: None))
