@@ -89,7 +89,7 @@ class Run:
     max_tokens_per_micro: int = 8192  # --max-tokens-per-micro, or the device's default
     rollouts: Rollouts = None  # type: ignore[assignment]  # the scheduler: set once the engines are up
     agents: AgentHost | None = None  # --agent-path: the agents' workers and the gateway they call
-    recent_rewards: list[float] = field(default_factory=list)  # the last steps' sampling/reward_generated (--stop-at-reward)
+    recent_rewards: list[float] = field(default_factory=list)  # --stop-at-reward: the last steps' generated reward
 
     @property
     def dead(self) -> Any:

@@ -277,7 +277,8 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
                                 ge=1, shown="unset (run --epochs)")
     stop_at_reward: float | None = opt(
         None, f"End the run once the mean reward of the last {STOP_WINDOW} steps' samples (all of them, "
-        "under --dynamic-sampling too) reaches this; the final eval and save follow, as at --max-steps.", "Logging and checkpoints", shown="unset (never)")
+        "under --dynamic-sampling too) reaches this; the final eval and save follow, as at --max-steps.",
+        "Logging and checkpoints", shown="unset (never)")
     epochs: int = opt(1, "Passes over the dataset (a run stops at whichever limit comes first).",
                       "Logging and checkpoints", ge=1)
     seed: int = opt(0, "Seed of data order, sampling and initialisation.",

@@ -111,6 +111,7 @@ class InflightLoads:
         out = self.figures()
         region = self._probe
         if region is not None and region.probe is not None:  # an adapter is checked as what it serves
-            held = self.engine.adapter_fingerprint() if region.adapter is not None and self.check.fingerprinted else None
+            adapter = region.adapter is not None and self.check.fingerprinted
+            held = self.engine.adapter_fingerprint() if adapter else None
             out |= self.check.check(self.engine, region.fingerprint, region.probe, held=held)
         return out
