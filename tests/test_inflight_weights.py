@@ -59,6 +59,13 @@ def test_engine_takes_new_weights_mid_generation_without_dropping_requests(
     finally:
         engine.step_hook = None
         engine.update_weights_inflight(old.items(), 3)
+    assert_swapped_mid_generation(got, ref, n, ref_logprobs(new_model, got))
+
+
+def assert_swapped_mid_generation(got, ref, n: int, new_logprobs: np.ndarray) -> None:
+    """got: a generate of PROMPTS x n whose weights went from version 3 to 4 at
+    decode step SWAP_AT; ref: the same generate on version 3 alone; new_logprobs:
+    [T] of got's tokens under version 4's model (conftest's ref_logprobs)."""
     assert got.num_responses == ref.num_responses == 3 * n
     assert np.all(got.response_lengths == MAX_TOKENS)  # every request ran to the end
     np.testing.assert_array_equal(got.group_index, ref.group_index)
@@ -75,7 +82,7 @@ def test_engine_takes_new_weights_mid_generation_without_dropping_requests(
     np.testing.assert_allclose(got.response_logprobs[before], ref.response_logprobs[before], atol=1e-4)
     # tokens after: sampled by the new weights on the whole prefix (recomputed cache)
     assert not np.array_equal(got.response_ids[after], ref.response_ids[after])
-    np.testing.assert_allclose(got.response_logprobs[after], ref_logprobs(new_model, got)[after], atol=1e-4)
+    np.testing.assert_allclose(got.response_logprobs[after], new_logprobs[after], atol=1e-4)
 
 
 def test_a_generate_without_a_version_carries_none(engine, make_prompts):
