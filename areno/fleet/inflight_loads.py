@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from areno.fleet.weight_sync import SyncCheck, WeightRegion, load_region
+from areno.fleet.weight_sync import SyncCheck, WeightRegion, load_region, region_held
 
 
 class InflightLoads:
@@ -110,8 +110,7 @@ class InflightLoads:
         self.engine.step_hook = None
         out = self.figures()
         region = self._probe
-        if region is not None and region.probe is not None:  # an adapter is checked as what it serves
-            adapter = region.adapter is not None and self.check.fingerprinted
-            held = self.engine.adapter_fingerprint() if adapter else None
-            out |= self.check.check(self.engine, region.fingerprint, region.probe, held=held)
+        if region is not None and region.probe is not None:
+            out |= self.check.check(self.engine, region.fingerprint, region.probe,
+                                    held=region_held(self.engine, region, self.check))
         return out

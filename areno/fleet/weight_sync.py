@@ -169,11 +169,9 @@ def load_region(engine: Any, region: WeightRegion, check: SyncCheck, version: in
 
     mem = map_region(region.segment, 0, region.layout.nbytes)
     tensors = region_tensors(mem, region.layout)
-    held = None
     try:
         if region.adapter is not None:  # the base is in the engine since its start
             load_adapter(engine, tensors, region.adapter, region.version, fingerprint=False, inflight=version)
-            held = engine.adapter_fingerprint() if check.fingerprinted else None
         elif version is not None:
             engine.update_weights_inflight(tensors, version)
         else:
@@ -181,7 +179,14 @@ def load_region(engine: Any, region: WeightRegion, check: SyncCheck, version: in
     finally:
         tensors.close()  # drops its last view: the map closes
         mem.close()
-    return check.check(engine, region.fingerprint, region.probe if probe else None, held=held)
+    return check.check(engine, region.fingerprint, region.probe if probe else None,
+                       held=region_held(engine, region, check))
+
+
+def region_held(engine: Any, region: WeightRegion, check: SyncCheck) -> Any:
+    """What `engine` reports holding of `region` when that is not its full weights:
+    under LoRA the adapter it serves (None otherwise: SyncCheck reads the weights')."""
+    return engine.adapter_fingerprint() if region.adapter is not None and check.fingerprinted else None
 
 
 def check_engine_names(engine: Any, names: Iterable[str]) -> None:

@@ -242,24 +242,28 @@ class VLLMEngine:
         their prompt and tokens prefilled again under the new weights (vllm_inflight),
         and every token sampled from here on carries `version`."""
         self._check_awake(loading=True)
-        if self.multiprocess:
-            raise RuntimeError("VLLMEngine.update_weights_inflight needs an in-process engine")
+        core = self._inproc_core("update_weights_inflight")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         self._finish_wake()
         self._restore_adapter()
         if self._swaps is not None:
-            self._swaps.record(self.llm.llm_engine.engine_core.engine_core, version)
+            self._swaps.record(core, version)
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             raise WeightSyncError("vLLM refused to reset its KV cache after an in-flight update")
         self.weight_version = int(version)
+
+    def _inproc_core(self, what: str) -> Any:
+        """The in-process engine core (tensors reach only such a worker); RuntimeError naming `what`."""
+        if self.multiprocess:
+            raise RuntimeError(f"VLLMEngine.{what} needs an in-process engine")
+        return self.llm.llm_engine.engine_core.engine_core
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream a full set of HF-named tensors (any device) into the in-process
         model, one at a time, then reset the prefix cache. Names are checked once,
         up front, by the caller (see fleet.weight_sync.check_engine_names)."""
         self._check_awake(loading=True)
-        if self.multiprocess:
-            raise RuntimeError("VLLMEngine.load_weights needs an in-process engine")
+        self._inproc_core("load_weights")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         self._finish_wake()
         self._restore_adapter()
@@ -285,7 +289,7 @@ class VLLMEngine:
         increasing), the previous one removed. inflight: the weight version of a load
         between engine steps, the requests held kept (vllm_lora.VLLMAdapters.load)."""
         self._check_awake()
-        core = None if inflight is None else self.llm.llm_engine.engine_core.engine_core
+        core = None if inflight is None else self._inproc_core("load_adapter(inflight=...)")
         if core is not None and self._swaps is not None:
             self._swaps.record(core, inflight)
         self._lora_on().load(tensors, config, version, running=core)
