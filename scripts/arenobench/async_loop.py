@@ -253,6 +253,33 @@ def demo_table(steps: int, tmp: Path) -> str:
     return "\n".join(out)
 
 
+def side_mode(args: argparse.Namespace) -> tuple[str, dict] | None:
+    """The partial-rollout comparisons and the demo table (each a mode of its own)
+    -> (what to print, the JSON to write), or None for the fixed/tail scenarios."""
+    if args.partial_smol:
+        from arenobench.partial_smol import partial_smol
+
+        with tempfile.TemporaryDirectory(prefix="areno-async-smol-") as d:
+            text, rows = partial_smol(args, Path(d))
+        return text, {"partial_smol": rows}
+    if args.partial_real:
+        from arenobench.partial_real import partial_real
+
+        with tempfile.TemporaryDirectory(prefix="areno-async-partial-") as d:
+            text, rows = partial_real(args.partial_k, args.train_s, args.tail_steps, args.tail_ratio,
+                                      args.tail_completions, args.tail_sigma, Path(d))
+        return text, {"partial_real": rows}
+    if args.partial:
+        from arenobench.partial_sim import partial_report
+
+        text, rows = partial_report(args.partial_k, args.tail_sigma, args.partial_steps)
+        return text, {"partial": rows}
+    if args.demo:
+        with tempfile.TemporaryDirectory(prefix="areno-async-demo-") as d:
+            return demo_table(args.demo_steps, Path(d)), {}
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--train-s", type=float, default=0.5, help="T: seconds per train command")
@@ -275,30 +302,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--partial-real", action="store_true",
                     help="real runs on the tail (stand-ins): K=0, K-ahead and --partial-rollouts at --partial-k, "
                          "side by side (arenobench/partial_real.py)")
+    ap.add_argument("--partial-smol", action="store_true",
+                    help="the real model (SmolLM2, vLLM CPU engine) on a long-tailed task: K=0, K-ahead and "
+                         "--partial-rollouts at --partial-k, side by side (arenobench/partial_smol.py)")
+    ap.add_argument("--smol-steps", type=int, default=8, help="steps of each --partial-smol run")
+    ap.add_argument("--prompts", type=int, default=8, help="--batch-size of the --partial-smol runs")
+    ap.add_argument("--samples", type=int, default=4, help="--n-samples of the --partial-smol runs")
+    ap.add_argument("--new-tokens", type=int, default=160, help="--max-new-tokens of the --partial-smol runs")
+    ap.add_argument("--long-every", type=int, default=4, help="--partial-smol: one prompt in this many is long")
+    ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "areno-bench-cache",
+                    help="where --partial-smol builds the real model once")
     args = ap.parse_args(argv)
-    if args.partial_real:
-        from arenobench.partial_real import partial_real
-
-        with tempfile.TemporaryDirectory(prefix="areno-async-partial-") as d:
-            text, rows = partial_real(args.partial_k, args.train_s, args.tail_steps, args.tail_ratio,
-                                      args.tail_completions, args.tail_sigma, Path(d))
+    side = side_mode(args)
+    if side is not None:
+        text, rows = side
         print(text)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"partial_real": rows}, indent=1))
-        return 0
-    if args.partial:
-        from arenobench.partial_sim import partial_report
-
-        text, rows = partial_report(args.partial_k, args.tail_sigma, args.partial_steps)
-        print(text)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"partial": rows}, indent=1))
-        return 0
-    if args.demo:
-        with tempfile.TemporaryDirectory(prefix="areno-async-demo-") as d:
-            print(demo_table(args.demo_steps, Path(d)))
+            args.out.write_text(json.dumps(rows, indent=1))
         return 0
     if args.steps < 1 or args.train_s <= 0:
         ap.error("--steps must be >= 1 and --train-s > 0")
