@@ -1,27 +1,27 @@
 """Partial rollouts as a policy: which groups a step trains, when the engines
 take more work, and which trajectories an in-flight weight update retires.
 
-With partial rollouts the engines never wait for a round's slowest sample:
-groups (a prompt's n samples) are submitted one by one as capacity frees, the
+With partial rollouts the engines never wait for a round's slowest sample: the
 engines take new weights between decode steps (rollout/hf_inflight.py,
-rollout/vllm_inflight.py), and a training batch is the first --batch-size
-groups to *finish* (all n samples done: the group advantage needs all of them),
-not the groups submitted together. Three rules, all pure (arrays in, arrays out):
+rollout/vllm_inflight.py), and a training batch is made of groups (a prompt's n
+samples, all done: the group advantage needs all of them) from any round in
+flight, not one whole round. All rules are pure (arrays in, arrays out):
 
-  first_finished  the batch: the complete groups in order of completion
+  deadline_first  the batch the run's scheduler trains (first_finished.py):
+                  the groups that must train now for every group to train
+                  within K updates of its round's version (earliest deadline
+                  first), the rest of --batch-size the first complete groups
+  first_finished  the complete groups in order of completion
   admission_room  how many groups may be submitted now: at most
                   (v + K + 1) * batch_size in all while the engines hold
-                  version v (AReaL's staleness control), so the queue never
-                  runs more than K steps ahead of the trainer
+                  version v (AReaL's staleness control)
   retired         at an update to version v, the groups whose oldest token
-                  (the version they started with) is more than K behind v:
-                  they can never be trained (scheduler.check_oldest), so the
-                  engines drop them now and their prompts are submitted again
+                  is more than K behind v (never trainable)
 
-`PartialPool` holds the groups of a run in flight under these rules; the
-benchmark (scripts/arenobench/partial_sim.py) drives it with simulated
-engines. Wiring it to engine processes needs them to take weights between
-steps (areno/fleet), which this module does not assume.
+`PartialPool` holds groups submitted one by one under the last three; the
+benchmark (scripts/arenobench/partial_sim.py) drives it with simulated engines.
+The run's scheduler submits whole rounds (round admission is the same bound)
+and forms batches with deadline_first, so it needs no retirement.
 """
 
 from __future__ import annotations
@@ -39,6 +39,49 @@ def first_finished(done_at: np.ndarray, batch_size: int) -> np.ndarray:
     done = np.flatnonzero(np.isfinite(done_at))
     order = done[np.argsort(done_at[done], kind="stable")]
     return order[:batch_size].astype(np.int64)
+
+
+def must_take(oldest: np.ndarray, updates: int, k: int, batch_size: int) -> int:
+    """[G] int64 the version each untrained group's round started with -> how many
+    of the most urgent ones this step (the trainer holding `updates`) must take.
+    A group of version o trains at latest at step offset o + k - updates (one
+    update a step; a skipped one only lowers the lag), and at most batch_size
+    groups train a step, so by offset j the groups due by j need (j + 1) slots:
+    m = max_j #(due by j) - j * batch_size, at least 0. A group already past its
+    deadline, or m > batch_size, is a scheduler bug (AssertionError)."""
+    due = np.asarray(oldest, dtype=np.int64) + k - updates
+    if not due.size:
+        return 0
+    if due.min() < 0:
+        raise AssertionError(f"a group of version {int(due.min()) - k + updates} is past its deadline: "
+                             f"{updates} updates, K = {k} (scheduler bug)")
+    by = np.cumsum(np.bincount(due)) - batch_size * np.arange(int(due.max()) + 1)
+    m = max(0, int(by.max()))
+    if m > batch_size:
+        raise AssertionError(f"{m} groups must train at {updates} updates to meet their deadlines, "
+                             f"more than --batch-size {batch_size} (scheduler bug: admission let too many in)")
+    return m
+
+
+def deadline_first(oldest: np.ndarray, done_at: np.ndarray, updates: int, k: int,
+                   batch_size: int) -> np.ndarray | None:
+    """[G] int64 version each untrained group's round started with, [G] float64
+    its completion order (inf: a sample still running) -> [batch_size] int64 the
+    groups to train now: the must_take most urgent ones (lowest version; among
+    equals, complete ones first, in order of completion), then the first complete
+    ones of the rest in order of completion. None: the step must wait (an urgent
+    group is running, or too few are complete)."""
+    oldest = np.asarray(oldest, dtype=np.int64)
+    done_at = np.asarray(done_at, dtype=np.float64)
+    m = must_take(oldest, updates, k, batch_size)
+    urgent = np.lexsort((np.arange(oldest.size), done_at, oldest))[:m]
+    if not np.isfinite(done_at[urgent]).all():
+        return None
+    rest = np.ones(oldest.size, bool)
+    rest[urgent] = False
+    done_at = np.where(rest, done_at, np.inf)
+    out = np.concatenate([urgent, first_finished(done_at, batch_size - m)]).astype(np.int64)
+    return out if out.size == batch_size else None
 
 
 def group_done_at(sample_done_at: np.ndarray, group_index: np.ndarray, num_groups: int) -> np.ndarray:

@@ -1,12 +1,14 @@
 """Partial rollouts' policy (areno/partial.py): a batch is the first groups to
 finish, all their samples done; submission stays within (v + K + 1) batches;
-an update retires the groups whose oldest token could no longer be trained."""
+an update retires the groups whose oldest token could no longer be trained; the
+scheduler's batches: deadline first, then the first groups to finish."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from areno.partial import PartialPool, admission_room, first_finished, group_done_at, retired
+from areno.partial import (PartialPool, admission_room, deadline_first, first_finished, group_done_at, must_take,
+                           retired)
 
 
 def test_a_batch_is_the_first_complete_groups_not_the_first_submitted() -> None:
@@ -52,3 +54,45 @@ def test_take_leaves_a_finished_group_the_trainer_may_not_train() -> None:
     pool.finish(0, 1.0)
     assert pool.take(1) is None  # started at 0, the trainer holds 1 update: lag 1 > K
     assert pool.take(0) == [0]
+
+
+INF = np.inf
+
+
+def test_at_startup_k_plus_one_rounds_of_version_0_train_first_finished_within_their_deadlines() -> None:
+    # K = 1, B = 2: rounds 0 and 1 both sampled with version 0 (4 groups), due by
+    # offsets 1: step 1 must take at least 4 - 2 = 2 of them (any), the first done.
+    oldest = np.array([0, 0, 0, 0])
+    assert must_take(oldest, 0, 1, 2) == 2
+    done = np.array([INF, 3.0, 1.0, 2.0])  # round 0's group 0 still runs
+    assert deadline_first(oldest, done, 0, 1, 2).tolist() == [2, 3]  # round 1's, finished first
+    assert deadline_first(oldest, np.full(4, INF), 0, 1, 2) is None  # nothing complete: wait
+    # K = 2, three rounds at version 0: nothing is due yet beyond what one step per round gives
+    assert must_take(np.zeros(6, np.int64), 0, 2, 2) == 2
+    assert must_take(np.zeros(2, np.int64), 0, 2, 2) == 0  # one round in flight: due in 2 steps
+
+
+def test_a_slow_group_trains_at_its_deadline_while_later_rounds_fast_groups_fill_the_batches() -> None:
+    """K = 2, B = 2: rounds 0-2 start with version 0 (groups 0-5), round 0's group 0
+    runs long. Steps 1 and 2 take the first finished groups of rounds 0-2; at 2
+    updates (its deadline) it must train, and the step waits for it."""
+    oldest, done = np.zeros(6, np.int64), np.array([INF, 1.0, 2.0, 3.0, 4.0, 5.0])
+    assert deadline_first(oldest, done, 0, 2, 2).tolist() == [1, 2]
+    left = np.array([0, 3, 4, 5, 6, 7])  # round 3 (version 1): groups 6-7
+    oldest, done = np.array([0, 0, 0, 0, 1, 1]), np.array([INF, 3.0, 4.0, 5.0, 6.0, 7.0])
+    assert must_take(oldest, 1, 2, 2) == 2
+    assert left[deadline_first(oldest, done, 1, 2, 2)].tolist() == [3, 4]  # not the slow one: not due yet
+    left = np.array([0, 5, 6, 7, 8, 9])  # round 4 (version 2): groups 8-9
+    oldest, done = np.array([0, 0, 1, 1, 2, 2]), np.array([INF, 5.0, 6.0, 7.0, 8.0, 9.0])
+    assert deadline_first(oldest, done, 2, 2, 2) is None  # due now and running: the step waits
+    done[0] = 10.0  # it finished last of all
+    assert left[deadline_first(oldest, done, 2, 2, 2)].tolist() == [5, 0]
+
+
+def test_a_group_past_its_deadline_or_more_due_than_a_batch_is_a_scheduler_bug() -> None:
+    import pytest
+
+    with pytest.raises(AssertionError, match="past its deadline"):
+        must_take(np.array([0, 3]), 3, 2, 2)
+    with pytest.raises(AssertionError, match="more than --batch-size 2"):
+        must_take(np.zeros(3, np.int64), 2, 2, 2)
