@@ -181,6 +181,9 @@ LOOP_METRICS: tuple[LoopMetric, ...] = (
     LoopMetric("rollout/tail_filled", "sum",
                "--partial-rollouts: sequences of the step's rounds that an engine started inside "
                "the previous round's generation loop, as its tail drained (tail fill, vLLM)"),
+    LoopMetric("rollout/groups_ahead", "sum",
+               "--partial-rollouts: groups the step trained from rounds other than the oldest in flight "
+               "(their groups finished first: first_finished.py)"),
 )
 LOOP: dict[str, LoopMetric] = {m.key: m for m in LOOP_METRICS}
 
@@ -207,6 +210,12 @@ def inflight_metrics(infos: Sequence[dict]) -> dict[str, float]:
     summed over its rounds' engine replies (PendingRollout.collect's info)."""
     return {f"rollout/{k}": float(sum(i.get(k, 0) for i in infos))
             for k in ("inflight_loads", "inflight_checks", "tail_filled")}
+
+
+def groups_ahead_metrics(ahead: int) -> dict[str, float]:
+    """rollout/groups_ahead of one step (--partial-rollouts): its groups from rounds
+    other than the oldest in flight."""
+    return {"rollout/groups_ahead": float(ahead)}
 
 
 def wait_metrics(wait_batch_s: Sequence[float], wait_weights_s: Sequence[float]) -> dict[str, float]:

@@ -34,6 +34,7 @@ from areno.data.prompts import PromptSet, select
 from areno.data.rows import RowSet
 from areno.dynsample import Round
 from areno.envs.driver import EpisodeSpec, env_states, observation_format, rollout_multiturn
+from areno.part_groups import arrival, groups_of_parts
 from areno.rewards import RewardCounts, RewardError, RewardResult
 from areno.rollout.batch import RolloutBatch
 from areno.rollout.engine import SamplingConfig
@@ -112,6 +113,10 @@ class Pending:
     def drop(self) -> None:
         """Leave it (Ctrl-C): its engines take no more commands."""
 
+    def settle_whole(self) -> None:
+        """Every group arrived: read the engines' final reply now if not read yet
+        (engine processes under --partial-rollouts, first_finished.py)."""
+
 
 class NowPending(Pending):
     """Colocated: the round runs when collected, on the engines in the ranks."""
@@ -168,6 +173,7 @@ class SentPending(Pending):
                                                 version=version)
         self.sink = self.pending.sink
         self.whole_batch: RolloutBatch | None = None
+        self.counted: set[int] = set()  # parts whose reward counts a take reported (take)
 
     def engines_done(self) -> None:
         """Wait for the engines; an environment's failure there (fail) is raised here."""
@@ -206,6 +212,43 @@ class SentPending(Pending):
         if self.pending is not None:
             self.pending.drop()
 
+    # -- its groups one by one (--partial-rollouts: first_finished.py) ----------------
+    def settle_whole(self) -> None:
+        if self.pending is not None and np.isfinite(self.arrived()).all():
+            self.engines_done()
+
+    @property
+    def generating(self) -> bool:
+        """Some engine still owes it a part or its final reply."""
+        return self.pending is not None and not self.pending.whole
+
+    def arrived(self) -> np.ndarray:
+        """[P] float64: when each group came complete (time.monotonic; inf: not yet)."""
+        return arrival(self.sink.positions, self.sink.arrived, self.prompt_idx.size)
+
+    def poll(self, since: float) -> None:
+        """Read the parts that come within about a second (every round's); past the
+        command timeout counted from `since`: BackendError."""
+        if self.pending is not None:
+            self.pending.poll(since)
+
+    def take(self, groups: np.ndarray, timer: PhaseTimer) -> Round:
+        """Its complete groups at positions `groups` [g] int64, scored (rewards of the
+        parts they came in, waited for; plain parts: scored now), as a Round; the
+        rest stay for later takes."""
+        fresh = [i for i, q in enumerate(self.sink.positions) if i not in self.counted and np.isin(q, groups).any()]
+        batch, scored = groups_of_parts(self.sink, groups, self.counted)
+        idx = self.prompt_idx[groups]
+        if scored is None:
+            scored = score(self.producer.run, self.data, idx, batch, self.timer)
+        # env/* of the parts it takes first (a part's counts and seconds once)
+        extra = env_totals([self.sink.metrics[i] for i in fresh]) if isinstance(self.sink, EpisodeParts) else {}
+        timer.absorb(self.timer)  # what it ran since the last take: decode, rewards
+        self.timer.times.clear()
+        if self.timer.spans is not None:
+            self.timer.spans.clear()
+        return Round(idx, batch, scored, extra)
+
 
 @dataclass
 class EpisodeShare:
@@ -231,14 +274,20 @@ class EpisodeParts:
     results: list = field(default_factory=list)
     metrics: list = field(default_factory=list)
 
+    arrived: list = field(default_factory=list)  # time.monotonic() each part was kept
+
     def keep(self, pos: np.ndarray, part: RolloutBatch, meta: dict | None = None) -> None:
         self.parts.append(part)
         self.positions.append(pos)
+        self.arrived.append(time.monotonic())
         self.results.append(RewardResult(meta["rewards"], meta["valid"], meta["counts"], meta["messages"]))
         self.metrics.append((meta["env"], meta["turns"]))
 
     def score(self, pos: np.ndarray, part: RolloutBatch) -> None:
         """Scored where it ran."""
+
+    def result(self, i: int) -> RewardResult:
+        return self.results[i]
 
     def merge_scored(self) -> tuple[RolloutBatch, RewardResult, dict[str, float]]:
         batch, perm = RolloutBatch.merge_parts(self.parts, self.positions)

@@ -68,7 +68,8 @@ from areno.config.env import multi_turn
 from areno.envs.driver import episode_spec
 from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
 from areno.errors import UserError, one_line
-from areno.metrics import inflight_metrics, policy_lag_metrics, wait_metrics
+from areno import first_finished
+from areno.metrics import inflight_metrics, wait_metrics
 from areno.producers import Data, Pending, Producer
 from areno.rewards import RewardCounts, RewardResult
 from areno.rollout.batch import RolloutBatch, oldest_version, with_version
@@ -111,6 +112,7 @@ class Inflight:
     pending: Pending | None = None
     saved: tuple[RolloutBatch, RewardResult | None] | None = None  # read from a checkpoint
     round: Round | None = None       # collected and scored
+    left: np.ndarray | None = None   # [P] bool its groups not trained yet (None: all; first_finished.py)
 
 
 class Rollouts:
@@ -129,11 +131,16 @@ class Rollouts:
         # --partial-rollouts: each version published is also offered to the rounds in
         # flight, which load it between decode steps (fleet/inflight_loads.py).
         self.partial = bool(getattr(run.cfg, "partial_rollouts", False))
+        # ... and a step trains the groups that finish first, from any round
+        # (first_finished.py); under --dynamic-sampling whole rounds, in order.
+        self.by_group = self.partial and getattr(run.cfg, "dynamic_sampling", "off") == "off"
 
     # -- the step ------------------------------------------------------------------
     def next_batch(self, step: int, timer: PhaseTimer) -> tuple[Filled, dict[str, float]]:
         """Step's batch: its round, or rounds until --dynamic-sampling fills it ->
         (the Filled batch, the loop's metrics: lag and waits under engine processes)."""
+        if self.by_group:
+            return first_finished.next_groups(self, step, timer)
         self.taken, self.updates_at_train = [], self.updates
         cfg = self.run.cfg
         if cfg.dynamic_sampling == "off":
@@ -186,7 +193,7 @@ class Rollouts:
         # A step that took refills trained rounds tagged for later steps: each round
         # left serves at latest the step its place says, so the tags come down to
         # that bound (admission stays safe and keeps K rounds ahead).
-        for i, cur in enumerate(self.inflight):
+        for i, cur in enumerate(self.inflight if not self.by_group else []):
             cur.step = min(cur.step, step + 1 + i)
         self.admit(step + 1)
         return synced
@@ -196,12 +203,8 @@ class Rollouts:
         under --env-path), the waits: engine processes only (colocated: lag 0, no wait)."""
         if not self.producer.background:
             return {}
-        u, batches = self.updates_at_train, [c.round.batch for c in self.taken]
-        oldest = np.concatenate([oldest_version(b) for b in batches])
-        lag = u - oldest[oldest < np.iinfo(np.int64).max]  # a response without a sampled token has none
-        tokens = u - np.concatenate([b.token_version[b.policy_mask] for b in batches]).astype(np.int64)
         pend = [c.pending for c in self.taken if c.pending is not None]
-        out = policy_lag_metrics(lag, self.k) | policy_lag_metrics(tokens, self.k, "token") | \
+        out = first_finished.lag_metrics(self.updates_at_train, self.k, [c.round.batch for c in self.taken]) | \
             wait_metrics([p.wait_s for p in pend], [p.info.get("idle_s", 0.0) for p in pend])
         return out | inflight_metrics([p.info for p in pend]) if self.partial else out
 
@@ -211,7 +214,10 @@ class Rollouts:
         on: a skipped one only lowers the lag). Colocated: none (rounds run when taken)."""
         if not self.producer.background:
             return
-        nxt = self.inflight[-1].step + 1 if self.inflight else at_step + 1
+        if self.by_group:  # rounds' worth of untrained groups: the same bound as whole rounds
+            nxt = at_step + first_finished.untrained_steps(self.inflight, self.run.cfg.batch_size)
+        else:
+            nxt = self.inflight[-1].step + 1 if self.inflight else at_step + 1
         while nxt <= self.run.total_steps and admitted(self.updates + nxt - at_step, self.newest, self.k):
             self.inflight.append(self.start(nxt, 0))
             nxt += 1
@@ -260,6 +266,8 @@ class Rollouts:
     def put_back(self) -> None:
         """The step in progress did not update the weights (interrupted): its rounds
         are taken again by the next step (colocated: its prompts drawn again)."""
+        if self.by_group:
+            return first_finished.put_back(self)
         taken, self.taken = self.taken, []
         if not taken:
             return
@@ -307,9 +315,10 @@ class Rollouts:
                 batch, scored = cur.saved
             else:
                 batch, scored = cur.pending.batch()
+            prompt_idx, batch, scored = first_finished.remaining(cur, batch, scored)  # its untrained groups
             arrays |= {f"{i}/{f.name}": getattr(batch, f.name) for f in fields(RolloutBatch)
                        if getattr(batch, f.name) is not None}  # response_mask: multi-turn only
-            arrays[f"{i}/prompt_idx"] = cur.prompt_idx
+            arrays[f"{i}/prompt_idx"] = prompt_idx
             if scored is not None and batch.response_mask is not None:  # an environment's rewards
                 arrays[f"{i}/rewards"], arrays[f"{i}/valid"] = scored.rewards, scored.valid
         if self.inflight:

@@ -35,6 +35,7 @@ class PartScorer(Parts):
         super().__init__()
         self.run, self.data, self.prompt_idx, self.timer, self.n = run, data, prompt_idx, timer, n
         self.tickets: list[int] = []
+        self.results: dict[int, RewardResult] = {}  # part -> its rewards, once collected (result)
 
     def score(self, pos: np.ndarray, part: RolloutBatch) -> None:
         """Decode a kept part and submit it to the reward workers."""
@@ -45,6 +46,14 @@ class PartScorer(Parts):
         with self.timer.span("reward"):
             self.tickets.append(run.scorer.submit(reward_records(
                 self.data.rows, self.data.prompts, self.prompt_idx[pos], part, completions, index=index)))
+
+    def result(self, i: int) -> RewardResult:
+        """Part i's rewards, waited for once (--partial-rollouts takes a round's
+        groups over several steps; finish() is then never called)."""
+        if i not in self.results:
+            with self.timer("reward"):
+                self.results[i] = self.run.scorer.collect(self.tickets[i])
+        return self.results[i]
 
     def finish(self, timer: PhaseTimer) -> tuple[RolloutBatch, RewardResult]:
         """-> (the batch, its rewards), both in prompt order."""

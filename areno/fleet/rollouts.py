@@ -5,6 +5,7 @@ drops (PendingRollout)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -36,11 +37,15 @@ class RolloutPlan:
 class Parts:
     """A rollout's finished parts as they come -> the batch in prompt order (merge).
     add = keep (the batch) + score (nothing here; scoring.PartScorer's decode and
-    rewards), two steps so that an interrupt between them loses no part."""
+    rewards), two steps so that an interrupt between them loses no part.
+    arrived: when each part was kept (time.monotonic: the order groups finished
+    in, --partial-rollouts' batches); result(i): part i's rewards (None: not
+    scored here, the taker scores it)."""
 
     def __init__(self) -> None:
         self.parts: list[RolloutBatch] = []
         self.positions: list[np.ndarray] = []
+        self.arrived: list[float] = []
 
     def add(self, pos: np.ndarray, part: RolloutBatch) -> None:
         self.keep(pos, part)
@@ -50,9 +55,14 @@ class Parts:
         """meta: the engine's message for the part (what else it carries: an episode's rewards)."""
         self.parts.append(part)
         self.positions.append(pos)
+        self.arrived.append(time.monotonic())
 
     def score(self, pos: np.ndarray, part: RolloutBatch) -> None:
         """Work on a kept part (none here)."""
+
+    def result(self, i: int) -> Any:
+        """Part i's RewardResult, None here (nothing scored)."""
+        return None
 
     def merge(self) -> tuple[RolloutBatch, np.ndarray]:
         """(the batch in prompt order, the permutation from arrival order to it)."""
@@ -108,6 +118,15 @@ class PendingRollout:
         done = self.stream.wait(until)
         self.consume()
         return done
+
+    def poll(self, since: float) -> None:
+        """Read what comes within about a second (this rollout's parts and every
+        other background one's), consumed; BackendError once `since` lies the
+        command timeout back."""
+        if self.stream.pending:
+            timeout = self.engines.host.config.command_timeout_s
+            self.stream.peers.wait_some(self.stream, since + timeout, timeout)
+        self.consume()
 
     def collect(self) -> dict[str, float]:
         """Wait for every engine (its parts are in the sink then) -> {idle_s: the

@@ -1,0 +1,158 @@
+"""Batches from what finishes (--partial-rollouts without --dynamic-sampling;
+issue 39, docs/DESIGN.md "Batches from what finishes"): a step trains
+--batch-size groups taken from any round in flight, not the oldest round
+whole. Rounds are admitted and sent as before (scheduler.Rollouts.admit: at most
+K + 1 rounds' worth of untrained groups past the trainer's version), and each
+step picks its groups with partial.deadline_first: those that must train now
+for every group to train within K updates of its round's version, then the
+first complete ones of any round. It waits on the rounds' streams until it can.
+A round taken in part stays in flight holding the rest (Inflight.left); its
+engines' final reply is read once its last group arrived."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from areno.dynsample import Filled, Round, concat_rounds, take_groups
+from areno.metrics import groups_ahead_metrics, inflight_metrics, policy_lag_metrics, rounds_metrics, wait_metrics
+from areno.partial import deadline_first
+from areno.rewards import RewardResult
+from areno.rollout.batch import RolloutBatch, oldest_version, with_version
+from areno.scoring import score
+from areno.timing import PhaseTimer
+
+if TYPE_CHECKING:
+    from areno.scheduler import Inflight, Rollouts
+
+
+@dataclass
+class Took:
+    """A round's share of the step in progress (put back if the step is undone)."""
+
+    cur: "Inflight"
+    groups: np.ndarray  # [g] int64 positions in the round
+
+
+def left_of(cur: "Inflight") -> np.ndarray:
+    """[g] int64: the positions of a round's groups not trained yet."""
+    return np.arange(cur.prompt_idx.size) if cur.left is None else np.flatnonzero(cur.left)
+
+
+def untrained_steps(inflight: list["Inflight"], batch_size: int) -> int:
+    """The steps' worth of untrained groups in flight (admission counts rounds)."""
+    return -(-sum(left_of(c).size for c in inflight) // batch_size)
+
+
+def group_table(sched: "Rollouts") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The untrained groups in flight -> ([G] int64 round index in sched.inflight,
+    [G] int64 position in it, [G] int64 its round's version, [G] float64 when it
+    came complete, inf: running; a saved round's came before any). A round whose
+    every group arrived has its engines' final reply read here (segment freed)."""
+    owner, pos, version, done = [], [], [], []
+    for i, cur in enumerate(sched.inflight):
+        g = left_of(cur)
+        at = np.zeros(cur.prompt_idx.size) if cur.pending is None else cur.pending.arrived()
+        if cur.pending is not None:
+            cur.pending.settle_whole()
+        owner.append(np.full(g.size, i, np.int64))
+        pos.append(g)
+        version.append(np.full(g.size, cur.version, np.int64))
+        done.append(at[g])
+    cat = [np.concatenate(a) if a else np.zeros(0) for a in (owner, pos, version, done)]
+    return cat[0].astype(np.int64), cat[1].astype(np.int64), cat[2].astype(np.int64), cat[3]
+
+
+def pick_groups(sched: "Rollouts", batch_size: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """Wait until deadline_first can fill the step -> ([B] round index, [B] position,
+    the seconds waited)."""
+    t0, since = time.perf_counter(), time.monotonic()
+    while True:
+        owner, pos, version, done = group_table(sched)
+        pick = deadline_first(version, done, sched.updates_at_train, sched.k, batch_size)
+        if pick is not None:
+            return owner[pick], pos[pick], time.perf_counter() - t0
+        live = [c.pending for c in sched.inflight if c.pending is not None and c.pending.generating]
+        if not live:
+            raise AssertionError(f"{owner.size} untrained groups in flight, none generating, and no batch of "
+                                 f"{batch_size} can be formed (scheduler bug)")
+        live[0].poll(since)  # reads every round's parts
+
+
+def take_round(sched: "Rollouts", cur: "Inflight", groups: np.ndarray, timer: PhaseTimer) -> Round:
+    """Groups `groups` of round `cur`, scored and stamped with its version; they
+    leave it (cur.left) and are recorded in sched.taken."""
+    if cur.saved is not None:
+        batch, scored = cur.saved
+        if scored is None:
+            sub, _ = batch.take_groups(groups)
+            idx = cur.prompt_idx[groups]
+            r = Round(idx, sub, score(sched.run, sched.data, idx, sub, timer))
+        else:
+            r = take_groups(Round(cur.prompt_idx, batch, scored), groups)
+    else:
+        r = cur.pending.take(groups, timer)
+    if cur.left is None:
+        cur.left = np.ones(cur.prompt_idx.size, bool)
+    cur.left[groups] = False
+    sched.taken.append(Took(cur, groups))
+    return replace(r, batch=with_version(r.batch, cur.version))
+
+
+def next_groups(sched: "Rollouts", step: int, timer: PhaseTimer) -> tuple[Filled, dict[str, float]]:
+    """Step's batch of --batch-size groups from the rounds in flight (module
+    docstring) -> (the Filled batch, the loop's metrics)."""
+    from areno.scheduler import check_oldest
+
+    b = sched.run.cfg.batch_size
+    sched.taken, sched.updates_at_train = [], sched.updates
+    sched.admit(step)
+    owner, pos, waited = pick_groups(sched, b)
+    rounds = [take_round(sched, cur, np.sort(pos[owner == i]), timer)
+              for i, cur in enumerate(sched.inflight) if (owner == i).any()]
+    # The engines' figures of a round (its in-flight loads...) count at the step that trains its last group.
+    pend = [c.pending for c in sched.inflight if c.pending is not None and not left_of(c).size]
+    sched.inflight = [c for c in sched.inflight if left_of(c).size]
+    out = concat_rounds(rounds)
+    out = replace(out, extra=rounds_metrics([(r.extra, r.batch.num_responses) for r in rounds]))
+    check_oldest(out.batch, sched.updates_at_train, sched.k)
+    metrics = lag_metrics(sched.updates_at_train, sched.k, [out.batch]) | \
+        wait_metrics([waited], [p.info.get("idle_s", 0.0) for p in pend]) | \
+        inflight_metrics([p.info for p in pend]) | groups_ahead_metrics(int((owner != 0).sum()))
+    return Filled.whole(out), metrics
+
+
+def put_back(sched: "Rollouts") -> None:
+    """The step in progress did not update the weights: its groups go back to
+    their rounds, which are in flight again in the order they started."""
+    for t in sched.taken:
+        t.cur.left[t.groups] = True
+        if not any(c is t.cur for c in sched.inflight):
+            sched.inflight.append(t.cur)
+    sched.inflight.sort(key=lambda c: c.step)
+    sched.taken = []
+
+
+def remaining(cur: "Inflight", batch: RolloutBatch, scored: RewardResult | None,
+              ) -> tuple[np.ndarray, RolloutBatch, RewardResult | None]:
+    """A round's untrained groups for a checkpoint: (prompt_idx, batch, env rewards)."""
+    if cur.left is None:
+        return cur.prompt_idx, batch, scored
+    g = left_of(cur)
+    sub, resp = batch.take_groups(g)
+    return cur.prompt_idx[g], sub, None if scored is None else \
+        replace(scored, rewards=scored.rewards[resp], valid=scored.valid[resp])
+
+
+def lag_metrics(updates: int, k: int, batches: list[RolloutBatch]) -> dict[str, float]:
+    """rollout/policy_lag_* (per response: its oldest sampled token; one without a
+    sampled token has none) and rollout/token_lag_* of the batches trained at
+    `updates` updates (each carries token_version)."""
+    oldest = np.concatenate([oldest_version(b) for b in batches])
+    lag = updates - oldest[oldest < np.iinfo(np.int64).max]
+    tokens = updates - np.concatenate([b.token_version[b.policy_mask] for b in batches]).astype(np.int64)
+    return policy_lag_metrics(lag, k) | policy_lag_metrics(tokens, k, "token")
+
