@@ -5,6 +5,7 @@ option needs split placement and K >= 1."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from helpers import refused
@@ -222,3 +223,72 @@ def test_the_demo_masters_its_task_with_partial_rollouts_two_rounds_ahead(tmp_pa
     assert max(r["rollout/policy_lag_max"] for r in steps.values()) <= 2
     assert_learned(rewards, 600)
 
+
+
+K1_PARTIAL = ["--rollout-world-size", "1", "--off-policy-steps", "1", "--partial-rollouts", "--max-new-tokens", "8",
+              "--max-steps", "3", "--seed", "0"]
+
+
+def test_a_step_trains_the_next_rounds_finished_groups_before_a_slow_one_which_trains_at_its_deadline(
+        tmp_path, areno_cache, monkeypatch):
+    """Batches from what finishes (first_finished.py), K = 1, B = 4: round 1's
+    group 0 arrives only after round 3 delivered (slow_group.py). Step 1 (rounds 1
+    and 2 both of version 0, due at 1 update) trains round 1's three others and
+    round 2's first group instead of waiting; step 2 (at 1 update: due now) waits
+    for the slow one and trains it with round 2's other three; step 3 round 3.
+    No token lags more than K."""
+    from inprocess import run_here
+    from slow_group import SlowGroup, Steps
+    from test_resume import HF1, ok, train_steps
+
+    SlowGroup(monkeypatch, hold=2)
+    seen = Steps(monkeypatch)
+    out = tmp_path / "run"
+    ok(run_here(["train", *HF1, *K1_PARTIAL, "--no-save", "--output-dir", str(out)], areno_cache))
+    steps = train_steps(out)
+    r1, r2, r3 = seen.rounds[:3]
+    slow = r1[0]
+    assert seen.prompts[1] == sorted(r1[1:] + r2[:1])  # round 2's group trained before round 1's slow one
+    assert seen.prompts[2] == sorted([slow] + r2[1:])  # at its deadline, with the rest of round 2
+    assert seen.prompts[3] == sorted(r3)
+    assert [steps[s]["rollout/groups_ahead"] for s in (1, 2, 3)] == [1, 3, 0]
+    assert all(steps[s]["rollout/token_lag_max"] <= 1 and steps[s]["rollout/policy_lag_max"] <= 1 for s in steps)
+    assert steps[2]["rollout/policy_lag_max"] == 1  # the slow group and round 2's: sampled with version 0
+
+
+def test_a_checkpoint_between_partly_trained_rounds_saves_their_untrained_groups_trained_once_resumed(
+        tmp_path, areno_cache, monkeypatch):
+    """A save after step 1, round 1's group 0 held until round 2 delivered: step 1
+    trained round 1's other three and round 2's first, so the checkpoint holds
+    round 1's one group and round 2's three, no more (and round 3, admitted at
+    1 update, whole); the run resumed there trains exactly those four at step 2
+    (their tokens too), none twice, none lost, then round 3 at step 3 as the
+    uninterrupted run did."""
+    from areno.scheduler import INFLIGHT_FILE
+    from inprocess import run_here
+    from slow_group import SlowGroup, Steps
+    from test_resume import HF1, ok
+
+    SlowGroup(monkeypatch, hold=1)
+    seen = Steps(monkeypatch)
+    out = tmp_path / "run"
+    ok(run_here(["train", *HF1, *K1_PARTIAL, "--save-interval", "1", "--keep-last", "0",
+                 "--output-dir", str(out)], areno_cache))
+    r1, r2, r3 = seen.rounds[:3]
+    assert seen.prompts[1] == sorted(r1[1:] + r2[:1])
+    ckpt = out / "checkpoints" / "step_000001"
+    with np.load(ckpt / INFLIGHT_FILE) as z:
+        saved = [z[f"{i}/prompt_idx"].tolist() for i in range(3)]
+        saved_tokens = sum(int(z[f"{i}/response_offsets"][-1]) for i in range(2))
+        assert "3/prompt_idx" not in z
+    assert saved == [r1[:1], r2[1:], r3]  # the untrained groups only
+    assert sorted(seen.prompts[1] + saved[0] + saved[1]) == sorted(r1 + r2)  # every generated group, once
+
+    first = dict(seen.prompts)
+    seen.prompts.clear()
+    again = tmp_path / "resumed"
+    ok(run_here(["train", *HF1, *K1_PARTIAL, "--no-save", "--output-dir", str(again), "--resume", str(ckpt)],
+                areno_cache))
+    assert sorted(seen.prompts) == [2, 3]
+    assert seen.prompts[2] == sorted(saved[0] + saved[1]) and seen.tokens[2] == saved_tokens
+    assert seen.prompts[3] == first[3] == sorted(r3)
