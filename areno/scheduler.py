@@ -5,13 +5,16 @@ and what an interrupt does to it. A round is --batch-size prompts generated
 and scored (producers.py: single-turn or multi-turn, on engines in the ranks
 or in engine processes); a step trains on one round, or with
 --dynamic-sampling on as many as fill its batch with informative groups
-(dynsample.fill_batch: a refill is one more round under the same admission).
+(dynsample.fill_batch: a refill is one more round under the same admission),
+or under --partial-rollouts (without the filter) on --batch-size groups from
+any round in flight: those due, then the first to finish (first_finished.py).
 
 One step, as the trainer runs it (docs/DESIGN.md, "The timeline of a step"):
 
     next_batch(step)   take the oldest round in flight (or start one now),
-                       then the next ones while the filter wants more; each
-                       take admits the rounds the trainer's version allows
+                       then the next ones while the filter wants more (or its
+                       groups: first_finished.next_groups); each take admits
+                       the rounds the trainer's version allows
     (the ranks learn)  engine processes generate the admitted rounds meanwhile
     publish(step)      the new weights: colocated engines load them now (they
                        slept while the ranks trained); engine processes get
@@ -43,9 +46,9 @@ v + K + 1, published only after the round carrying v was collected (K + 1
 copies of the weights in /dev/shm).
 
 Checkpoints: a save (periodic, or the interrupt's) waits for every round in
-flight and saves each one (`inflight.npz`; a multi-turn round with its
-environment's rewards, which cannot be computed again), so the resumed run
-trains on the very samples the uninterrupted one did. An interrupt waits at
+flight and saves each one's untrained groups (`inflight.npz`; a multi-turn
+round with its environment's rewards, which cannot be computed again), so the
+resumed run trains on the very samples the uninterrupted one did. An interrupt waits at
 most INTERRUPT_WAIT_S for them (under --partial-rollouts, for all of them): one still generating then is dropped with
 every later one, their prompts go back, and the resumed run samples them again
 from the checkpoint's weights (deterministic, with a smaller lag).
