@@ -229,14 +229,16 @@ K1_PARTIAL = ["--rollout-world-size", "1", "--off-policy-steps", "1", "--partial
               "--max-steps", "3", "--seed", "0"]
 
 
+@pytest.mark.parametrize("rewards", [[], ["--no-overlap-rewards"]], ids=["overlap", "no-overlap"])
 def test_a_step_trains_the_next_rounds_finished_groups_before_a_slow_one_which_trains_at_its_deadline(
-        tmp_path, areno_cache, monkeypatch):
+        tmp_path, areno_cache, monkeypatch, rewards):
     """Batches from what finishes (first_finished.py), K = 1, B = 4: round 1's
     group 0 arrives only after round 3 delivered (slow_group.py). Step 1 (rounds 1
     and 2 both of version 0, due at 1 update) trains round 1's three others and
     round 2's first group instead of waiting; step 2 (at 1 update: due now) waits
     for the slow one and trains it with round 2's other three; step 3 round 3.
-    No token lags more than K."""
+    No token lags more than K. Rewards scored as parts come (the reward workers'
+    tickets of the parts taken) or, --no-overlap-rewards, at the take."""
     from inprocess import run_here
     from slow_group import SlowGroup, Steps
     from test_resume import HF1, ok, train_steps
@@ -244,7 +246,7 @@ def test_a_step_trains_the_next_rounds_finished_groups_before_a_slow_one_which_t
     SlowGroup(monkeypatch, hold=2)
     seen = Steps(monkeypatch)
     out = tmp_path / "run"
-    ok(run_here(["train", *HF1, *K1_PARTIAL, "--no-save", "--output-dir", str(out)], areno_cache))
+    ok(run_here(["train", *HF1, *K1_PARTIAL, *rewards, "--no-save", "--output-dir", str(out)], areno_cache))
     steps = train_steps(out)
     r1, r2, r3 = seen.rounds[:3]
     slow = r1[0]
