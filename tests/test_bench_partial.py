@@ -33,3 +33,16 @@ def test_with_a_heavy_tail_partial_rollouts_keep_the_slots_busy() -> None:
     assert part.tokens_per_tick > ahead.tokens_per_tick >= sync.tokens_per_tick
     assert part.idle < ahead.idle <= sync.idle
     assert part.lags.max() <= 2 and np.all(part.lags >= 0)
+
+
+def test_first_finished_trains_no_slower_than_whole_rounds_within_the_lag_bound() -> None:
+    """areno's --partial-rollouts simulated: with a heavy tail, batches by
+    deadline_first keep the engines at least as busy as training the oldest
+    round whole, every token within K, everything generated trained."""
+    from arenobench.partial_sim import run_first_finished
+
+    w = Workload(batch_size=8, n=4, sigma=1.5, median=L, slots=32, train_s=4 * L, sync_s=SYNC, steps=8)
+    whole, first = run_first_finished(w, 2, whole=True), run_first_finished(w, 2)
+    assert first.tokens_per_tick >= whole.tokens_per_tick
+    assert first.trained_tokens == whole.trained_tokens == first.generated_tokens
+    assert 0 <= first.lags.min() and first.lags.max() <= 2
