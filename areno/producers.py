@@ -273,7 +273,6 @@ class EpisodeParts:
     positions: list = field(default_factory=list)
     results: list = field(default_factory=list)
     metrics: list = field(default_factory=list)
-
     arrived: list = field(default_factory=list)  # time.monotonic() each part was kept
 
     def keep(self, pos: np.ndarray, part: RolloutBatch, meta: dict | None = None) -> None:

@@ -293,8 +293,8 @@ def run_first_finished(w: Workload, k: int, whole: bool = False) -> Result:
                     del start[g], done_at[g]
         t += 1
     generated = tr.tokens + sum(len(v) for v in eng.versions.values())
-    return Result("tail fill, whole rounds" if whole else "first-finished", k, t, tr.tokens, generated, 1 - eng.busy_ticks / eng.slot_ticks,
-                  np.concatenate(tr.lags))
+    return Result("tail fill, whole rounds" if whole else "first-finished", k, t, tr.tokens, generated,
+                  1 - eng.busy_ticks / eng.slot_ticks, np.concatenate(tr.lags))
 
 
 def compare(w: Workload, k: int) -> list[Result]:
