@@ -297,3 +297,40 @@ def test_a_checkpoint_between_partly_trained_rounds_saves_their_untrained_groups
     assert sorted(seen.prompts) == [2, 3]
     assert seen.prompts[2] == sorted(saved[0] + saved[1]) and seen.tokens[2] == saved_tokens
     assert seen.prompts[3] == first[3] == sorted(r3)
+
+
+def test_an_undone_step_puts_its_groups_back_and_a_save_holds_only_the_untrained_ones(tmp_path):
+    """first_finished with two saved rounds of version 0 (K = 1, B = 2, nothing
+    more to start): step 1 takes round 1's two groups (all arrived at once:
+    ties go to the older round); an interrupted step puts them back (taken
+    again, the same); with one group of round 2 taken, a save holds its other
+    one only, with its environment's rewards (a multi-turn round's)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from areno.rewards import RewardCounts, RewardResult
+    from areno.scheduler import Inflight, Rollouts, load_inflight
+    from areno.timing import PhaseTimer
+    from helpers import random_batch
+
+    def saved(seed: int) -> tuple:
+        b = random_batch(seed=seed, num_prompts=2, group_sizes=[2, 2])
+        b = replace(b, response_mask=np.ones(b.num_response_tokens, np.uint8))  # multi-turn: rewards saved
+        return b, RewardResult(np.arange(4, dtype=np.float32), np.ones(4, bool), RewardCounts())
+
+    run = SimpleNamespace(cfg=SimpleNamespace(off_policy_steps=1, partial_rollouts=True, batch_size=2),
+                          rows=None, prompts=None, total_steps=2,
+                          sampler=SimpleNamespace(state_dict=lambda: {"pos": 4}))
+    sched = Rollouts(run, SimpleNamespace(background=True), updates=0, saved=[
+        Inflight(1, np.array([10, 11]), {}, 0, saved=saved(1)), Inflight(2, np.array([20, 21]), {}, 0, saved=saved(2))])
+    filled, m = sched.next_batch(1, PhaseTimer())
+    assert filled.round.prompt_idx.tolist() == [10, 11] and m["rollout/groups_ahead"] == 0
+    sched.put_back()  # the step did not update: round 1 is in flight again, whole
+    assert [c.prompt_idx.tolist() for c in sched.inflight] == [[10, 11], [20, 21]]
+    filled, _ = sched.next_batch(1, PhaseTimer())
+    assert filled.round.prompt_idx.tolist() == [10, 11] and (filled.round.batch.token_version == 0).all()
+    sched.inflight[0].left = np.array([False, True])  # as if a step had taken group 20
+    sched.checkpoint_state(tmp_path)
+    (back,) = load_inflight(tmp_path)
+    assert back.prompt_idx.tolist() == [21] and back.saved[0].num_prompts == 1
+    assert back.saved[1] is not None and back.saved[1].rewards.tolist() == [2.0, 3.0]
