@@ -7,17 +7,20 @@ step picks its groups with partial.deadline_first: those that must train now
 for every group to train within K updates of its round's version, then the
 first complete ones of any round. It waits on the rounds' streams until it can.
 A round taken in part stays in flight holding the rest (Inflight.left); its
-engines' final reply is read once its last group arrived."""
+engines' final reply is read once its last group arrived. `sched` below is the
+run's scheduler.Rollouts (typed Any: this module sits below it, inflight.py
+holds what both share)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
 from areno.dynsample import Filled, Round, concat_rounds, take_groups
+from areno.inflight import Inflight, check_oldest
 from areno.metrics import groups_ahead_metrics, inflight_metrics, policy_lag_metrics, rounds_metrics, wait_metrics
 from areno.partial import deadline_first
 from areno.rewards import RewardResult
@@ -25,29 +28,25 @@ from areno.rollout.batch import RolloutBatch, oldest_version, with_version
 from areno.scoring import score
 from areno.timing import PhaseTimer
 
-if TYPE_CHECKING:
-    from areno.scheduler import Inflight, Rollouts
-
-
 @dataclass
 class Took:
     """A round's share of the step in progress (put back if the step is undone)."""
 
-    cur: "Inflight"
+    cur: Inflight
     groups: np.ndarray  # [g] int64 positions in the round
 
 
-def left_of(cur: "Inflight") -> np.ndarray:
+def left_of(cur: Inflight) -> np.ndarray:
     """[g] int64: the positions of a round's groups not trained yet."""
     return np.arange(cur.prompt_idx.size) if cur.left is None else np.flatnonzero(cur.left)
 
 
-def untrained_steps(inflight: list["Inflight"], batch_size: int) -> int:
+def untrained_steps(inflight: list[Inflight], batch_size: int) -> int:
     """The steps' worth of untrained groups in flight (admission counts rounds)."""
     return -(-sum(left_of(c).size for c in inflight) // batch_size)
 
 
-def group_table(sched: "Rollouts") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def group_table(sched: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The untrained groups in flight -> ([G] int64 round index in sched.inflight,
     [G] int64 position in it, [G] int64 its round's version, [G] float64 when it
     came complete, inf: running; a saved round's came before any). A round whose
@@ -66,7 +65,7 @@ def group_table(sched: "Rollouts") -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     return cat[0].astype(np.int64), cat[1].astype(np.int64), cat[2].astype(np.int64), cat[3]
 
 
-def pick_groups(sched: "Rollouts", batch_size: int) -> tuple[np.ndarray, np.ndarray, float]:
+def pick_groups(sched: Any, batch_size: int) -> tuple[np.ndarray, np.ndarray, float]:
     """Wait until deadline_first can fill the step -> ([B] round index, [B] position,
     the seconds waited)."""
     t0, since = time.perf_counter(), time.monotonic()
@@ -82,7 +81,7 @@ def pick_groups(sched: "Rollouts", batch_size: int) -> tuple[np.ndarray, np.ndar
         live[0].poll(since)  # reads every round's parts
 
 
-def take_round(sched: "Rollouts", cur: "Inflight", groups: np.ndarray, timer: PhaseTimer) -> Round:
+def take_round(sched: Any, cur: Inflight, groups: np.ndarray, timer: PhaseTimer) -> Round:
     """Groups `groups` of round `cur`, scored and stamped with its version; they
     leave it (cur.left) and are recorded in sched.taken."""
     if cur.saved is not None:
@@ -102,11 +101,9 @@ def take_round(sched: "Rollouts", cur: "Inflight", groups: np.ndarray, timer: Ph
     return replace(r, batch=with_version(r.batch, cur.version))
 
 
-def next_groups(sched: "Rollouts", step: int, timer: PhaseTimer) -> tuple[Filled, dict[str, float]]:
+def next_groups(sched: Any, step: int, timer: PhaseTimer) -> tuple[Filled, dict[str, float]]:
     """Step's batch of --batch-size groups from the rounds in flight (module
     docstring) -> (the Filled batch, the loop's metrics)."""
-    from areno.scheduler import check_oldest
-
     b = sched.run.cfg.batch_size
     sched.taken, sched.updates_at_train = [], sched.updates
     sched.admit(step)
@@ -125,7 +122,7 @@ def next_groups(sched: "Rollouts", step: int, timer: PhaseTimer) -> tuple[Filled
     return Filled.whole(out), metrics
 
 
-def put_back(sched: "Rollouts") -> None:
+def put_back(sched: Any) -> None:
     """The step in progress did not update the weights: its groups go back to
     their rounds, which are in flight again in the order they started."""
     for t in sched.taken:
@@ -136,7 +133,7 @@ def put_back(sched: "Rollouts") -> None:
     sched.taken = []
 
 
-def remaining(cur: "Inflight", batch: RolloutBatch, scored: RewardResult | None,
+def remaining(cur: Inflight, batch: RolloutBatch, scored: RewardResult | None,
               ) -> tuple[np.ndarray, RolloutBatch, RewardResult | None]:
     """A round's untrained groups for a checkpoint: (prompt_idx, batch, env rewards)."""
     if cur.left is None:

@@ -59,7 +59,7 @@ from __future__ import annotations
 import json
 import time
 import zipfile
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -72,10 +72,11 @@ from areno.envs.driver import episode_spec
 from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
 from areno.errors import UserError, one_line
 from areno import first_finished
+from areno.inflight import Inflight, admitted, check_oldest
 from areno.metrics import inflight_metrics, wait_metrics
-from areno.producers import Data, Pending, Producer
+from areno.producers import Data, Producer
 from areno.rewards import RewardCounts, RewardResult
-from areno.rollout.batch import RolloutBatch, oldest_version, with_version
+from areno.rollout.batch import RolloutBatch, with_version
 from areno.rundir.checkpoint import STATE_FILE
 from areno.scoring import score
 from areno.timing import PhaseTimer
@@ -83,39 +84,6 @@ from areno.timing import PhaseTimer
 INFLIGHT_FILE = "inflight.npz"  # each round's RolloutBatch and prompt indices (and env rewards)
 INFLIGHT_META = "inflight.json"  # each one's tag, weight version, the sampler before its prompts
 INTERRUPT_WAIT_S = 5.0  # how long a Ctrl-C waits for the rounds in flight before dropping them
-
-
-def admitted(updates_at_train: int, version: int, k: int) -> bool:
-    """Whether a round sampled with weights `version` may be trained once the
-    trainer holds `updates_at_train` updates: its lag is at most k."""
-    return updates_at_train - version <= k
-
-
-def check_oldest(batch: RolloutBatch, updates_at_train: int, k: int) -> None:
-    """Admission's bound, per token: no trajectory trains whose oldest sampled
-    token (token_version) lags the trainer's `updates_at_train` by more than k.
-    Admission at start guarantees it for whole rounds; a round whose tokens came
-    from older weights than its version says is a scheduler bug (AssertionError)."""
-    oldest = oldest_version(batch)
-    if oldest.size and not admitted(updates_at_train, int(oldest.min()), k):
-        bad = int(np.argmin(oldest))
-        raise AssertionError(f"response {bad}: its oldest token is of version {int(oldest[bad])}, "
-                             f"{updates_at_train - int(oldest[bad])} behind the trainer's "
-                             f"{updates_at_train} (K = {k})")
-
-
-@dataclass
-class Inflight:
-    """A round: started (pending), or whole from a checkpoint (saved), or taken (round)."""
-
-    step: int                        # its tag: the step it serves if every step takes one round
-    prompt_idx: np.ndarray           # int64 [P]
-    sampler_before: dict             # the sampler's state before these prompts were drawn
-    version: int                     # the weights it samples with
-    pending: Pending | None = None
-    saved: tuple[RolloutBatch, RewardResult | None] | None = None  # read from a checkpoint
-    round: Round | None = None       # collected and scored
-    left: np.ndarray | None = None   # [P] bool its groups not trained yet (None: all; first_finished.py)
 
 
 class Rollouts:

@@ -42,8 +42,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("advantages.py", "losses.py", "pack.py", "split.py"),
     ("fleet/",),                                   # the engines: in a peer, engine processes, sync
     ("backend/",),                                 # the ranks and TorchBackend (never engine processes)
-    ("settings.py", "runtime/", "scoring.py", "dynsample.py", "partial.py", "evaluate.py"),
+    ("settings.py", "runtime/", "scoring.py", "dynsample.py", "partial.py", "part_groups.py", "evaluate.py"),
     ("producers.py",),                             # where a round comes from, every placement
+    ("inflight.py", "first_finished.py"),          # a round in flight, the K bound; batches by group
     ("scheduler.py",),                             # the rollout scheduler every run has
     ("run.py",),
     ("trainer.py",),
