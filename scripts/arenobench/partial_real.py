@@ -7,12 +7,13 @@ each rollout's stand-in time held before it decodes (HOLD_ENV "begin"): weights
 the ranks publish meanwhile reach a --partial-rollouts round at its first decode
 step boundary, as they would reach a long generation part way through.
 
-What it can show today: a round is still --batch-size prompts sent together
-(batches from the first groups to finish are not wired: docs/DESIGN.md,
-"Partial rollouts: what is built"), so the partial mode takes fresher weights
-(a lower token lag, rollout/inflight_loads per step) at the K-ahead step time;
-the throughput goal of issue 39 needs the continuous submission that
-arenobench/partial_sim.py simulates. Tail fill (fleet/tail_fill.py) does not
+What it can show: the partial mode takes fresher weights (a lower token lag,
+rollout/inflight_loads per step) at about the K-ahead step time. Its batches
+form from the groups that finish first (first_finished.py), but a stand-in
+round here comes back as one part, and in steady state deadline_first must
+take the oldest round whole anyway (docs/DESIGN.md, "Batches from what
+finishes"); arenobench/partial_sim.py simulates what group-by-group admission
+would add. Tail fill (fleet/tail_fill.py) does not
 show here: these runs use the transformers engine, and a stand-in holds each
 round a fixed time before it decodes; arenobench/tail_fill.py measures it on
 the vLLM engine alone.
