@@ -16,6 +16,7 @@ from areno.config.train import TrainConfig
 from areno.config.lora import adapter_settings, check_lora_tp, lora_targets
 from areno.errors import UserError
 from areno.models.directory import adapter_config
+from areno.procs.device import rank_cpu_threads
 from areno.losses import LossConfig
 from areno.rollout.engine import SamplingConfig
 from areno.rollout.factory import GPU_MEMORY_COLOCATED, GPU_MEMORY_DEDICATED, EngineSpec
@@ -110,12 +111,26 @@ def backend_config(cfg: TrainConfig, model_path: str, base_model: str, world_siz
         grad_checkpointing=cfg.grad_checkpointing, ppo_epochs=cfg.ppo_epochs,
         recompute_logprobs=recompute, loss=loss, temperature=cfg.temperature,
         max_nan_steps=cfg.max_nan_steps,
-        seed=cfg.seed, ref_model_path=base_model, engine=engine, cpu_threads=cfg.cpu_threads,
+        seed=cfg.seed, ref_model_path=base_model, engine=engine, cpu_threads=cpu_threads(cfg, device, world_size),
         heartbeat_timeout_s=cfg.rank_heartbeat_timeout, startup_timeout_s=cfg.startup_timeout,
         command_timeout_s=cfg.command_timeout, collective_timeout_s=cfg.collective_timeout, lora=lora,
         rollout_world_size=cfg.rollout_world_size,
         engine_gpus=engine_gpus(cfg, device), run_log=os.environ.get(RUN_LOG_ENV, ""),
     )
+
+
+def cpu_threads(cfg: TrainConfig, device: str, world_size: int) -> int | None:
+    """torch threads of each CPU rank and engine process (BackendConfig.cpu_threads):
+    --cpu-threads, else None (each picks rank_cpu_threads over its own kind), unless
+    engine processes generate while the ranks train (K >= 1, one node): then the
+    cores are split among the ranks and the engine processes. Two processes'
+    OpenMP threads on one core wait for each other at every barrier: SmolLM2's
+    train phase took 33 s beside a generating vLLM engine at 2 threads on 2 cores,
+    17 s at 1 (docs/PERFORMANCE.md, bench_async --partial-smol). At K = 0 they
+    take turns, and each keeps every core."""
+    if cfg.cpu_threads or device != "cpu" or not (cfg.rollout_world_size and cfg.off_policy_steps):
+        return cfg.cpu_threads
+    return rank_cpu_threads(len(os.sched_getaffinity(0)), world_size + cfg.rollout_world_size)
 
 
 def engine_gpus(cfg: TrainConfig, device: str) -> tuple[int, ...]:

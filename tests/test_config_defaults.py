@@ -50,6 +50,24 @@ def test_cpu_threads_reach_the_ranks_unset_by_default(files):
     assert backend_config(cfg, "m", "m", 1, "cpu", 10).cpu_threads == 2
 
 
+@pytest.mark.parametrize("k", [0, 1])
+def test_at_k1_the_cores_are_split_among_the_ranks_and_the_engine_processes(files, k):
+    """Engine processes that generate while the ranks train share the cores with
+    them (settings.cpu_threads); at K = 0 they take turns and each picks its own
+    share; on GPU and under --cpu-threads nothing changes."""
+    import os
+
+    from areno.procs.device import rank_cpu_threads
+    from areno.settings import backend_config, engine_spec
+
+    def threads(extra: dict, device: str = "cpu") -> int | None:
+        cfg = TrainConfig.from_sources(None, {**files, "rollout_world_size": 1, "off_policy_steps": k, **extra})
+        return backend_config(cfg, "m", "m", 1, device, 10, engine=engine_spec(cfg, device, 64)).cpu_threads
+
+    assert threads({}) == (rank_cpu_threads(len(os.sched_getaffinity(0)), 2) if k else None)
+    assert threads({}, "cuda") is None and threads({"cpu_threads": 3}) == 3
+
+
 def test_the_timeouts_are_options_whose_defaults_fit_a_cold_multi_gpu_start(files):
     from areno.settings import backend_config
 

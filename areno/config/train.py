@@ -258,7 +258,7 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
                                   "passively (OMP_WAIT_POLICY=PASSIVE unless set; a ~0.3 ms spin first "
                                   "when no other task is runnable at start-up), so a busy neighbour "
                                   "slows them without stalling them.", "Parallelism", ge=1,
-                                  shown="cores / ranks on this node, at least 1")
+                                  shown="cores / ranks on this node (at K >= 1 / ranks + engine processes), at least 1")
     nnodes: int = opt(1, "Nodes in the run (as torchrun's --nnodes): every node runs the same "
                       "command with its own --node-rank and ARENO_BACKEND_AUTHKEY.", "Parallelism", ge=1)
     node_rank: int = opt(0, "This node, 0 .. --nnodes - 1; node 0 runs the controller.",
