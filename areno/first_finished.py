@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from areno.dynsample import Filled, Round, concat_rounds, take_groups
-from areno.inflight import Inflight, check_oldest
-from areno.metrics import groups_ahead_metrics, inflight_metrics, policy_lag_metrics, rounds_metrics, wait_metrics
+from areno.inflight import Inflight, check_oldest, lag_metrics
+from areno.metrics import groups_ahead_metrics, inflight_metrics, rounds_metrics, wait_metrics
 from areno.partial import deadline_first
 from areno.rewards import RewardResult
-from areno.rollout.batch import RolloutBatch, oldest_version, with_version
+from areno.rollout.batch import RolloutBatch, with_version
 from areno.scoring import score
 from areno.timing import PhaseTimer
 
@@ -142,14 +142,3 @@ def remaining(cur: Inflight, batch: RolloutBatch, scored: RewardResult | None,
     sub, resp = batch.take_groups(g)
     return cur.prompt_idx[g], sub, None if scored is None else \
         replace(scored, rewards=scored.rewards[resp], valid=scored.valid[resp])
-
-
-def lag_metrics(updates: int, k: int, batches: list[RolloutBatch]) -> dict[str, float]:
-    """rollout/policy_lag_* (per response: its oldest sampled token; one without a
-    sampled token has none) and rollout/token_lag_* of the batches trained at
-    `updates` updates (each carries token_version)."""
-    oldest = np.concatenate([oldest_version(b) for b in batches])
-    lag = updates - oldest[oldest < np.iinfo(np.int64).max]
-    tokens = updates - np.concatenate([b.token_version[b.policy_mask] for b in batches]).astype(np.int64)
-    return policy_lag_metrics(lag, k) | policy_lag_metrics(tokens, k, "token")
-

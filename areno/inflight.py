@@ -1,6 +1,7 @@
 """A round in flight (`Inflight`, the scheduler's record of it) and the depth-K
 bound every run's scheduler keeps, pure: `admitted` (a round's lag when it
-trains) and `check_oldest` (the same bound on every trained token). Apart from
+trains), `check_oldest` (the same bound on every trained token) and
+`lag_metrics` (what the step's batch lagged). Apart from
 scheduler.py so that first_finished.py, which takes rounds group by group under
 --partial-rollouts, shares them without importing the scheduler."""
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from areno.dynsample import Round
+from areno.metrics import policy_lag_metrics
 from areno.producers import Pending
 from areno.rewards import RewardResult
 from areno.rollout.batch import RolloutBatch, oldest_version
@@ -33,6 +35,16 @@ def check_oldest(batch: RolloutBatch, updates_at_train: int, k: int) -> None:
         raise AssertionError(f"response {bad}: its oldest token is of version {int(oldest[bad])}, "
                              f"{updates_at_train - int(oldest[bad])} behind the trainer's "
                              f"{updates_at_train} (K = {k})")
+
+
+def lag_metrics(updates: int, k: int, batches: list[RolloutBatch]) -> dict[str, float]:
+    """rollout/policy_lag_* (per response: its oldest sampled token; one without a
+    sampled token has none) and rollout/token_lag_* of the batches trained at
+    `updates` updates (each carries token_version)."""
+    oldest = np.concatenate([oldest_version(b) for b in batches])
+    lag = updates - oldest[oldest < np.iinfo(np.int64).max]
+    tokens = updates - np.concatenate([b.token_version[b.policy_mask] for b in batches]).astype(np.int64)
+    return policy_lag_metrics(lag, k) | policy_lag_metrics(tokens, k, "token")
 
 
 @dataclass

@@ -243,10 +243,7 @@ class SentPending(Pending):
             scored = score(self.producer.run, self.data, idx, batch, self.timer)
         # env/* of the parts it takes first (a part's counts and seconds once)
         extra = env_totals([self.sink.metrics[i] for i in fresh]) if isinstance(self.sink, EpisodeParts) else {}
-        timer.absorb(self.timer)  # what it ran since the last take: decode, rewards
-        self.timer.times.clear()
-        if self.timer.spans is not None:
-            self.timer.spans.clear()
+        timer.absorb(self.timer, move=True)  # what it ran since the last take: decode, rewards
         return Round(idx, batch, scored, extra)
 
 

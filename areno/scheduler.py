@@ -72,7 +72,7 @@ from areno.envs.driver import episode_spec
 from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
 from areno.errors import UserError, one_line
 from areno import first_finished
-from areno.inflight import Inflight, admitted, check_oldest
+from areno.inflight import Inflight, admitted, check_oldest, lag_metrics
 from areno.metrics import inflight_metrics, wait_metrics
 from areno.producers import Data, Producer
 from areno.rewards import RewardCounts, RewardResult
@@ -175,7 +175,7 @@ class Rollouts:
         if not self.producer.background:
             return {}
         pend = [c.pending for c in self.taken if c.pending is not None]
-        out = first_finished.lag_metrics(self.updates_at_train, self.k, [c.round.batch for c in self.taken]) | \
+        out = lag_metrics(self.updates_at_train, self.k, [c.round.batch for c in self.taken]) | \
             wait_metrics([p.wait_s for p in pend], [p.info.get("idle_s", 0.0) for p in pend])
         return out | inflight_metrics([p.info for p in pend]) if self.partial else out
 

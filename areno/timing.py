@@ -46,13 +46,18 @@ class PhaseTimer:
         finally:
             self.spans.append((phase, t0, time.monotonic(), time.thread_time() - c0))
 
-    def absorb(self, other: "PhaseTimer") -> None:
+    def absorb(self, other: "PhaseTimer", move: bool = False) -> None:
         """Add `other`'s phases and spans (a rollout's own timer: the decode and
-        reward it ran while it streamed in, during earlier steps too)."""
+        reward it ran while it streamed in, during earlier steps too); move:
+        `other` starts afresh (a rollout taken over several steps counts each once)."""
         for phase, t in other.times.items():
             self.times[phase] = self.times.get(phase, 0.0) + t
         if self.spans is not None and other.spans is not None:
             self.spans.extend(other.spans)
+        if move:
+            other.times.clear()
+            if other.spans is not None:
+                other.spans.clear()
 
 
 STARTUP_TRACE_ENV = "ARENO_STARTUP_TRACE"
