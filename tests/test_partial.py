@@ -1,14 +1,15 @@
 """Partial rollouts' policy (areno/partial.py): a batch is the first groups to
-finish, all their samples done; submission stays within (v + K + 1) batches;
-an update retires the groups whose oldest token could no longer be trained; the
-scheduler's batches: deadline first, then the first groups to finish."""
+finish, all their samples done; the scheduler's batches: deadline first, then
+the first groups to finish. And the group pool the benchmark simulates
+(scripts/arenobench/partial_pool.py): submission within (v + K + 1) batches, an
+update retiring the groups whose oldest token could no longer be trained."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from areno.partial import (PartialPool, admission_room, deadline_first, first_finished, group_done_at, must_take,
-                           retired)
+from areno.partial import deadline_first, first_finished, must_take
+from arenobench.partial_pool import PartialPool, admission_room, group_done_at, retired
 
 
 def test_a_batch_is_the_first_complete_groups_not_the_first_submitted() -> None:

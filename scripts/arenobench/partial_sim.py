@@ -1,7 +1,7 @@
 """Partial rollouts against whole rounds, simulated on one long-tail workload:
 synchronous (K = 0), K-ahead (areno without --partial-rollouts: a round is one
 engine command, its weights loaded at its start, the next round queued behind
-its slowest sample), partial rollouts at the same K (areno.partial.PartialPool:
+its slowest sample), partial rollouts at the same K (arenobench.partial_pool.PartialPool:
 groups submitted as slots free, new weights taken between decode steps, a
 batch = the first groups to finish, retirement by the lag bound) and
 first-finished (what areno runs under --partial-rollouts: whole rounds admitted
@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from areno.partial import PartialPool, deadline_first
+from areno.partial import deadline_first
+from arenobench.partial_pool import PartialPool
 
 
 @dataclass(frozen=True)
