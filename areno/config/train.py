@@ -100,9 +100,9 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
     partial_rollouts: bool = opt(
         False, "Partial rollouts (in-flight weight updates): weights the ranks publish while a "
         "rollout generates reach its engines between two decode steps, the requests they hold "
-        "kept, and every token carries the version that sampled it (the lag is counted per "
-        "token). Needs --rollout-world-size and --off-policy-steps >= 1. Which tokens get which "
-        "version depends on timing, so a resume is not bit-exact (off: it is).", "Rollout")
+        "kept, every token carries the version that sampled it, and a step trains the groups that "
+        "finish first within their K-step deadlines. Needs --rollout-world-size and --off-policy-steps "
+        ">= 1. What finishes when is timing's, so a resume is not bit-exact (off: it is).", "Rollout")
     # -- Rewards -------------------------------------------------------------
     reward_fn_path: str | None = opt(
         None, "Reward plugin: a .py file defining reward_fn(record) -> float or "
