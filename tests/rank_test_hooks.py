@@ -1,7 +1,7 @@
 """The suite's rank-side commands, installed in every rank and engine process the
 tests start through ARENO_RANK_HOOKS (set in tests/conftest.py; see
-areno/backend/hooks.py): fault injection ('debug') and a read of the full weights
-('full_state'). Nothing in a run has them."""
+areno/backend/hooks.py): fault injection ('debug'), a read of the full weights
+('full_state') and whether the collector is on ('gc_state'). Nothing in a run has them."""
 
 from __future__ import annotations
 
@@ -34,6 +34,14 @@ def hold_until_queued(worker: Any, count: int, wait_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+def gc_state(worker: Any) -> bool:
+    """Whether the cyclic collector is on: again, after the peer's start-up paused
+    it (procs.lifecycle.start_up)."""
+    import gc
+
+    return gc.isenabled()
+
+
 def full_state(worker: Any) -> dict | None:
     """Every exported tensor of a RankWorker, gathered to CPU (rank 0; None elsewhere)."""
     out = {n: t.to("cpu", copy=True) for n, t in worker.full_state()}
@@ -44,7 +52,7 @@ class TestRankHooks(RankHooks):
     __test__ = False  # not a pytest class
 
     COMMANDS: dict[str, Callable[..., Any]] = {"debug": cmd_debug, "full_state": full_state,
-                                                "hold_until_queued": hold_until_queued}
+                                                "hold_until_queued": hold_until_queued, "gc_state": gc_state}
 
     def command(self, name: str) -> Callable[..., Any] | None:
         return self.COMMANDS.get(name)

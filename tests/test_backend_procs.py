@@ -77,6 +77,7 @@ def test_one_rank_and_two_ranks_make_the_same_update(first_step, tiny_chat_model
     for p in be2._procs:  # OpenMP reads its wait policy at start-up: the rank must start with it
         start_env = dict(kv.split("=", 1) for kv in Path(f"/proc/{p.pid}/environ").read_text().split("\0") if "=" in kv)
         assert start_env.get("OMP_WAIT_POLICY") == os.environ.get("OMP_WAIT_POLICY", "PASSIVE"), p.pid
+    assert be2.command("gc_state") == [True, True]  # on again after start-up (procs.lifecycle.start_up)
     assert_states_close(s1, s2)
     start = tiny_chat_model.state_dict()
     assert any(not torch.equal(s1[k], start[k]) for k in start), "weights did not move"

@@ -506,3 +506,21 @@ def test_weight_stream_does_not_copy_a_tensor_already_in_the_engine_dtype() -> N
     named = [("m.a.weight", torch.tensor([1.0, 2.0])), ("lm_head.weight", torch.tensor([0.5]))]
     got = list(WeightStream(iter(named), torch.float32))
     assert [t.data_ptr() for _, t in got] == [t.data_ptr() for _, t in named]
+
+
+def test_start_up_runs_without_the_collector_and_freezes_what_it_built() -> None:
+    """procs.lifecycle.start_up: the collector is off inside, on again after (also
+    when the start-up raises), and what was built inside is frozen."""
+    import gc
+
+    from areno.procs.lifecycle import start_up
+
+    before = gc.get_freeze_count()
+    try:
+        with pytest.raises(KeyError), start_up():
+            assert not gc.isenabled()
+            built = [[i] for i in range(10_000)]
+            raise KeyError("a failed start-up")
+        assert gc.isenabled() and gc.get_freeze_count() >= before + len(built)
+    finally:
+        gc.unfreeze()  # this process is pytest's, which ends in a normal exit

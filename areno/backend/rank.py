@@ -25,7 +25,7 @@ from typing import Any
 
 from areno.backend.config import BackendConfig
 from areno.procs.heartbeat import start_beating
-from areno.procs.lifecycle import die_with_parent, set_title
+from areno.procs.lifecycle import die_with_parent, set_title, start_up
 from areno.procs.serve import quiet_peer, serve_worker
 from areno.rundir.log import move_child_output, redirect_child_output
 from areno.timing import startup_mark
@@ -45,7 +45,8 @@ def spawn_main(conn: Connection, env: dict[str, str], parent_pid: int, use_pdeat
         start_beating(beats, int(env["RANK"]))
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/rundir/log.py)
     startup_mark("peer imports")
-    worker_class()  # torch, transformers, the worker: while the controller works
+    with start_up():
+        worker_class()  # torch, transformers, the worker: while the controller works
     startup_mark("peer imported")
     try:
         cfg = conn.recv()

@@ -41,7 +41,7 @@ from areno.fleet.inflight_loads import InflightLoads
 from areno.fleet.tail_fill import run_rounds
 from areno.procs.device import claim_device
 from areno.procs.heartbeat import start_beating
-from areno.procs.lifecycle import allow_children, die_with_parent, set_title
+from areno.procs.lifecycle import allow_children, die_with_parent, set_title, start_up
 from areno.procs.serve import CommandInbox, quiet_peer, serve_worker
 from areno.rundir.log import move_child_output, redirect_child_output
 from areno.timing import startup_mark
@@ -70,9 +70,10 @@ def spawn_main(conn: Connection, env: dict[str, str], parent_pid: int, use_pdeat
         start_beating(beats, i)
     redirect_child_output()  # third-party output to RUN_DIR/run.log (see areno/rundir/log.py)
     startup_mark("peer imports")
-    import transformers  # the heavy imports (torch came with this module), while the controller works
+    with start_up():
+        import transformers  # the heavy imports (torch came with this module), while the controller works
 
-    transformers.AutoModelForCausalLM  # noqa: B018 - the lazy module's heavy import, now
+        transformers.AutoModelForCausalLM  # noqa: B018 - the lazy module's heavy import, now
     startup_mark("peer imported")
     try:
         cfg = conn.recv()

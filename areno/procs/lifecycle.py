@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import signal
 import sys
-import contextlib
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from areno.procs.signals import STOP_SIGNAL
+
+
+@contextlib.contextmanager
+def start_up() -> Iterator[None]:
+    """A peer's start-up (importing torch, transformers, vLLM; building the model
+    and its engine: about 10^6 objects, nearly none of them garbage) without the
+    cyclic collector, which would traverse the growing heap again and again: a
+    fifth of the imports' CPU time (0.7 s of 4 in a rank). What it built is then
+    frozen (gc.freeze), or the first collection after it would traverse it all
+    once more; a peer lives as long as it does, and ends in os._exit."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 def die_with_parent(parent_pid: int, use_pdeathsig: bool = True, group: bool = False) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from areno.procs.lifecycle import start_up
 from areno.procs.signals import peer_ignores
 from areno.timing import startup_mark
 
@@ -35,7 +36,8 @@ def serve_worker(make: Callable[[], Any], conn: Connection, index: int, queued: 
     how its errors name it (a rank, or engine process i); queued: commands read by
     a thread of their own as they come (queued_commands: an engine process)."""
     try:
-        worker = make()
+        with start_up():  # the model, its engine (vLLM's import and build)
+            worker = make()
         worker.emit = lambda part: conn.send(("part", part))
         startup_mark("peer ready")
         conn.send(("ok", worker.hello()))
