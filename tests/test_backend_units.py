@@ -524,3 +524,34 @@ def test_start_up_runs_without_the_collector_and_freezes_what_it_built() -> None
         assert gc.isenabled() and gc.get_freeze_count() >= before + len(built)
     finally:
         gc.unfreeze()  # this process is pytest's, which ends in a normal exit
+
+
+def _fail_start_up(conn) -> None:
+    from areno.errors import UserError
+    from areno.procs.serve import serve_worker
+
+    def make():
+        raise UserError("--kv-cache-gb 1e+06: more than this host has")
+
+    serve_worker(make, conn, 0)  # reports the error, then returns: the process ends at once
+
+
+def test_a_peer_that_fails_its_start_up_is_reported_by_its_error_not_as_a_death() -> None:
+    """Its error is read in the same wait that sees it exit (code 0): the one line
+    is the error, not 'died (exit code 0); then ...'."""
+    import multiprocessing as mp
+
+    from areno.procs.errors import RankUserError
+    from areno.procs.replies import Peers
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_fail_start_up, args=(child,))
+    p.start()
+    peers = Peers([parent], [p], abort=lambda: None, is_closed=lambda: False)
+    with pytest.raises(RankUserError) as err:
+        peers.recv(0, "startup")
+    p.join(30)
+    assert p.exitcode == 0
+    assert peers.death(0, "startup", [err.value]) is err.value
+    assert str(err.value) == "--kv-cache-gb 1e+06: more than this host has"

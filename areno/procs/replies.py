@@ -281,12 +281,17 @@ class Peers:
         return owner
 
     def death(self, r: int, what: str, echoes: list[BackendError]) -> BackendError:
-        """The error for peer r's death: its own last words when it sent some."""
+        """The error for peer r's death: its own last words when it sent some, read
+        now or in the wait that saw it exit (a peer that fails its start-up
+        reports why, then ends at once)."""
+        own = [e for e in echoes if e.rank == r and (e.remote_traceback or isinstance(e, RankUserError))]
+        if own:
+            return own[0]
         if self.conns[r] is not None and self.conns[r].poll(0):
             try:
                 self.recv(r, what)
             except BackendError as e:
-                if e.remote_traceback:
+                if e.remote_traceback or isinstance(e, RankUserError):
                     return e
         p = self.procs[r]
         p.join(0.1)
