@@ -57,6 +57,7 @@ from the checkpoint's weights (deterministic, with a smaller lag).
 from __future__ import annotations
 
 import json
+import sys
 import time
 import zipfile
 from dataclasses import fields, replace
@@ -259,6 +260,8 @@ class Rollouts:
         self.taken = []
         if wait_s is None:
             wait_s = float("inf") if self.partial else INTERRUPT_WAIT_S
+        if wait_s == float("inf"):
+            self._say_waiting()
         until, kept = time.monotonic() + wait_s, 0
         for cur in self.inflight:
             try:
@@ -274,6 +277,17 @@ class Rollouts:
             if cur.pending is not None:
                 cur.pending.drop()
         return dropped[0].sampler_before if dropped else None
+
+    def _say_waiting(self) -> None:
+        """One line while an interrupt waits without limit, so the pause is explained."""
+        try:
+            busy = sum(cur.pending is not None and cur.round is None and not cur.pending.wait(time.monotonic())
+                       for cur in self.inflight)
+        except (KeyboardInterrupt, BackendError):  # the loop below meets it again
+            return
+        if busy:
+            print(f"areno: waiting for the {busy} rollout(s) in flight to finish, so that no sampled token "
+                  "is lost (--partial-rollouts); Ctrl-C again drops them", file=sys.stderr, flush=True)
 
     def checkpoint_state(self, path: Path) -> dict:
         """Save every round in flight into checkpoint dir `path`, waiting for each

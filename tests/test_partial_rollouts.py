@@ -143,7 +143,7 @@ class _SlowRound:
 
 
 @pytest.mark.parametrize("partial", [False, True], ids=["default", "partial"])
-def test_ctrl_c_under_partial_rollouts_waits_for_every_round_in_flight(partial):
+def test_ctrl_c_under_partial_rollouts_waits_for_every_round_in_flight(partial, capsys):
     """settle_interrupt: by default a round not whole within INTERRUPT_WAIT_S is
     dropped (its prompts sampled again, exactly, from the checkpoint's weights);
     under --partial-rollouts it is waited for and kept (no generated token lost:
@@ -161,6 +161,9 @@ def test_ctrl_c_under_partial_rollouts_waits_for_every_round_in_flight(partial):
     sched.inflight = [Inflight(4, np.arange(2), {"pos": 7}, 3, pending=slow)]
     before = sched.settle_interrupt(3)
     assert (before, len(sched.inflight), slow.dropped) == ((None, 1, False) if partial else ({"pos": 7}, 0, True))
+    said = capsys.readouterr().err  # the wait without limit says why, and how to cut it short
+    assert said == ("areno: waiting for the 1 rollout(s) in flight to finish, so that no sampled token is lost "
+                    "(--partial-rollouts); Ctrl-C again drops them\n" if partial else "")
 
 
 def test_multi_turn_rounds_take_weights_mid_generation_and_count_each_tokens_version(
