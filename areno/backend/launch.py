@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from areno.fleet.engine_procs import EngineShape, SpawnedEngines, spawn_engine_procs
 from areno.procs.errors import BackendError
 from areno.procs.heartbeat import HeartbeatWatch
-from areno.procs.lifecycle import stop_processes
+from areno.procs.lifecycle import start_up, stop_processes
 from areno.procs.signals import spawning
 
 if TYPE_CHECKING:  # light at run time: runtime/early.py spawns ranks before torch is imported
@@ -212,7 +212,8 @@ def spawn_peers(shape: PeerShape, master_port: int | None = None, heartbeat_time
 
 def _spawn_main(*args: Any) -> None:
     """The spawned process's target: imported there, not here (rank.py imports torch)."""
-    from areno.backend.rank import spawn_main
+    with start_up():
+        from areno.backend.rank import spawn_main
 
     spawn_main(*args)
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from areno.procs.errors import BackendError
 from areno.procs.heartbeat import HeartbeatWatch
-from areno.procs.lifecycle import shut_down, stop_processes
+from areno.procs.lifecycle import shut_down, start_up, stop_processes
 from areno.procs.replies import Peers, ReplyStream
 from areno.procs.segment import ShmSegment
 from areno.procs.signals import spawning
@@ -110,7 +110,8 @@ def spawn_engine_procs(shape: EngineShape, heartbeat_timeout_s: float = 0.0,
 
 def _spawn_main(*args: Any) -> None:
     """The spawned process's target: imported there, not here (engine_proc.py imports torch)."""
-    from areno.fleet.engine_proc import spawn_main
+    with start_up():
+        from areno.fleet.engine_proc import spawn_main
 
     spawn_main(*args)
 
