@@ -533,12 +533,12 @@ def _fail_start_up(conn) -> None:
     def make():
         raise UserError("--kv-cache-gb 1e+06: more than this host has")
 
-    serve_worker(make, conn, 0)  # reports the error, then returns: the process ends at once
+    serve_worker(make, conn, 0)  # reports the error, then ends the process at once
 
 
 def test_a_peer_that_fails_its_start_up_is_reported_by_its_error_not_as_a_death() -> None:
-    """Its error is read in the same wait that sees it exit (code 0): the one line
-    is the error, not 'died (exit code 0); then ...'."""
+    """Its error is read in the same wait that sees it exit: the one line is the
+    error, not 'died (exit code 1); then ...'."""
     import multiprocessing as mp
 
     from areno.procs.errors import RankUserError
@@ -552,6 +552,6 @@ def test_a_peer_that_fails_its_start_up_is_reported_by_its_error_not_as_a_death(
     with pytest.raises(RankUserError) as err:
         peers.recv(0, "startup")
     p.join(30)
-    assert p.exitcode == 0
+    assert p.exitcode == 1
     assert peers.death(0, "startup", [err.value]) is err.value
     assert str(err.value) == "--kv-cache-gb 1e+06: more than this host has"

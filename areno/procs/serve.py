@@ -43,7 +43,9 @@ def serve_worker(make: Callable[[], Any], conn: Connection, index: int, queued: 
         conn.send(("ok", worker.hello()))
     except BaseException as e:  # noqa: BLE001 - reported, then exit
         reply_error(conn, index, e)
-        return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # as every peer ends: no teardown of the frozen start-up (procs.lifecycle.start_up)
     recv = queued_commands(conn, getattr(worker, "immediate", {})) if queued else conn.recv
     if queued:  # a rollout may take the ones queued behind it, and reply to them itself (tail fill)
         worker.inbox, worker.reply = recv, lambda result: conn.send(("ok", result))
