@@ -105,6 +105,11 @@ class Pending:
         """Whole by time.monotonic() `until` (True), or not yet (False)."""
         return True
 
+    @property
+    def generating(self) -> bool:
+        """Some engine still owes it a part or its final reply (here: it runs at collect)."""
+        return False
+
     def batch(self) -> tuple[RolloutBatch, RewardResult | None]:
         """The whole batch, waited for (a checkpoint saves it), and its rewards when
         they cannot be computed again from it (an environment's)."""

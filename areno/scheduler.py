@@ -280,11 +280,7 @@ class Rollouts:
 
     def _say_waiting(self) -> None:
         """One line while an interrupt waits without limit, so the pause is explained."""
-        try:
-            busy = sum(cur.pending is not None and cur.round is None and not cur.pending.wait(time.monotonic())
-                       for cur in self.inflight)
-        except (KeyboardInterrupt, BackendError):  # the loop below meets it again
-            return
+        busy = sum(cur.pending is not None and cur.round is None and cur.pending.generating for cur in self.inflight)
         if busy:
             print(f"areno: waiting for the {busy} rollout(s) in flight to finish, so that no sampled token "
                   "is lost (--partial-rollouts); Ctrl-C again drops them", file=sys.stderr, flush=True)

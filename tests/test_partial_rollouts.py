@@ -126,6 +126,8 @@ class _SlowRound:
     (wait(until) is True iff `until` lies past it): no clock is read but the
     scheduler's own."""
 
+    generating = True  # still owed by its engines when the interrupt comes
+
     def __init__(self) -> None:
         self.dropped = False
 
