@@ -284,14 +284,17 @@ class Peers:
         """The error for peer r's death: its own last words when it sent some, read
         now or in the wait that saw it exit (a peer that fails its start-up
         reports why, then ends at once)."""
-        own = [e for e in echoes if e.rank == r and (e.remote_traceback or isinstance(e, RankUserError))]
+        def said(e: BackendError) -> bool:  # an error it reported, not a broken pipe
+            return bool(e.remote_traceback) or isinstance(e, RankUserError)
+
+        own = [e for e in echoes if e.rank == r and said(e)]
         if own:
             return own[0]
         if self.conns[r] is not None and self.conns[r].poll(0):
             try:
                 self.recv(r, what)
             except BackendError as e:
-                if e.remote_traceback or isinstance(e, RankUserError):
+                if said(e):
                     return e
         p = self.procs[r]
         p.join(0.1)

@@ -43,9 +43,7 @@ def serve_worker(make: Callable[[], Any], conn: Connection, index: int, queued: 
         conn.send(("ok", worker.hello()))
     except BaseException as e:  # noqa: BLE001 - reported, then exit
         reply_error(conn, index, e)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)  # as every peer ends: no teardown of the frozen start-up (procs.lifecycle.start_up)
+        _end(1)
     recv = queued_commands(conn, getattr(worker, "immediate", {})) if queued else conn.recv
     if queued:  # a rollout may take the ones queued behind it, and reply to them itself (tail fill)
         worker.inbox, worker.reply = recv, lambda result: conn.send(("ok", result))
@@ -57,9 +55,7 @@ def serve_worker(make: Callable[[], Any], conn: Connection, index: int, queued: 
         if cmd == "shutdown":
             worker.close()
             conn.send(("ok", None))
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)  # nothing left to clean up; skip the slow interpreter teardown
+            _end(0)
         try:
             if kwargs.pop("payload", False):
                 buf = bytearray(kwargs["handoff"].nbytes)
@@ -69,6 +65,15 @@ def serve_worker(make: Callable[[], Any], conn: Connection, index: int, queued: 
             conn.send(("ok", result))
         except BaseException as e:  # noqa: BLE001
             reply_error(conn, index, e)
+
+
+def _end(code: int) -> None:
+    """How a peer ends: its output flushed, then os._exit. Nothing is left to clean
+    up, and the interpreter's teardown is slow and would finalize the frozen
+    start-up (procs.lifecycle.start_up: nanobind's leak report in run.log)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def command_of(worker: Any, cmd: str) -> Callable[..., Any]:
