@@ -279,13 +279,16 @@ def agent_metrics(calls: int, branches: int, dropped_turns: int, refused: int) -
 def rounds_metrics(rounds: list[tuple[dict[str, float], int]]) -> dict[str, float]:
     """The ENV/AGENT metrics of a step's rounds (dynamic sampling's refills and
     dropped groups too: what was generated) from (a round's metrics, its
-    trajectories): env/turns_mean weighted by trajectories, the rest (counts and
-    seconds) summed. A key some round lacks counts 0 there."""
+    trajectories): env/turns_mean weighted by trajectories over the rounds that
+    report it (a --partial-rollouts take of parts already reported reports
+    none), the rest (counts and seconds) summed, a key some round lacks
+    counting 0 there."""
     keys = [k for k in (*ENV_METRICS, *AGENT_METRICS) if any(k in m for m, _ in rounds)]
-    n = sum(t for _, t in rounds)
     out = {k: float(sum(m.get(k, 0.0) for m, _ in rounds)) for k in keys}
     if "env/turns_mean" in out:
-        out["env/turns_mean"] = sum(m.get("env/turns_mean", 0.0) * t for m, t in rounds) / n if n else 0.0
+        turns = [(m["env/turns_mean"], t) for m, t in rounds if "env/turns_mean" in m]
+        n = sum(t for _, t in turns)
+        out["env/turns_mean"] = sum(x * t for x, t in turns) / n if n else 0.0
     return out
 
 

@@ -31,6 +31,7 @@ from areno.metrics import (
     lag_count_key,
     policy_lag_metrics,
     reduce_opt_steps,
+    rounds_metrics,
     train_metrics,
     wait_metrics,
 )
@@ -173,3 +174,13 @@ def test_step_metrics_come_from_the_step_result_alone() -> None:
     assert m["time/rollout"] == 0.5 and m["time/step"] == 2.0
     assert list(m)[-2:] == ["data/prompt_hash", "perf/train_tokens_per_s"]
     assert all(isinstance(v, float) and math.isfinite(v) for v in m.values())
+
+
+def test_a_steps_turns_mean_weights_only_the_takes_that_report_it():
+    """rounds_metrics: a --partial-rollouts take of parts an earlier take reported
+    carries no env/* (its counts were counted once): it neither dilutes turns_mean
+    nor adds to the sums."""
+    a = {"env/turns_mean": 2.0, "env/turn_limit": 1.0}
+    b = {"env/turns_mean": 1.0, "env/turn_limit": 2.0}
+    out = rounds_metrics([(a, 8), ({}, 4), (b, 8)])
+    assert out == {"env/turns_mean": 1.5, "env/turn_limit": 3.0}
