@@ -108,26 +108,35 @@ def fill_batch(collect: Callable[[int], Round], want: int, max_rounds: int,
     """Collect rounds 0, 1, ... until `want` informative groups are kept or
     `max_rounds` rounds ran; informative(round) -> [P] bool."""
     kept: list[Round] = []
-    n_kept = rounds = generated = tokens = 0
-    counts, last, seen = RewardCounts(), None, []
+    n_kept = rounds = 0
+    last, seen = None, []
     while n_kept < want and rounds < max_rounds:
         last = collect(rounds)
         seen.append(last)
         rounds += 1
-        generated += last.batch.num_prompts
-        tokens += last.batch.num_response_tokens
-        counts = counts + last.scored.counts  # every scored sample's outcome is reported
         groups = np.flatnonzero(informative(last))[: want - n_kept]
         if groups.size:
             kept.append(take_groups(last, groups))
             n_kept += groups.size
     if last is None:
         raise ValueError("fill_batch: max_rounds must be >= 1")
+    return filled_from(kept, seen, want, rounds)
+
+
+def filled_from(kept: list[Round], seen: list[Round], want: int, rounds: int) -> Filled:
+    """The step's Filled from the kept parts of what it generated (`seen`, in
+    order; `rounds` rounds' worth): every scored sample's outcome is reported,
+    the last one seen is shown when nothing was kept."""
+    n_kept = sum(r.batch.num_prompts for r in kept)
+    counts = RewardCounts()
+    for r in seen:
+        counts = counts + r.scored.counts
     out, train = ((concat_rounds(kept), np.ones(n_kept, bool)) if kept
-                  else (last, np.zeros(last.batch.num_prompts, bool)))
-    extra = rounds_metrics([(r.extra, r.batch.num_responses) for r in seen]) if len(seen) > 1 else last.extra
+                  else (seen[-1], np.zeros(seen[-1].batch.num_prompts, bool)))
+    extra = rounds_metrics([(r.extra, r.batch.num_responses) for r in seen]) if len(seen) > 1 else seen[-1].extra
     out = replace(out, scored=replace(out.scored, counts=counts), extra=extra)
-    return Filled(out, train, rounds, generated, tokens, n_kept < want, _mean_valid(seen))
+    return Filled(out, train, rounds, sum(r.batch.num_prompts for r in seen),
+                  sum(r.batch.num_response_tokens for r in seen), n_kept < want, _mean_valid(seen))
 
 
 def take_groups(r: Round, groups: np.ndarray) -> Round:

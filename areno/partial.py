@@ -56,21 +56,23 @@ def must_take(oldest: np.ndarray, updates: int, k: int, batch_size: int) -> int:
 
 
 def deadline_first(oldest: np.ndarray, done_at: np.ndarray, updates: int, k: int,
-                   batch_size: int) -> np.ndarray | None:
+                   batch_size: int, take: int | None = None) -> np.ndarray | None:
     """[G] int64 version each untrained group's round started with, [G] float64
-    its completion order (inf: a sample still running) -> [batch_size] int64 the
-    groups to train now: the must_take most urgent ones (lowest version; among
-    equals, complete ones first, in order of completion), then the first complete
-    ones of the rest in order of completion. None: the step must wait (an urgent
-    group is running, or too few are complete)."""
+    its completion order (inf: a sample still running) -> [n] int64 the groups
+    to take now, n = max(take, must_take) (take: batch_size unless given; a
+    --dynamic-sampling refill asks for the rest of its batch): the must_take most
+    urgent ones (lowest version; among equals, complete ones first, in order of
+    completion), then the first complete ones of the rest in order of completion.
+    None: the step must wait (an urgent group is running, or too few are complete)."""
     oldest = np.asarray(oldest, dtype=np.int64)
     done_at = np.asarray(done_at, dtype=np.float64)
     m = must_take(oldest, updates, k, batch_size)
+    n = max(m, batch_size if take is None else take)
     urgent = np.lexsort((np.arange(oldest.size), done_at, oldest))[:m]
     if not np.isfinite(done_at[urgent]).all():
         return None
     rest = np.ones(oldest.size, bool)
     rest[urgent] = False
     done_at = np.where(rest, done_at, np.inf)
-    out = np.concatenate([urgent, first_finished(done_at, batch_size - m)]).astype(np.int64)
-    return out if out.size == batch_size else None
+    out = np.concatenate([urgent, first_finished(done_at, n - m)]).astype(np.int64)
+    return out if out.size == n else None

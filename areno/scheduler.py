@@ -6,8 +6,9 @@ and scored (producers.py: single-turn or multi-turn, on engines in the ranks
 or in engine processes); a step trains on one round, or with
 --dynamic-sampling on as many as fill its batch with informative groups
 (dynsample.fill_batch: a refill is one more round under the same admission),
-or under --partial-rollouts (without the filter) on --batch-size groups from
-any round in flight: those due, then the first to finish (first_finished.py).
+or under --partial-rollouts on --batch-size groups from any round in flight:
+those due, then the first to finish, taken until the filter kept enough
+(first_finished.py).
 
 One step, as the trainer runs it (docs/DESIGN.md, "The timeline of a step"):
 
@@ -104,26 +105,30 @@ class Rollouts:
         # flight, which load it between decode steps (fleet/inflight_loads.py).
         self.partial = bool(getattr(run.cfg, "partial_rollouts", False))
         # ... and a step trains the groups that finish first, from any round
-        # (first_finished.py); under --dynamic-sampling whole rounds, in order.
-        self.by_group = self.partial and getattr(run.cfg, "dynamic_sampling", "off") == "off"
+        # (first_finished.py), the filter's too (--dynamic-sampling).
+        self.by_group = self.partial
 
     # -- the step ------------------------------------------------------------------
     def next_batch(self, step: int, timer: PhaseTimer) -> tuple[Filled, dict[str, float]]:
         """Step's batch: its round, or rounds until --dynamic-sampling fills it ->
         (the Filled batch, the loop's metrics: lag and waits under engine processes)."""
-        if self.by_group:
-            return first_finished.next_groups(self, step, timer)
-        self.taken, self.updates_at_train = [], self.updates
         cfg = self.run.cfg
-        if cfg.dynamic_sampling == "off":
+        informative = None if cfg.dynamic_sampling == "off" else self.informative
+        if self.by_group:
+            return first_finished.next_groups(self, step, timer, informative)
+        self.taken, self.updates_at_train = [], self.updates
+        if informative is None:
             filled = Filled.whole(self.take(step, 0, timer))
         else:
-            def informative(r: Round) -> np.ndarray:
-                return informative_groups(r.scored.rewards + self.run.shaping(r.batch), r.scored.valid,
-                                          r.batch.group_index, r.batch.num_prompts, cfg.dynamic_sampling)
             filled = fill_batch(lambda r: self.take(step, r, timer), cfg.batch_size,
                                 cfg.max_sampling_rounds, informative)
         return filled, self.loop_metrics()
+
+    def informative(self, r: Round) -> np.ndarray:
+        """[P] bool: the groups of `r` --dynamic-sampling keeps (the rewards the
+        advantages see: the plugin's plus the overlong shaping)."""
+        return informative_groups(r.scored.rewards + self.run.shaping(r.batch), r.scored.valid,
+                                  r.batch.group_index, r.batch.num_prompts, self.run.cfg.dynamic_sampling)
 
     def take(self, step: int, r: int, timer: PhaseTimer) -> Round:
         """Round r of `step`: the oldest in flight, else one started now (seeded as

@@ -83,8 +83,8 @@ class Steps:
         self.rounds: list[list[int]] = []
         take, start = first_finished.next_groups, Rollouts.start
 
-        def spied(sched: Any, step: int, timer: Any) -> Any:
-            out = take(sched, step, timer)
+        def spied(sched: Any, step: int, timer: Any, informative: Any = None) -> Any:
+            out = take(sched, step, timer, informative)
             self.prompts[step] = sorted(out[0].round.prompt_idx.tolist())
             self.tokens[step] = out[0].round.batch.num_response_tokens
             return out

@@ -17,7 +17,7 @@ import pytest
 from areno.cli import main
 from test_async_loop import saved_steps
 from test_demo_learns import STOP, assert_learned
-from test_resume import EVAL_ROWS, HF1, UNTIMED, train_steps
+from test_resume import DIGIT_REWARD, EVAL_ROWS, HF1, UNTIMED, train_steps
 
 GUESS = str(Path(__file__).resolve().parents[1] / "examples" / "guess" / "env.py")
 ENV = ["--env-path", GUESS, "--max-turns", "2", "--reward-workers", "0", "--lr", "1e-3"]
@@ -90,6 +90,31 @@ def test_dynamic_sampling_at_k1_refills_under_admission_and_resumes_exactly(tmp_
     assert_same(full, resumed, [4, 5, 6])
 
 
+def test_dynamic_sampling_under_partial_rollouts_takes_groups_until_kept_within_the_lag(
+        tmp_path, areno_cache, monkeypatch):
+    """--dynamic-sampling with --partial-rollouts (first_finished.next_groups):
+    a step takes groups from any round in flight, first finished, until
+    --batch-size informative ones are kept (or the bound): a refill takes the
+    groups it lacks, not a whole round, so a step can consume a number of groups
+    no whole-round take gives; every one kept trained, no token over lag K.
+    The graded reward makes groups informative often but not always."""
+    from slow_group import Steps
+
+    plugin = tmp_path / "digit.py"
+    plugin.write_text(DIGIT_REWARD)
+    seen = Steps(monkeypatch)
+    steps = train(tmp_path / "run", areno_cache, monkeypatch, *SPLIT, "--off-policy-steps", "1",
+                  "--partial-rollouts", "--dynamic-sampling", "reward", "--max-sampling-rounds", "3",
+                  "--reward-fn-path", str(plugin), "--no-save", steps=6)
+    kept = {s: int(steps[s]["sampling/groups_kept"]) for s in steps}
+    taken = {s: kept[s] + int(steps[s]["sampling/groups_dropped"]) for s in steps}
+    assert sorted(seen.prompts) == sorted(steps)
+    assert all(kept[s] == 4 or steps[s]["sampling/bound_hit"] for s in steps)
+    assert all(len(seen.prompts[s]) == kept[s] for s in steps if kept[s])
+    assert any(taken[s] > 4 for s in steps) and any(taken[s] % 4 for s in steps), taken
+    assert max(max(steps[s]["rollout/token_lag_max"], steps[s]["rollout/policy_lag_max"]) for s in steps) <= 1
+
+
 @pytest.mark.parametrize("placement", [[], [*SPLIT, "--off-policy-steps", "1"]], ids=["colocated", "split-k1"])
 def test_eval_with_an_environment_scores_greedy_trajectories(tmp_path, areno_cache, monkeypatch, placement):
     data = tmp_path / "eval.jsonl"
@@ -138,14 +163,18 @@ def test_the_guess_demo_masters_its_game_two_rounds_ahead_on_an_engine_process(t
 
 @pytest.mark.learning
 @pytest.mark.timeout(900)
-def test_the_demo_masters_its_task_with_dynamic_sampling_two_rounds_ahead(tmp_path, areno_cache, monkeypatch):
+@pytest.mark.parametrize("partial", [[], ["--partial-rollouts"]], ids=["whole-rounds", "partial"])
+def test_the_demo_masters_its_task_with_dynamic_sampling_two_rounds_ahead(tmp_path, areno_cache, monkeypatch,
+                                                                          partial):
     """The embedded demo with --dynamic-sampling reward at K = 2 on an engine process,
     400 of its 600 steps (its cosine schedule ends at 400), held to the demo's
     bar on the reward of every generated sample (reward/mean is the kept groups',
     which leaves out the all-right ones by design; --stop-at-reward uses the former).
     Measured at seed 0: 0.06 over the first 20 steps, 0.97 over the last 20 of 400,
-    0.9 by step 227-244 (where the run stops); 1074 rounds in 400 steps."""
-    steps = train(tmp_path / "demo", areno_cache, monkeypatch, *SPLIT, "--off-policy-steps", "2",
+    0.9 by step 227-244 (where the run stops); 1074 rounds in 400 steps. With
+    --partial-rollouts (groups taken as they finish): 0.06 -> 0.98, 0.9 by step
+    214, 1121 rounds' worth of groups in 400 steps."""
+    steps = train(tmp_path / "demo", areno_cache, monkeypatch, *SPLIT, "--off-policy-steps", "2", *partial,
                   "--dynamic-sampling", "reward", "--no-save", *STOP, steps=400, base=())
     generated = np.array([r["sampling/reward_generated"] for _, r in sorted(steps.items())])
     # Most steps take two or three rounds, so rounds in flight are taken a step after

@@ -73,6 +73,16 @@ def test_at_startup_k_plus_one_rounds_of_version_0_train_first_finished_within_t
     assert must_take(np.zeros(2, np.int64), 0, 2, 2) == 0  # one round in flight: due in 2 steps
 
 
+def test_a_dynamic_sampling_take_asks_for_the_rest_of_its_batch_but_always_takes_the_due_groups() -> None:
+    """--dynamic-sampling takes `take` groups after a filtered take kept some:
+    the first finished, unless more are due than that (those all)."""
+    oldest, done = np.zeros(4, np.int64), np.array([4.0, 3.0, 1.0, 2.0])
+    assert deadline_first(oldest, done, 0, 2, 2, take=1).tolist() == [2]  # nothing due: the first done
+    assert deadline_first(oldest, done, 0, 2, 2, take=3).tolist() == [2, 3, 1]
+    assert deadline_first(oldest, done, 0, 1, 2, take=1).tolist() == [2, 3]  # K = 1: two are due now
+    assert deadline_first(oldest, np.array([INF, INF, 1.0, INF]), 0, 2, 2, take=2) is None  # one done: wait
+
+
 def test_a_slow_group_trains_at_its_deadline_while_later_rounds_fast_groups_fill_the_batches() -> None:
     """K = 2, B = 2: rounds 0-2 start with version 0 (groups 0-5), round 0's group 0
     runs long. Steps 1 and 2 take the first finished groups of rounds 0-2; at 2

@@ -323,7 +323,8 @@ def test_an_undone_step_puts_its_groups_back_and_a_save_holds_only_the_untrained
         b = replace(b, response_mask=np.ones(b.num_response_tokens, np.uint8))  # multi-turn: rewards saved
         return b, RewardResult(np.arange(4, dtype=np.float32), np.ones(4, bool), RewardCounts())
 
-    run = SimpleNamespace(cfg=SimpleNamespace(off_policy_steps=1, partial_rollouts=True, batch_size=2),
+    run = SimpleNamespace(cfg=SimpleNamespace(off_policy_steps=1, partial_rollouts=True, batch_size=2,
+                                              dynamic_sampling="off"),
                           rows=None, prompts=None, total_steps=2,
                           sampler=SimpleNamespace(state_dict=lambda: {"pos": 4}))
     sched = Rollouts(run, SimpleNamespace(background=True), updates=0, saved=[
@@ -339,3 +340,47 @@ def test_an_undone_step_puts_its_groups_back_and_a_save_holds_only_the_untrained
     (back,) = load_inflight(tmp_path)
     assert back.prompt_idx.tolist() == [21] and back.saved[0].num_prompts == 1
     assert back.saved[1] is not None and back.saved[1].rewards.tolist() == [2.0, 3.0]
+
+
+def test_dynamic_sampling_takes_groups_until_its_batch_is_informative_and_trains_what_it_kept_at_the_bound():
+    """first_finished under --dynamic-sampling reward (K = 1, B = 2, two saved
+    rounds of version 0): step 1 takes round 1's groups, keeps 11 (10's rewards
+    are equal), then takes one more group, 20, the first of round 2: it trains
+    [11, 20], 3 groups consumed. Undone, every group is back. With one round's
+    worth allowed (--max-sampling-rounds 1) it stops at the bound and trains
+    round 1's one informative group (bound_hit)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from areno.rewards import RewardCounts, RewardResult
+    from areno.scheduler import Inflight, Rollouts
+    from areno.timing import PhaseTimer
+    from helpers import random_batch
+
+    def saved(seed: int, rewards: list[float]) -> tuple:
+        b = random_batch(seed=seed, num_prompts=2, group_sizes=[2, 2])
+        b = replace(b, response_mask=np.ones(b.num_response_tokens, np.uint8))
+        return b, RewardResult(np.array(rewards, np.float32), np.ones(4, bool), RewardCounts(errors=1))
+
+    def scheduler(max_rounds: int) -> Rollouts:
+        cfg = SimpleNamespace(off_policy_steps=1, partial_rollouts=True, batch_size=2,
+                              dynamic_sampling="reward", max_sampling_rounds=max_rounds)
+        run = SimpleNamespace(cfg=cfg, rows=None, prompts=None, total_steps=1, shaping=lambda b: 0.0)
+        return Rollouts(run, SimpleNamespace(background=True), updates=0, saved=[
+            Inflight(1, np.array([10, 11]), {}, 0, saved=saved(1, [1, 1, 0, 1])),
+            Inflight(2, np.array([20, 21]), {}, 0, saved=saved(2, [0, 1, 1, 0]))])
+
+    sched = scheduler(max_rounds=2)
+    filled, m = sched.next_batch(1, PhaseTimer())
+    assert filled.round.prompt_idx.tolist() == [11, 20] and filled.train.all()
+    sm = filled.metrics()
+    assert (sm["sampling/rounds"], sm["sampling/groups_kept"], sm["sampling/groups_dropped"],
+            sm["sampling/bound_hit"]) == (2, 2, 1, 0)
+    assert filled.round.scored.counts.errors == 2  # each round's outcomes once
+    assert m["rollout/groups_ahead"] == 0 and (filled.round.batch.token_version == 0).all()  # round 1 was done
+    assert [c.prompt_idx[c.left].tolist() for c in sched.inflight] == [[21]]
+    sched.put_back()
+    assert [c.prompt_idx[c.left].tolist() for c in sched.inflight] == [[10, 11], [20, 21]]
+
+    filled = scheduler(max_rounds=1).next_batch(1, PhaseTimer())[0]
+    assert filled.round.prompt_idx.tolist() == [11] and filled.metrics()["sampling/bound_hit"] == 1
