@@ -141,15 +141,15 @@ def take_some(sched: Any, step: int, need: int, r: int, timer: PhaseTimer,
     for a later step would make its groups due sooner, and the surplus taken
     for them is dropped). When fewer untrained groups than it needs are left
     (a refill, or the run's last steps after refills: admission counts started
-    rounds' worth, and admits none past the last step), round r + 1 of the
-    step starts (a stream of its own). -> (the groups, scored, in flight
+    rounds' worth, and admits none past the last step), one more round starts
+    (Rollouts.start_new: a stream of its own). -> (the groups, scored, in flight
     order; the seconds waited; how many came from rounds other than the
     oldest; the Pending of each round it emptied, whose engines' figures count
     at this step)."""
     if not r:
         sched.admit(step)
     if sum(left_of(c).size for c in sched.inflight) < need:
-        sched.inflight.append(sched.start(step, r + 1))
+        sched.inflight.append(sched.start_new(step))
     owner, pos, waited = pick_groups(sched, sched.run.cfg.batch_size, need)
     rounds = [take_round(sched, cur, np.sort(pos[owner == i]), timer)
               for i, cur in enumerate(sched.inflight) if (owner == i).any()]

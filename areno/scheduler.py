@@ -107,6 +107,9 @@ class Rollouts:
         # ... and a step trains the groups that finish first, from any round
         # (first_finished.py), the filter's too (--dynamic-sampling).
         self.by_group = self.partial
+        # The highest tag started: by group, a round's tag (its seed) is past every
+        # other's, as a refill can take groups admission counted for later steps.
+        self.top_tag = max((c.step for c in self.inflight), default=updates)
 
     # -- the step ------------------------------------------------------------------
     def next_batch(self, step: int, timer: PhaseTimer) -> tuple[Filled, dict[str, float]]:
@@ -196,7 +199,7 @@ class Rollouts:
         else:
             nxt = self.inflight[-1].step + 1 if self.inflight else at_step + 1
         while nxt <= self.run.total_steps and admitted(self.updates + nxt - at_step, self.newest, self.k):
-            self.inflight.append(self.start(nxt, 0))
+            self.inflight.append(self.start_new(nxt) if self.by_group else self.start(nxt, 0))
             nxt += 1
 
     @property
@@ -210,6 +213,14 @@ class Rollouts:
             return None
         (self.engine_version, region), self.published = self.published, None
         return region
+
+    def start_new(self, at: int) -> Inflight:
+        """By group (--partial-rollouts): a round tagged `at` or past every tag
+        started, so that its seed is its own (started rounds' worth, which
+        admission counts, drops by more than a round when --dynamic-sampling
+        takes more than one; a resume is not exact there anyway)."""
+        self.top_tag = max(at, self.top_tag + 1)
+        return self.start(self.top_tag, 0)
 
     def start(self, step: int, r: int) -> Inflight:
         """Draw the prompts of round r of `step` and start it, with the newest

@@ -115,6 +115,23 @@ def test_dynamic_sampling_under_partial_rollouts_takes_groups_until_kept_within_
     assert max(max(steps[s]["rollout/token_lag_max"], steps[s]["rollout/policy_lag_max"]) for s in steps) <= 1
 
 
+def test_partial_rollouts_refills_past_what_admission_counted_sample_streams_of_their_own(
+        tmp_path, areno_cache, monkeypatch):
+    """The demo's 0/1 reward on the untrained model leaves most groups
+    uninformative: steps take up to three rounds' worth, more than the two in
+    flight at K = 1, so admission sees fewer rounds' worth than it started; each round
+    started still has a seed of its own (Rollouts.start_new), and the step
+    trains what it kept at the bound."""
+    from slow_group import Steps
+
+    seen = Steps(monkeypatch)
+    steps = train(tmp_path / "run", areno_cache, monkeypatch, *SPLIT, "--off-policy-steps", "1",
+                  "--partial-rollouts", "--dynamic-sampling", "reward", "--max-sampling-rounds", "3",
+                  "--no-save", steps=4)
+    assert sum(steps[s]["sampling/groups_kept"] + steps[s]["sampling/groups_dropped"] > 8 for s in steps) >= 2
+    assert len(set(seen.streams)) == len(seen.streams) >= 8, seen.streams
+
+
 @pytest.mark.parametrize("placement", [[], [*SPLIT, "--off-policy-steps", "1"]], ids=["colocated", "split-k1"])
 def test_eval_with_an_environment_scores_greedy_trajectories(tmp_path, areno_cache, monkeypatch, placement):
     data = tmp_path / "eval.jsonl"
