@@ -108,19 +108,17 @@ def fill_batch(collect: Callable[[int], Round], want: int, max_rounds: int,
     """Collect rounds 0, 1, ... until `want` informative groups are kept or
     `max_rounds` rounds ran; informative(round) -> [P] bool."""
     kept: list[Round] = []
-    n_kept = rounds = 0
-    last, seen = None, []
-    while n_kept < want and rounds < max_rounds:
-        last = collect(rounds)
-        seen.append(last)
-        rounds += 1
-        groups = np.flatnonzero(informative(last))[: want - n_kept]
+    seen: list[Round] = []
+    n_kept = 0
+    while n_kept < want and len(seen) < max_rounds:
+        seen.append(collect(len(seen)))
+        groups = np.flatnonzero(informative(seen[-1]))[: want - n_kept]
         if groups.size:
-            kept.append(take_groups(last, groups))
+            kept.append(take_groups(seen[-1], groups))
             n_kept += groups.size
-    if last is None:
+    if not seen:
         raise ValueError("fill_batch: max_rounds must be >= 1")
-    return filled_from(kept, seen, want, rounds)
+    return filled_from(kept, seen, want, len(seen))
 
 
 def filled_from(kept: list[Round], seen: list[Round], want: int, rounds: int) -> Filled:

@@ -77,8 +77,8 @@ def pick_groups(sched: Any, batch_size: int, take: int) -> tuple[np.ndarray, np.
             return owner[pick], pos[pick], time.perf_counter() - t0
         live = [c.pending for c in sched.inflight if c.pending is not None and c.pending.generating]
         if not live:
-            raise AssertionError(f"{owner.size} untrained groups in flight, none generating, and no batch of "
-                                 f"{batch_size} can be formed (scheduler bug)")
+            raise AssertionError(f"{owner.size} untrained groups in flight, none generating, and no take of "
+                                 f"{take} can be formed (scheduler bug)")
         live[0].poll(since)  # reads every round's parts
 
 
