@@ -168,10 +168,12 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
     dynamic_sampling: DynamicSampling = opt(
         "off", "DAPO's dynamic sampling: generate rounds of --batch-size prompts until "
         "--batch-size informative groups are kept; reward: rewards not all equal, accuracy: some "
-        "but not all correct (reward >= 1). The last round's surplus is dropped. off: every "
-        "group of one rollout trains.", "Algorithm")
+        "but not all correct (reward >= 1). The last round's surplus is dropped; under "
+        "--partial-rollouts a step takes only the groups it still lacks, first finished. off: "
+        "every group of one rollout trains.", "Algorithm")
     max_sampling_rounds: int = opt(
-        4, "Rounds a --dynamic-sampling step may generate; at the bound it trains on the groups "
+        4, "Rounds a --dynamic-sampling step may generate (--partial-rollouts: rounds' worth of "
+        "groups it may take); at the bound it trains on the groups "
         "it kept (sampling/bound_hit).", "Algorithm", ge=1)
     mask_overlong: bool = opt(
         False, "Drop completions cut by --max-new-tokens from the update; under --env-path, "
