@@ -31,19 +31,6 @@ from areno.choices import DynamicSampling
 from areno.metrics import rounds_metrics, sampling_metrics
 from areno.rewards import RewardCounts, RewardResult
 from areno.rollout.batch import RolloutBatch
-from areno.rollout.engine import SamplingConfig
-
-# Round r > 0 of a step samples with the step's seed + r * ROUND_SEED_STRIDE: its own
-# stream, never another step's (those differ by 1 per step).
-ROUND_SEED_STRIDE = 1 << 32
-
-
-def round_sampling(sampling: SamplingConfig, r: int) -> SamplingConfig:
-    """Round r's sampling, from the step's: round 0 samples as the step always did
-    (--dynamic-sampling off is unchanged), a later round with a stream of its own."""
-    return replace(sampling, seed=sampling.seed + r * ROUND_SEED_STRIDE) if r and sampling.seed is not None \
-        else sampling
-
 
 @dataclass(frozen=True)
 class Round:

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from areno.data.sampler import batches_drawn
 from areno.dynsample import Filled, Round, concat_rounds, filled_from, take_groups
 from areno.inflight import Inflight, check_oldest, lag_metrics
 from areno.metrics import groups_ahead_metrics, inflight_metrics, rounds_metrics, wait_metrics
@@ -141,15 +142,15 @@ def take_some(sched: Any, step: int, need: int, r: int, timer: PhaseTimer,
     for a later step would make its groups due sooner, and the surplus taken
     for them is dropped). When fewer untrained groups than it needs are left
     (a refill, or the run's last steps after refills: admission counts started
-    rounds' worth, and admits none past the last step), one more round starts
-    (Rollouts.start_new: a stream of its own). -> (the groups, scored, in flight
+    rounds' worth, and admits none past the last step), one more round starts.
+    -> (the groups, scored, in flight
     order; the seconds waited; how many came from rounds other than the
     oldest; the Pending of each round it emptied, whose engines' figures count
     at this step)."""
     if not r:
         sched.admit(step)
     if sum(left_of(c).size for c in sched.inflight) < need:
-        sched.inflight.append(sched.start_new(step))
+        sched.inflight.append(sched.start(step))
     owner, pos, waited = pick_groups(sched, sched.run.cfg.batch_size, need)
     rounds = [take_round(sched, cur, np.sort(pos[owner == i]), timer)
               for i, cur in enumerate(sched.inflight) if (owner == i).any()]
@@ -168,7 +169,7 @@ def put_back(sched: Any) -> None:
         t.cur.left[t.groups] = True
         if not any(c is t.cur for c in sched.inflight):
             sched.inflight.append(t.cur)
-    sched.inflight.sort(key=lambda c: c.step)
+    sched.inflight.sort(key=lambda c: batches_drawn(c.sampler_before))  # tags may repeat (--dynamic-sampling)
     sched.taken = []
 
 

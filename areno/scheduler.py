@@ -71,7 +71,7 @@ from areno.procs.errors import BackendError
 from areno.config.offpolicy import weight_slots
 from areno.config.env import multi_turn
 from areno.envs.driver import episode_spec
-from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
+from areno.dynsample import Filled, Round, fill_batch, informative_groups
 from areno.errors import UserError, one_line
 from areno import first_finished
 from areno.inflight import Inflight, admitted, check_oldest, lag_metrics
@@ -80,6 +80,7 @@ from areno.producers import Data, Producer
 from areno.rewards import RewardCounts, RewardResult
 from areno.rollout.batch import RolloutBatch, with_version
 from areno.rundir.checkpoint import STATE_FILE
+from areno.data.sampler import batches_drawn
 from areno.scoring import score
 from areno.timing import PhaseTimer
 
@@ -107,9 +108,6 @@ class Rollouts:
         # ... and a step trains the groups that finish first, from any round
         # (first_finished.py), the filter's too (--dynamic-sampling).
         self.by_group = self.partial
-        # The highest tag started: by group, a round's tag (its seed) is past every
-        # other's, as a refill can take groups admission counted for later steps.
-        self.top_tag = max((c.step for c in self.inflight), default=updates)
 
     # -- the step ------------------------------------------------------------------
     def next_batch(self, step: int, timer: PhaseTimer) -> tuple[Filled, dict[str, float]]:
@@ -121,9 +119,9 @@ class Rollouts:
             return first_finished.next_groups(self, step, timer, informative)
         self.taken, self.updates_at_train = [], self.updates
         if informative is None:
-            filled = Filled.whole(self.take(step, 0, timer))
+            filled = Filled.whole(self.take(step, timer))
         else:
-            filled = fill_batch(lambda r: self.take(step, r, timer), cfg.batch_size,
+            filled = fill_batch(lambda _: self.take(step, timer), cfg.batch_size,
                                 cfg.max_sampling_rounds, informative)
         return filled, self.loop_metrics()
 
@@ -133,11 +131,11 @@ class Rollouts:
         return informative_groups(r.scored.rewards + self.run.shaping(r.batch), r.scored.valid,
                                   r.batch.group_index, r.batch.num_prompts, self.run.cfg.dynamic_sampling)
 
-    def take(self, step: int, r: int, timer: PhaseTimer) -> Round:
-        """Round r of `step`: the oldest in flight, else one started now (seeded as
-        round r of the step); the rounds its collection admits start before its
-        outstanding rewards are waited for."""
-        cur = self.inflight.pop(0) if self.inflight else self.start(step, r)
+    def take(self, step: int, timer: PhaseTimer) -> Round:
+        """The next round of `step`: the oldest in flight, else one started now; the
+        rounds its collection admits start before its outstanding rewards are
+        waited for."""
+        cur = self.inflight.pop(0) if self.inflight else self.start(step)
         self.taken.append(cur)  # an interrupt from here on puts it back
         if cur.round is None:
             if cur.pending is not None:
@@ -199,7 +197,7 @@ class Rollouts:
         else:
             nxt = self.inflight[-1].step + 1 if self.inflight else at_step + 1
         while nxt <= self.run.total_steps and admitted(self.updates + nxt - at_step, self.newest, self.k):
-            self.inflight.append(self.start_new(nxt) if self.by_group else self.start(nxt, 0))
+            self.inflight.append(self.start(nxt))
             nxt += 1
 
     @property
@@ -214,23 +212,20 @@ class Rollouts:
         (self.engine_version, region), self.published = self.published, None
         return region
 
-    def start_new(self, at: int) -> Inflight:
-        """By group (--partial-rollouts): a round tagged `at` or past every tag
-        started, so that its seed is its own (started rounds' worth, which
-        admission counts, drops by more than a round when --dynamic-sampling
-        takes more than one; a resume is not exact there anyway)."""
-        self.top_tag = max(at, self.top_tag + 1)
-        return self.start(self.top_tag, 0)
-
-    def start(self, step: int, r: int) -> Inflight:
-        """Draw the prompts of round r of `step` and start it, with the newest
-        weights when the engines were not sent them yet."""
+    def start(self, step: int) -> Inflight:
+        """Draw the next batch of prompts and start it as a round tagged `step`, with
+        the newest weights when the engines were not sent them yet. It samples
+        with the seed of step 1 + the batches drawn before it: the step itself
+        where each step draws one batch (a resume samples as the uninterrupted
+        run), its own when --dynamic-sampling's refills draw more (at K >= 1 the
+        rounds admitted after a refill carry tags a round already sampled with:
+        publish lowers them)."""
         run = self.run
         before = run.sampler.state_dict()
         prompt_idx = run.sampler.next_batch()
         region = self.take_published()
         pending = self.producer.start(self.data, prompt_idx, run.cfg.n_samples,
-                                      round_sampling(run.sampling_for(step), r), region,
+                                      run.sampling_for(1 + batches_drawn(before)), region,
                                       overlap=run.cfg.overlap_rewards,
                                       version=self.engine_version if self.partial else None)
         return Inflight(step, prompt_idx, before, self.engine_version, pending)

@@ -72,8 +72,7 @@ class SlowGroup:
 
 class Steps:
     """Per step: the prompts it trained and its response tokens; the prompts of
-    each round started, in order (rounds[0][0]: the slow group's), and the
-    (tag, refill) its seed came from."""
+    each round started, in order (rounds[0][0]: the slow group's)."""
 
     def __init__(self, monkeypatch: Any) -> None:
         from areno import first_finished
@@ -82,7 +81,6 @@ class Steps:
         self.prompts: dict[int, list[int]] = {}
         self.tokens: dict[int, int] = {}
         self.rounds: list[list[int]] = []
-        self.streams: list[tuple[int, int]] = []
         take, start = first_finished.next_groups, Rollouts.start
 
         def spied(sched: Any, step: int, timer: Any, informative: Any = None) -> Any:
@@ -91,10 +89,9 @@ class Steps:
             self.tokens[step] = out[0].round.batch.num_response_tokens
             return out
 
-        def started(sched: Any, step: int, r: int) -> Any:
-            cur = start(sched, step, r)
+        def started(sched: Any, step: int) -> Any:
+            cur = start(sched, step)
             self.rounds.append(cur.prompt_idx.tolist())
-            self.streams.append((step, r))
             return cur
         monkeypatch.setattr(first_finished, "next_groups", spied)
         monkeypatch.setattr(Rollouts, "start", started)

@@ -115,21 +115,28 @@ def test_dynamic_sampling_under_partial_rollouts_takes_groups_until_kept_within_
     assert max(max(steps[s]["rollout/token_lag_max"], steps[s]["rollout/policy_lag_max"]) for s in steps) <= 1
 
 
-def test_partial_rollouts_refills_past_what_admission_counted_sample_streams_of_their_own(
-        tmp_path, areno_cache, monkeypatch):
+@pytest.mark.parametrize("partial", [[], ["--partial-rollouts"]], ids=["whole-rounds", "partial"])
+def test_refills_past_what_admission_counted_sample_streams_of_their_own(tmp_path, areno_cache, monkeypatch,
+                                                                          partial):
     """The demo's 0/1 reward on the untrained model leaves most groups
     uninformative: steps take up to three rounds' worth, more than the two in
-    flight at K = 1, so admission sees fewer rounds' worth than it started; each round
-    started still has a seed of its own (Rollouts.start_new), and the step
-    trains what it kept at the bound."""
-    from slow_group import Steps
+    flight at K = 1, so later rounds are admitted with the tags of steps a round
+    already sampled for (whole rounds: publish lowers them; by group: admission
+    sees fewer rounds' worth than it started). Each round still samples with a
+    seed of its own (a stream per batch of prompts drawn), and the step trains
+    what it kept at the bound."""
+    from areno.producers import Producer
 
-    seen = Steps(monkeypatch)
-    steps = train(tmp_path / "run", areno_cache, monkeypatch, *SPLIT, "--off-policy-steps", "1",
-                  "--partial-rollouts", "--dynamic-sampling", "reward", "--max-sampling-rounds", "3",
-                  "--no-save", steps=4)
+    seeds, start = [], Producer.start
+
+    def spied(producer, data, idx, n, sampling, *args, **kwargs):
+        seeds.append(sampling.seed)
+        return start(producer, data, idx, n, sampling, *args, **kwargs)
+    monkeypatch.setattr(Producer, "start", spied)
+    steps = train(tmp_path / "run", areno_cache, monkeypatch, *SPLIT, "--off-policy-steps", "1", *partial,
+                  "--dynamic-sampling", "reward", "--max-sampling-rounds", "3", "--no-save", steps=4)
     assert sum(steps[s]["sampling/groups_kept"] + steps[s]["sampling/groups_dropped"] > 8 for s in steps) >= 2
-    assert len(set(seen.streams)) == len(seen.streams) >= 8, seen.streams
+    assert len(set(seeds)) == len(seeds) >= 8, seeds
 
 
 @pytest.mark.parametrize("placement", [[], [*SPLIT, "--off-policy-steps", "1"]], ids=["colocated", "split-k1"])

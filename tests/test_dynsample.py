@@ -13,9 +13,8 @@ from helpers import random_batch
 from inprocess import run_here
 from test_resume import HF1, assert_same_steps, ok, train_steps
 
-from areno.dynsample import Filled, Round, fill_batch, informative_groups, round_sampling
+from areno.dynsample import Filled, Round, fill_batch, informative_groups
 from areno.rewards import RewardCounts, RewardResult
-from areno.rollout.engine import SamplingConfig
 
 G = 3  # samples per group in the unit cases
 
@@ -123,10 +122,18 @@ def test_informative_by_reward_or_accuracy_over_valid_samples():
     assert informative_groups(rewards, valid, g, 4, "accuracy").tolist() == [True, False, False, False]
 
 
-def test_round_zero_samples_as_the_step_did_later_rounds_on_their_own_seed():
-    s = SamplingConfig(seed=7)
-    assert round_sampling(s, 0) is s
-    assert len({round_sampling(s, r).seed for r in range(4)} | {8, 9}) == 6
+def test_a_round_samples_as_the_step_of_its_place_among_the_batches_drawn():
+    """Rollouts.start seeds a round as step 1 + batches_drawn: the step itself when
+    each step draws one batch (epochs drop the last P % B prompts), and a value of
+    its own for every batch when refills draw more."""
+    from areno.data.sampler import PromptSampler, batches_drawn
+
+    sampler, seen = PromptSampler(num_prompts=10, batch_size=3, seed=0), []
+    for _ in range(7):  # three batches an epoch
+        seen.append(1 + batches_drawn(sampler.state_dict()))
+        sampler.next_batch()
+    assert seen == [1, 2, 3, 4, 5, 6, 7]
+    assert sampler.state_dict()["epoch"] == 2
 
 
 # -- end to end on the demo (hf engine, one rank) -----------------------------------

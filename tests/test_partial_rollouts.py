@@ -304,6 +304,11 @@ def test_a_checkpoint_between_partly_trained_rounds_saves_their_untrained_groups
     assert seen.prompts[3] == first[3] == sorted(r3)
 
 
+def drawn_at(position: int) -> dict:
+    """A sampler's state before a round whose prompts start at `position` (B = 2)."""
+    return {"epoch": 0, "position": position, "seed": 0, "num_prompts": 55, "batch_size": 2}
+
+
 def test_an_undone_step_puts_its_groups_back_and_a_save_holds_only_the_untrained_ones(tmp_path):
     """first_finished with two saved rounds of version 0 (K = 1, B = 2, nothing
     more to start): step 1 takes round 1's two groups (all arrived at once:
@@ -328,7 +333,8 @@ def test_an_undone_step_puts_its_groups_back_and_a_save_holds_only_the_untrained
                           rows=None, prompts=None, total_steps=2,
                           sampler=SimpleNamespace(state_dict=lambda: {"pos": 4}))
     sched = Rollouts(run, SimpleNamespace(background=True), updates=0, saved=[
-        Inflight(1, np.array([10, 11]), {}, 0, saved=saved(1)), Inflight(2, np.array([20, 21]), {}, 0, saved=saved(2))])
+        Inflight(1, np.array([10, 11]), drawn_at(0), 0, saved=saved(1)),
+        Inflight(2, np.array([20, 21]), drawn_at(2), 0, saved=saved(2))])
     filled, m = sched.next_batch(1, PhaseTimer())
     assert filled.round.prompt_idx.tolist() == [10, 11] and m["rollout/groups_ahead"] == 0
     sched.put_back()  # the step did not update: round 1 is in flight again, whole
@@ -367,8 +373,8 @@ def test_dynamic_sampling_takes_groups_until_its_batch_is_informative_and_trains
                               dynamic_sampling="reward", max_sampling_rounds=max_rounds)
         run = SimpleNamespace(cfg=cfg, rows=None, prompts=None, total_steps=1, shaping=lambda b: 0.0)
         return Rollouts(run, SimpleNamespace(background=True), updates=0, saved=[
-            Inflight(1, np.array([10, 11]), {}, 0, saved=saved(1, [1, 1, 0, 1])),
-            Inflight(2, np.array([20, 21]), {}, 0, saved=saved(2, [0, 1, 1, 0]))])
+            Inflight(1, np.array([10, 11]), drawn_at(0), 0, saved=saved(1, [1, 1, 0, 1])),
+            Inflight(2, np.array([20, 21]), drawn_at(2), 0, saved=saved(2, [0, 1, 1, 0]))])
 
     sched = scheduler(max_rounds=2)
     filled, m = sched.next_batch(1, PhaseTimer())

@@ -77,3 +77,10 @@ class PromptSampler:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self._order = None
+
+
+def batches_drawn(state: dict) -> int:
+    """How many batches the sampler drew before `state` (a state_dict), over all
+    epochs: distinct for every batch, and step - 1 when each step draws one."""
+    per_epoch = int(state["num_prompts"]) // int(state["batch_size"])
+    return int(state["epoch"]) * per_epoch + int(state["position"]) // int(state["batch_size"])
