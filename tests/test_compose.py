@@ -194,10 +194,10 @@ def test_the_demo_masters_its_task_with_dynamic_sampling_two_rounds_ahead(tmp_pa
     400 of its 600 steps (its cosine schedule ends at 400), held to the demo's
     bar on the reward of every generated sample (reward/mean is the kept groups',
     which leaves out the all-right ones by design; --stop-at-reward uses the former).
-    Measured at seed 0: 0.06 over the first 20 steps, 0.97 over the last 20 of 400,
-    0.9 by step 227-244 (where the run stops); 1074 rounds in 400 steps. With
-    --partial-rollouts (groups taken as they finish): 0.06 -> 0.98, 0.9 by step
-    214, 1121 rounds' worth of groups in 400 steps."""
+    Measured at seed 0 (each round its own seed): 0.06 over the first 20 steps,
+    0.98 over the last 20 of 400, the 20-step mean at 0.9 by step 209 (where the
+    run stops); 1123 rounds in 400 steps. With --partial-rollouts (groups taken
+    as they finish): 0.07 -> 0.98, 0.9 by step 196, 1167 rounds' worth."""
     steps = train(tmp_path / "demo", areno_cache, monkeypatch, *SPLIT, "--off-policy-steps", "2", *partial,
                   "--dynamic-sampling", "reward", "--no-save", *STOP, steps=400, base=())
     generated = np.array([r["sampling/reward_generated"] for _, r in sorted(steps.items())])
