@@ -143,10 +143,9 @@ def take_some(sched: Any, step: int, need: int, r: int, timer: PhaseTimer,
     for them is dropped). When fewer untrained groups than it needs are left
     (a refill, or the run's last steps after refills: admission counts started
     rounds' worth, and admits none past the last step), one more round starts.
-    -> (the groups, scored, in flight
-    order; the seconds waited; how many came from rounds other than the
-    oldest; the Pending of each round it emptied, whose engines' figures count
-    at this step)."""
+    -> (the groups, scored, in flight order; the seconds waited; how many came
+    from rounds other than the oldest; the Pending of each round it emptied,
+    whose engines' figures count at this step)."""
     if not r:
         sched.admit(step)
     if sum(left_of(c).size for c in sched.inflight) < need:

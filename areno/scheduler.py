@@ -75,7 +75,7 @@ from areno.dynsample import Filled, Round, fill_batch, informative_groups
 from areno.errors import UserError, one_line
 from areno import first_finished
 from areno.inflight import Inflight, admitted, check_oldest, lag_metrics
-from areno.metrics import inflight_metrics, wait_metrics
+from areno.metrics import wait_metrics
 from areno.producers import Data, Producer
 from areno.rewards import RewardCounts, RewardResult
 from areno.rollout.batch import RolloutBatch, with_version
@@ -103,11 +103,10 @@ class Rollouts:
         self.taken: list[Inflight] = []  # the rounds of the step in progress (put back if it is undone)
         self.updates_at_train = updates
         # --partial-rollouts: each version published is also offered to the rounds in
-        # flight, which load it between decode steps (fleet/inflight_loads.py).
+        # flight, which load it between decode steps (fleet/inflight_loads.py), and
+        # a step trains the groups that finish first, from any round, the filter's
+        # too (first_finished.py).
         self.partial = bool(getattr(run.cfg, "partial_rollouts", False))
-        # ... and a step trains the groups that finish first, from any round
-        # (first_finished.py), the filter's too (--dynamic-sampling).
-        self.by_group = self.partial
 
     # -- the step ------------------------------------------------------------------
     def next_batch(self, step: int, timer: PhaseTimer) -> tuple[Filled, dict[str, float]]:
@@ -115,7 +114,7 @@ class Rollouts:
         (the Filled batch, the loop's metrics: lag and waits under engine processes)."""
         cfg = self.run.cfg
         informative = None if cfg.dynamic_sampling == "off" else self.informative
-        if self.by_group:
+        if self.partial:
             return first_finished.next_groups(self, step, timer, informative)
         self.taken, self.updates_at_train = [], self.updates
         if informative is None:
@@ -171,20 +170,20 @@ class Rollouts:
         # A step that took refills trained rounds tagged for later steps: each round
         # left serves at latest the step its place says, so the tags come down to
         # that bound (admission stays safe and keeps K rounds ahead).
-        for i, cur in enumerate(self.inflight if not self.by_group else []):
+        for i, cur in enumerate(self.inflight if not self.partial else []):
             cur.step = min(cur.step, step + 1 + i)
         self.admit(step + 1)
         return synced
 
     def loop_metrics(self) -> dict[str, float]:
-        """The policy lag of every sample the step's rounds generated (per trajectory
-        under --env-path), the waits: engine processes only (colocated: lag 0, no wait)."""
+        """The policy lag of every sample the step's whole rounds generated (per
+        trajectory under --env-path), the waits: engine processes only (colocated:
+        lag 0, no wait; --partial-rollouts: first_finished.next_groups's)."""
         if not self.producer.background:
             return {}
         pend = [c.pending for c in self.taken if c.pending is not None]
-        out = lag_metrics(self.updates_at_train, self.k, [c.round.batch for c in self.taken]) | \
+        return lag_metrics(self.updates_at_train, self.k, [c.round.batch for c in self.taken]) | \
             wait_metrics([p.wait_s for p in pend], [p.info.get("idle_s", 0.0) for p in pend])
-        return out | inflight_metrics([p.info for p in pend]) if self.partial else out
 
     def admit(self, at_step: int) -> None:
         """Start every round after those in flight that is admitted while the trainer
@@ -192,7 +191,7 @@ class Rollouts:
         on: a skipped one only lowers the lag). Colocated: none (rounds run when taken)."""
         if not self.producer.background:
             return
-        if self.by_group:  # rounds' worth of untrained groups: the same bound as whole rounds
+        if self.partial:  # rounds' worth of untrained groups: the same bound as whole rounds
             nxt = at_step + first_finished.untrained_steps(self.inflight, self.run.cfg.batch_size)
         else:
             nxt = self.inflight[-1].step + 1 if self.inflight else at_step + 1
@@ -249,7 +248,7 @@ class Rollouts:
     def put_back(self) -> None:
         """The step in progress did not update the weights (interrupted): its rounds
         are taken again by the next step (colocated: its prompts drawn again)."""
-        if self.by_group:
+        if self.partial:
             return first_finished.put_back(self)
         taken, self.taken = self.taken, []
         if not taken:
