@@ -7,7 +7,6 @@ module is the loop itself, one call per phase."""
 from __future__ import annotations
 
 import hashlib
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config.env import max_policy_tokens
 from areno.config.train import STOP_WINDOW, TrainConfig
 from areno.runtime.interrupt import interrupted, interrupted_at_startup, made_run_dir
-from areno.procs.signals import interrupts_raise, raise_held, step_window
+from areno.procs.signals import interrupts_raise, raise_held, run_ending, step_window
 from areno.metrics import train_metrics
 from areno.split import build_split_pack
 from areno.rewards import RewardError, RewardResult
@@ -288,7 +287,7 @@ def stopped(run: Run, e: BackendError | WeightSyncError) -> None:
     checkpoint to resume from, and exit 1. A rank's traceback goes to run.log."""
     # The backend's watchdog may also have seen the death and be about to interrupt
     # this thread (SIGINT); from here on the run is stopping anyway.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    run_ending()
     tb = getattr(e, "remote_traceback", None)
     log = run.output_dir / "run.log"
     if tb:

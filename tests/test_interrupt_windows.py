@@ -197,3 +197,23 @@ def test_the_hold_gives_back_the_handlers_it_found():
         os.kill(os.getpid(), signal.SIGINT)  # recorded, not raised
         assert signals.take() == ["SIGINT"]
     assert signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_once_the_run_said_its_last_line_a_later_signal_is_only_recorded(sig, monkeypatch):
+    """run_ending (interrupted, stopped): a signal 10 ms after a Ctrl-C used to land
+    in the close that follows the line and report the interrupt a second time
+    (test_interrupt_group's two interrupts). Now it is recorded, and the block's
+    end gives back the handlers it found."""
+    from areno.procs import signals
+    from areno.procs.signals import last_signal, run_ending
+
+    monkeypatch.setattr(signals, "_received", [])  # what this test sends stays here
+    before = signal.getsignal(sig)
+    run_ending()  # outside the run's handlers: nothing changes
+    assert signal.getsignal(sig) is before
+    with interrupts_raise():
+        run_ending()
+        os.kill(os.getpid(), sig)  # the handler runs before the next bytecode: nothing raises
+        assert last_signal() == sig.name
+    assert signal.getsignal(sig) is before

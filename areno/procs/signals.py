@@ -153,6 +153,22 @@ def interrupts_raise() -> Iterator[None]:
             signal.signal(s, h)
 
 
+def _ended(signum: int, _frame: Any) -> None:
+    _received.append(signal.Signals(signum).name)
+
+
+def run_ending() -> None:
+    """The run has printed its last line (interrupted, stopped): from here a signal
+    is only recorded, so the close that follows (each process told to shut down,
+    then killed) ends whole and nothing prints a second line (a SIGTERM 10 ms
+    after a Ctrl-C used to land in the close and report the interrupt again).
+    Only where interrupts_raise's handler is in place: its end restores the rest."""
+    if _in_main_thread():
+        for s in handled():
+            if signal.getsignal(s) is _raise:
+                signal.signal(s, _ended)
+
+
 def defer_interrupts() -> None:
     """From here until release_interrupts(), the first signal only marks the
     step: once its update has reached the weights, finishing it (sync, log) is

@@ -23,7 +23,7 @@ from typing import Any
 
 from areno.procs.errors import BackendError
 from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
-from areno.procs.signals import last_signal
+from areno.procs.signals import last_signal, run_ending
 from areno.rundir.runconfig import RUN_CONFIG
 from areno.errors import UserError
 from areno.rundir.reporting import limit_note
@@ -55,6 +55,7 @@ def interrupted(run: Any) -> None:
                f"{resume_command(None)}")
     else:
         how = f"checkpoint {ckpt}; continue with: {resume_command(ckpt)}"
+    run_ending()
     print(f"areno: {where}; {how}", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_INTERRUPTED)
 
@@ -85,6 +86,7 @@ def interrupted_at_startup(cfg: Any) -> None:
         again = f"{cfg.resume} is untouched; resume again with the same command"
     else:
         again = "start again with the same command"
+    run_ending()
     print(f"areno: interrupted ({name}) during start-up: {wrote}; {again}: "
           f"{shlex.join(['areno', *sys.argv[1:]])}", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_INTERRUPTED)
