@@ -39,6 +39,7 @@ from areno.data.sampler import PromptSampler
 from areno.errors import UserError
 from areno.data.tokenizer import load_tokenizer
 from areno.runtime.interrupt import made_run_dir
+from areno.procs.signals import raise_dropped
 from areno.runtime.leftovers import clean_leftovers
 from areno.rundir.runconfig import write_run_config
 from areno.models.directory import (
@@ -313,6 +314,7 @@ def _open_run(cfg: TrainConfig, engine: Any, logs: contextlib.ExitStack,
             if lora.adapter_path is not None:  # the engines hold the base model: give them the trained one
                 run.engine.sync_weights()
         resume.restore_rng()  # last: engine and backend start-up may reseed the global RNGs
+        raise_dropped()  # a Ctrl-C Python dropped during start-up: the start-up message
         yield run
 
 

@@ -24,7 +24,7 @@ from areno.rundir.checkpoint import checkpoint_root, latest_checkpoint
 from areno.config.env import max_policy_tokens
 from areno.config.train import STOP_WINDOW, TrainConfig
 from areno.runtime.interrupt import interrupted, interrupted_at_startup, made_run_dir
-from areno.procs.signals import interrupts_raise, raise_held, run_ending, step_window
+from areno.procs.signals import interrupts_raise, raise_dropped, raise_held, run_ending, step_window
 from areno.metrics import train_metrics
 from areno.split import build_split_pack
 from areno.rewards import RewardError, RewardResult
@@ -208,6 +208,7 @@ def train_loop(run: Run) -> None:
     before = None
     try:
         for step in range(run.step + 1, run.total_steps + 1):
+            raise_dropped()
             before = (step, run.backend.step)
             # From the step's update to its save an interrupt waits (signals.step_window):
             # once the update reached the weights, finishing the step is the only way to

@@ -217,3 +217,35 @@ def test_once_the_run_said_its_last_line_a_later_signal_is_only_recorded(sig, mo
         os.kill(os.getpid(), sig)  # the handler runs before the next bytecode: nothing raises
         assert last_signal() == sig.name
     assert signal.getsignal(sig) is before
+
+
+def test_an_interrupt_python_drops_in_a_finalizer_is_raised_at_the_next_check(monkeypatch, capfd):
+    """CI's start-up Ctrl-C landed in an import's module-lock weakref callback:
+    Python printed "Exception ignored in ... SignalInterrupt" and the run trained on.
+    Now the drop is silent and marked, and raise_dropped (start-up's end, each
+    step) raises it; another exception a finalizer drops still reaches the hook."""
+    import sys
+
+    from areno.procs import signals
+    from areno.procs.signals import raise_dropped
+
+    monkeypatch.setattr(signals, "_received", [])
+    seen = []
+    hook = lambda u: seen.append(u.exc_type)  # noqa: E731
+    monkeypatch.setattr(sys, "unraisablehook", hook)
+
+    class Finalized:
+        def __init__(self, fail: Any) -> None:
+            self.fail = fail
+
+        def __del__(self) -> None:
+            self.fail()
+
+    with interrupts_raise():
+        Finalized(lambda: os.kill(os.getpid(), signal.SIGINT))  # the handler raises inside __del__
+        with pytest.raises(KeyboardInterrupt):
+            raise_dropped()
+        raise_dropped()  # once only
+        Finalized(lambda: 1 / 0)
+    assert seen == [ZeroDivisionError] and sys.unraisablehook is hook
+    assert "Traceback" not in capfd.readouterr().err

@@ -10,8 +10,8 @@ signals (HELD), and the four ways it holds them.
    on, the signals are only recorded until the command takes them: `train` at
    the start of its run (`raise_held`, which stops at once with the start-up
    message if one came), the other commands as they start (`release`).
-2. The run (`interrupts_raise`, `defer_interrupts`/`release_interrupts`). Each
-   signal raises SignalInterrupt in the main thread (SIGTERM normally kills the
+2. The run (`interrupts_raise`, `defer_interrupts`/`release_interrupts`,
+   `raise_dropped`). Each signal raises SignalInterrupt in the main thread (SIGTERM normally kills the
    process without a word, SIGHUP comes from a closed terminal or ssh session);
    once a step's update has started the first one only marks the step, which
    then ends whole (areno/runtime/interrupt.py says what the run does next).
@@ -138,17 +138,46 @@ def _raise(signum: int, _frame: Any) -> None:
     raise SignalInterrupt
 
 
+_dropped = [False]  # Python dropped a SignalInterrupt (see raise_dropped)
+
+
+def _unraisable(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+    """sys.unraisablehook that marks a dropped SignalInterrupt, silently, and
+    passes everything else to `hook`."""
+    def marks(u: Any) -> None:
+        if isinstance(u.exc_value, SignalInterrupt):
+            _dropped[0] = True
+        else:
+            hook(u)
+    return marks
+
+
+def raise_dropped() -> None:
+    """Raise the interrupt Python dropped, if it did. A handler runs wherever the
+    main thread is, and one that raises inside a weakref callback, a __del__ or a
+    GC run (an import's module-lock callback, during start-up) has its exception
+    printed ("Exception ignored in") and lost: the run would go on as if no Ctrl-C
+    came. Called where the run can stop whole: as start-up ends, at each step."""
+    if _dropped[0]:
+        _dropped[0] = False
+        raise SignalInterrupt
+
+
 @contextlib.contextmanager
 def interrupts_raise() -> Iterator[None]:
     """HELD signals raise SignalInterrupt (a KeyboardInterrupt) while the block
-    runs (only the main thread may set handlers: elsewhere, a no-op)."""
+    runs (only the main thread may set handlers: elsewhere, a no-op); one Python
+    drops is kept for raise_dropped."""
     if not _in_main_thread():
         yield
         return
     old = {s: signal.signal(s, _raise) for s in handled()}
+    _dropped[0] = False
+    hook, sys.unraisablehook = sys.unraisablehook, _unraisable(sys.unraisablehook)
     try:
         yield
     finally:
+        sys.unraisablehook = hook
         for s, h in old.items():
             signal.signal(s, h)
 
