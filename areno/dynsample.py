@@ -10,7 +10,7 @@ A group is informative when its rewards can move the policy:
             (verl's metric acc; the demo's and gsm8k's rewards are 0/1)
 
 `fill_batch` is the loop, independent of where rollouts come from: it takes a
-`collect(round) -> Round` callable (colocated: generate and score now,
+`collect() -> Round` callable (the next round) (colocated: generate and score now,
 trainer.py; under split placement the engine processes' loop supplies the
 rounds). Rounds are kept whole in order, the groups of a round in prompt order,
 so the kept batch depends only on the rounds, never on timing. Past
@@ -90,15 +90,15 @@ def informative_groups(rewards: np.ndarray, valid: np.ndarray, group_index: np.n
     return ~zero_variance_groups(r, np.asarray(group_index)[valid], num_groups)
 
 
-def fill_batch(collect: Callable[[int], Round], want: int, max_rounds: int,
+def fill_batch(collect: Callable[[], Round], want: int, max_rounds: int,
                informative: Callable[[Round], np.ndarray]) -> Filled:
-    """Collect rounds 0, 1, ... until `want` informative groups are kept or
-    `max_rounds` rounds ran; informative(round) -> [P] bool."""
+    """Collect rounds one after another until `want` informative groups are kept
+    or `max_rounds` rounds ran; informative(round) -> [P] bool."""
     kept: list[Round] = []
     seen: list[Round] = []
     n_kept = 0
     while n_kept < want and len(seen) < max_rounds:
-        seen.append(collect(len(seen)))
+        seen.append(collect())
         groups = np.flatnonzero(informative(seen[-1]))[: want - n_kept]
         if groups.size:
             kept.append(take_groups(seen[-1], groups))

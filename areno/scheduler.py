@@ -120,7 +120,7 @@ class Rollouts:
         if informative is None:
             filled = Filled.whole(self.take(step, timer))
         else:
-            filled = fill_batch(lambda _: self.take(step, timer), cfg.batch_size,
+            filled = fill_batch(lambda: self.take(step, timer), cfg.batch_size,
                                 cfg.max_sampling_rounds, informative)
         return filled, self.loop_metrics()
 

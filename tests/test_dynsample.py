@@ -44,9 +44,9 @@ def by_reward(r: Round) -> np.ndarray:
 def collector(rounds: list[Round]):
     calls = []
 
-    def collect(i: int) -> Round:
-        calls.append(i)
-        return rounds[i]
+    def collect() -> Round:
+        calls.append(len(calls))
+        return rounds[calls[-1]]
     return collect, calls
 
 

@@ -130,8 +130,12 @@ def raise_held() -> None:
 _deferred: dict[str, bool] = {"on": False, "hit": False}
 
 
-def _raise(signum: int, _frame: Any) -> None:
+def _note(signum: int, _frame: Any) -> None:
     _received.append(signal.Signals(signum).name)
+
+
+def _raise(signum: int, frame: Any) -> None:
+    _note(signum, frame)
     if _deferred["on"] and not _deferred["hit"]:  # a second one raises at once
         _deferred["hit"] = True
         return
@@ -182,10 +186,6 @@ def interrupts_raise() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def _ended(signum: int, _frame: Any) -> None:
-    _received.append(signal.Signals(signum).name)
-
-
 def run_ending() -> None:
     """The run has printed its last line (interrupted, stopped): from here a signal
     is only recorded, so the close that follows (each process told to shut down,
@@ -195,7 +195,7 @@ def run_ending() -> None:
     if _in_main_thread():
         for s in handled():
             if signal.getsignal(s) is _raise:
-                signal.signal(s, _ended)
+                signal.signal(s, _note)
 
 
 def defer_interrupts() -> None:
