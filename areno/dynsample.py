@@ -10,9 +10,8 @@ A group is informative when its rewards can move the policy:
             (verl's metric acc; the demo's and gsm8k's rewards are 0/1)
 
 `fill_batch` is the loop, independent of where rollouts come from: it takes a
-`collect() -> Round` callable (the next round) (colocated: generate and score now,
-trainer.py; under split placement the engine processes' loop supplies the
-rounds). Rounds are kept whole in order, the groups of a round in prompt order,
+`collect() -> Round` callable, the next round (colocated: generated and scored
+now; under split placement the engine processes' loop supplies the rounds). Rounds are kept whole in order, the groups of a round in prompt order,
 so the kept batch depends only on the rounds, never on timing. Past
 --batch-size the surplus of the last round is dropped (as verl's), and at the
 bound the step trains on what it kept (verl raises instead), counted in

@@ -11,10 +11,12 @@ signals (HELD), and the four ways it holds them.
    the start of its run (`raise_held`, which stops at once with the start-up
    message if one came), the other commands as they start (`release`).
 2. The run (`interrupts_raise`, `defer_interrupts`/`release_interrupts`,
-   `raise_dropped`). Each signal raises SignalInterrupt in the main thread (SIGTERM normally kills the
-   process without a word, SIGHUP comes from a closed terminal or ssh session);
-   once a step's update has started the first one only marks the step, which
-   then ends whole (areno/runtime/interrupt.py says what the run does next).
+   `raise_dropped`). Each signal raises SignalInterrupt in the main thread
+   (SIGTERM normally kills the process without a word, SIGHUP comes from a
+   closed terminal or ssh session); once a step's update has started the first
+   one only marks the step, which then ends whole; one Python drops (raised in
+   a finalizer) is raised again at the next step (areno/runtime/interrupt.py
+   says what the run does next).
 3. A pipe message (`signals_held`): held across one write or read of the
    command pipes, so that an interrupt can never split one.
 4. The run's other processes (`spawning`, `peer_ignores`): a scheduler stops a
