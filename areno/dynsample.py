@@ -11,11 +11,11 @@ A group is informative when its rewards can move the policy:
 
 `fill_batch` is the loop, independent of where rollouts come from: it takes a
 `collect() -> Round` callable, the next round (colocated: generated and scored
-now; under split placement the engine processes' loop supplies the rounds). Rounds are kept whole in order, the groups of a round in prompt order,
-so the kept batch depends only on the rounds, never on timing. Past
---batch-size the surplus of the last round is dropped (as verl's), and at the
-bound the step trains on what it kept (verl raises instead), counted in
-sampling/bound_hit.
+now; under split placement the engine processes' loop supplies the rounds).
+Rounds are kept whole in order, the groups of a round in prompt order, so the
+kept batch depends only on the rounds, never on timing. Past --batch-size the
+surplus of the last round is dropped (as verl's), and at the bound the step
+trains on what it kept (verl raises instead), counted in sampling/bound_hit.
 """
 
 from __future__ import annotations
