@@ -25,11 +25,12 @@ Where the engines live decides when a round runs:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from areno.continuation import continuation_prompts, halted, splice
 from areno.data.prompts import PromptSet, select
 from areno.data.rows import RowSet
 from areno.dynsample import Round
@@ -74,6 +75,27 @@ class Producer:
         """--partial-rollouts: engine processes may load a published region between
         two decode steps of the rounds they generate (EngineView.offer)."""
         self.run.engine.offer(region, version)
+
+    def halt(self) -> None:
+        """--partial-rollouts, Ctrl-C: the single-turn rounds in flight end at their
+        engines' next decode step with the tokens they have (EngineView.halt)."""
+        self.run.engine.halt()
+
+    def continue_halted(self, batch: RolloutBatch, version: int, now: int, sampling: SamplingConfig,
+                        ) -> RolloutBatch:
+        """A saved round's batch (its tokens of `version` where it records none) with
+        its halted samples continued now, by the engines holding version `now`:
+        each from its prompt and tokens so far, up to the cap left to it
+        (areno/continuation.py); a batch with none is returned as is. sampling:
+        its round's; the continuation draws a stream of its own."""
+        which = np.flatnonzero(halted(batch))
+        if not which.size:
+            return batch
+        ids, offsets, budget = continuation_prompts(batch, which, sampling.max_tokens)
+        seed = None if sampling.seed is None else \
+            int(np.random.SeedSequence([sampling.seed, 1]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+        cont = self.run.engine.generate(ids, offsets, 1, replace(sampling, max_tokens=int(budget.max()), seed=seed))
+        return splice(batch, which, cont, budget, version, now)
 
     def start(self, data: Data, prompt_idx: np.ndarray, n: int, sampling: SamplingConfig,
               region: Any = None, overlap: bool = True, version: int | None = None) -> "Pending":

@@ -70,6 +70,7 @@ import numpy as np
 from areno.procs.errors import BackendError
 from areno.config.offpolicy import weight_slots
 from areno.config.env import multi_turn
+from areno.continuation import halted
 from areno.envs.driver import episode_spec
 from areno.dynsample import Filled, Round, fill_batch, informative_groups
 from areno.errors import UserError, one_line
@@ -107,6 +108,7 @@ class Rollouts:
         # a step trains the groups that finish first, from any round, the filter's
         # too (first_finished.py).
         self.partial = bool(getattr(run.cfg, "partial_rollouts", False))
+        self.halted = any(c.saved is not None and halted(c.saved[0]).any() for c in self.inflight)
 
     # -- the step ------------------------------------------------------------------
     def next_batch(self, step: int, timer: PhaseTimer) -> tuple[Filled, dict[str, float]]:
@@ -114,6 +116,13 @@ class Rollouts:
         (the Filled batch, the loop's metrics: lag and waits under engine processes)."""
         cfg = self.run.cfg
         informative = None if cfg.dynamic_sampling == "off" else self.informative
+        if self.halted:  # a checkpoint's samples halted mid-generation: finished first
+            self.halted = False
+            for cur in self.inflight:
+                batch, scored = cur.saved or (None, None)
+                if batch is not None:
+                    sampling = self.run.sampling_for(1 + batches_drawn(cur.sampler_before))
+                    cur.saved = (self.producer.continue_halted(batch, cur.version, self.updates, sampling), scored)
         if self.partial:
             return first_finished.next_groups(self, step, timer, informative)
         self.taken, self.updates_at_train = [], self.updates
@@ -266,7 +275,8 @@ class Rollouts:
         wait_s None: INTERRUPT_WAIT_S, and under --partial-rollouts no limit: every
         round is waited for and saved, so no generated token is lost (a dropped
         one could not be sampled again as it was: which tokens a version sampled
-        there depended on timing)."""
+        there depended on timing); single-turn ones are halted first, so the
+        wait is one decode step (areno/continuation.py)."""
         self.taken = []
         if wait_s is None:
             wait_s = float("inf") if self.partial else INTERRUPT_WAIT_S
@@ -289,11 +299,18 @@ class Rollouts:
         return dropped[0].sampler_before if dropped else None
 
     def _say_waiting(self) -> None:
-        """One line while an interrupt waits without limit, so the pause is explained."""
+        """Single-turn rounds generating now are halted (their tokens saved, continued
+        on resume); multi-turn ones are waited for. One line says which."""
         busy = sum(cur.pending is not None and cur.round is None and cur.pending.generating for cur in self.inflight)
-        if busy:
-            print(f"areno: waiting for the {busy} rollout(s) in flight to finish, so that no sampled token "
-                  "is lost (--partial-rollouts); Ctrl-C again drops them", file=sys.stderr, flush=True)
+        if not busy:
+            return
+        if self.producer.episodes is None:
+            self.producer.halt()
+            what = (f"halting the {busy} rollout(s) in flight at their next decode step: the checkpoint keeps "
+                    "their tokens and a resume continues them")
+        else:
+            what = f"waiting for the {busy} multi-turn rollout(s) in flight to finish, so that no sampled token is lost"
+        print(f"areno: {what} (--partial-rollouts); Ctrl-C again drops them", file=sys.stderr, flush=True)
 
     def checkpoint_state(self, path: Path) -> dict:
         """Save every round in flight into checkpoint dir `path`, waiting for each

@@ -112,3 +112,34 @@ def test_a_load_between_generates_is_no_swap_inside_the_next(engine, tiny_chat_m
         engine.step_hook = None
     assert set(b.token_version.tolist()) == {8} and steps[:3] == [1, 2, 3]
     assert recomputed == []
+
+
+def test_a_halt_ends_every_request_at_the_step_boundary_with_the_tokens_it_sampled(engine, make_prompts):
+    """engine.halt set by the step hook (the run saving, fleet/inflight_loads.py):
+    every request ends there, finish "abort", holding exactly the tokens and
+    log-probs the unhalted generate sampled up to that step (same seed), each
+    with its version; the engine then serves whole generates again."""
+    from areno.rollout.batch import FINISH_ABORT
+
+    ids, off = make_prompts(PROMPTS)
+    s = SamplingConfig(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=7)
+    engine.weight_version = 3
+    engine.step_hook = lambda done: None
+    try:
+        ref = engine.generate(ids, off, 2, s)
+
+        def hook(done: int) -> None:
+            engine.halt = done == SWAP_AT
+        engine.step_hook = hook
+        got = engine.generate(ids, off, 2, s)
+    finally:
+        engine.step_hook, engine.halt, engine.weight_version = None, False, None
+    assert got.num_responses == 6 and np.all(got.finish_reason == FINISH_ABORT)
+    assert np.all(got.response_lengths == SWAP_AT)
+    np.testing.assert_array_equal(got.group_index, ref.group_index)
+    first = np.concatenate([np.arange(a, a + SWAP_AT) for a in ref.response_offsets[:-1]])
+    np.testing.assert_array_equal(got.response_ids, ref.response_ids[first])
+    np.testing.assert_allclose(got.response_logprobs, ref.response_logprobs[first], atol=1e-4)
+    assert got.token_version.tolist() == [3] * got.num_response_tokens
+    again = engine.generate(ids, off, 2, s)
+    assert np.all(again.response_lengths == MAX_TOKENS)

@@ -144,12 +144,15 @@ class _SlowRound:
         self.dropped = True
 
 
-@pytest.mark.parametrize("partial", [False, True], ids=["default", "partial"])
-def test_ctrl_c_under_partial_rollouts_waits_for_every_round_in_flight(partial, capsys):
+@pytest.mark.parametrize("partial,episodes", [(False, None), (True, None), (True, "env")],
+                         ids=["default", "partial", "partial-multi-turn"])
+def test_ctrl_c_under_partial_rollouts_halts_single_turn_rounds_and_waits_for_every_round(
+        partial, episodes, capsys):
     """settle_interrupt: by default a round not whole within INTERRUPT_WAIT_S is
     dropped (its prompts sampled again, exactly, from the checkpoint's weights);
-    under --partial-rollouts it is waited for and kept (no generated token lost:
-    which version sampled which token cannot be repeated)."""
+    under --partial-rollouts a single-turn one is halted at its engines' next
+    decode step, a multi-turn one is not, and either is waited for and kept (no
+    generated token lost: which version sampled which token cannot be repeated)."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -158,29 +161,21 @@ def test_ctrl_c_under_partial_rollouts_waits_for_every_round_in_flight(partial, 
 
     run = SimpleNamespace(cfg=SimpleNamespace(off_policy_steps=1, partial_rollouts=partial), rows=None,
                           prompts=None)
-    sched = Rollouts(run, SimpleNamespace(background=True), updates=3)
+    halts = []
+    sched = Rollouts(run, SimpleNamespace(background=True, episodes=episodes, halt=lambda: halts.append(1)),
+                     updates=3)
     slow = _SlowRound()
     sched.inflight = [Inflight(4, np.arange(2), {"pos": 7}, 3, pending=slow)]
     before = sched.settle_interrupt(3)
     assert (before, len(sched.inflight), slow.dropped) == ((None, 1, False) if partial else ({"pos": 7}, 0, True))
+    assert len(halts) == (partial and episodes is None)
     said = capsys.readouterr().err  # the wait without limit says why, and how to cut it short
-    assert said == ("areno: waiting for the 1 rollout(s) in flight to finish, so that no sampled token is lost "
-                    "(--partial-rollouts); Ctrl-C again drops them\n" if partial else "")
-
-
-def test_multi_turn_rounds_take_weights_mid_generation_and_count_each_tokens_version(
-        tmp_path, areno_cache, monkeypatch):
-    """--env-path under --partial-rollouts: the episode driver runs in the engine
-    process, its first turn of round 2 takes version 1 at decode step 2 (the gate),
-    and the part's token versions reach the trained batch (lag per token)."""
-    from test_compose import ENV, SPLIT, train
-
-    monkeypatch.setenv("ARENO_RANK_HOOKS", "offer_gate_hooks:OfferGate")
-    steps = train(tmp_path / "run", areno_cache, monkeypatch, *ENV, *SPLIT, "--off-policy-steps", "1",
-                  "--partial-rollouts", steps=3)
-    assert [steps[s]["rollout/inflight_loads"] for s in (1, 2, 3)] == [0, 1, 1]
-    two = steps[2]
-    assert two["rollout/policy_lag_max"] == 1 and two["rollout/token_lag_0"] > 0 < two["rollout/token_lag_1"]
+    assert said == {
+        None: "" if not partial else
+        "areno: halting the 1 rollout(s) in flight at their next decode step: the checkpoint keeps their tokens "
+        "and a resume continues them (--partial-rollouts); Ctrl-C again drops them\n",
+        "env": "areno: waiting for the 1 multi-turn rollout(s) in flight to finish, so that no sampled token is "
+        "lost (--partial-rollouts); Ctrl-C again drops them\n"}[episodes]
 
 
 @pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])

@@ -103,7 +103,7 @@ class EngineWorker:
         # "offer" runs on the command reader thread (procs.serve.queued_commands), not
         # behind the rounds queued here, and has no reply.
         self.inflight = InflightLoads(self.engine, self.sync_check)
-        self.immediate = {"offer": self.inflight.offer}
+        self.immediate = {"offer": self.inflight.offer, "halt": self.inflight.halt}
         self.emit = None  # set by serve(): sends one ("part", ...) message mid-command
         # Set by serve_worker (queued commands): the queued commands, and a reply sent
         # before the command ends (tail fill: a rollout replies for those it took).
@@ -147,7 +147,7 @@ class EngineWorker:
         (fleet/inflight_loads.py), and a region not newer than those held is
         not loaded again."""
         idle_s = 0.0 if self._idle_since is None else max(0.0, time.monotonic() - self._idle_since)
-        loaded = self._load_first(region, version)
+        loaded = self._load_first(region, version, haltable=True)
         self.hooks.rollout_begin(self.index)
         if version is not None and self.inbox is not None and offsets.size > 1 and \
                 hasattr(self.engine, "generate_rounds"):  # tail fill (fleet/tail_fill.py)
@@ -165,14 +165,14 @@ class EngineWorker:
         self._idle_since = time.monotonic()
         return loaded | {"tokens": tokens, "idle_s": idle_s, "generate_s": time.perf_counter() - t1}
 
-    def _load_first(self, region: WeightRegion | None, version: int | None) -> dict:
+    def _load_first(self, region: WeightRegion | None, version: int | None, haltable: bool = False) -> dict:
         """A round's weights before it samples: `region` when given (under
         --partial-rollouts, `version`, only when newer than those held), then the
-        in-flight loads begin."""
+        in-flight loads begin (haltable: a single-turn round, which a halt ends)."""
         if version is None:
             return self.cmd_load_region(region) if region is not None else {}
         loaded = self.cmd_load_region(region) if region is not None and self.inflight.newer(version) else {}
-        self.inflight.begin(version)
+        self.inflight.begin(version, haltable)
         return loaded
 
     def cmd_episodes(self, region: WeightRegion | None, ids: np.ndarray, offsets: np.ndarray, n: int,

@@ -231,6 +231,15 @@ class EngineProcs:
         for i in range(self.count):
             self.peers.post(i, "offer", {"region": region, "version": version})
 
+    def halt(self) -> None:
+        """--partial-rollouts, the run saving after Ctrl-C: every engine process ends
+        its single-turn rounds, running or queued, at their next decode step
+        boundary, each sample with the tokens it has (finish "abort"); taken at
+        once by each one's command reader, as an offer is."""
+        self._check_open()
+        for i in range(self.count):
+            self.peers.post(i, "halt", {})
+
     def log_sync(self, timings: dict[str, float]) -> dict[str, float]:
         """A sync's figures, also as one line in run.log (weight_sync.log_sync)."""
         from areno.fleet.weight_sync import log_sync  # torch: not at import (module docstring)

@@ -91,6 +91,12 @@ class EngineView(Protocol):
         (fleet/inflight_loads.py); engines that cannot: nothing."""
         ...
 
+    def halt(self) -> None:
+        """--partial-rollouts, an interrupted run saving: the rounds generating now
+        end at their next decode step, each sample with the tokens it has
+        (finish "abort"); engines in the ranks: nothing (none runs while it saves)."""
+        ...
+
 
 class EngineHost(Protocol):
     """Who holds the engines' pipes: the TorchBackend (engines in the ranks) or
@@ -242,6 +248,9 @@ class PeerEngines:
     def offer(self, region: WeightRegion, version: int) -> None:
         """Engines in the ranks sleep while the ranks train: no round runs to offer to."""
 
+    def halt(self) -> None:
+        """Engines in the ranks: no round runs while the run saves."""
+
 
 class RankSide(Protocol):
     """What ProcEngines needs of the training ranks (a TorchBackend): rank 0
@@ -287,6 +296,9 @@ class ProcEngines(PeerEngines):
 
     def offer(self, region: WeightRegion, version: int) -> None:
         self.fleet.offer(region, version)
+
+    def halt(self) -> None:
+        self.fleet.halt()
 
     @property
     def dead(self) -> Any:  # type: ignore[override]

@@ -41,6 +41,8 @@ class InflightLoads:
         self.version: int | None = None  # the weights the engine holds (None: not told yet)
         self._offer: tuple[int, WeightRegion] | None = None
         self._lock = threading.Lock()  # the reader thread offers while the hook takes
+        self._halt = False  # the run is saving (halt): rounds end at their next step boundary
+        self._haltable = False  # the round generating may be halted (single-turn: cmd_rollout)
         self._reset()
 
     def _reset(self) -> None:
@@ -53,13 +55,22 @@ class InflightLoads:
             if self._offer is None or version > self._offer[0]:
                 self._offer = (int(version), region)
 
+    def halt(self) -> None:
+        """The command reader thread: the run is saving (Ctrl-C). Every haltable round,
+        running or queued, ends at its next step boundary with the tokens it
+        sampled (finish "abort"); the resumed run continues them (areno/continuation.py)."""
+        self._halt = True
+
     def newer(self, version: int) -> bool:
         """Whether weights of `version` are newer than those the engine holds."""
         return self.version is None or version > self.version
 
-    def begin(self, version: int) -> None:
+    def begin(self, version: int, haltable: bool = False) -> None:
         """A round starts, the engine holding `version` at least (loaded just now, or
-        newer ones loaded in flight before): tag its tokens, drop stale offers."""
+        newer ones loaded in flight before): tag its tokens, drop stale offers.
+        haltable: a halt ends it (single-turn; an episode's environment state
+        stays in its workers, so a multi-turn round runs to its end)."""
+        self._haltable = haltable
         self.version = version if self.newer(version) else self.version
         self.engine.weight_version = self.version
         with self._lock:
@@ -69,7 +80,11 @@ class InflightLoads:
         self.engine.step_hook = self.step
 
     def step(self, steps: int) -> None:
-        """Step boundary (the engine's step_hook): load the newest offer, if newer."""
+        """Step boundary (the engine's step_hook): load the newest offer, if newer;
+        once the run is saving, end a haltable round here instead (engine.halt)."""
+        if self._halt and self._haltable:
+            self.engine.halt = True
+            return
         with self._lock:
             offer, self._offer = self._offer, None
         if offer is not None and self.newer(offer[0]):
@@ -108,6 +123,7 @@ class InflightLoads:
     def finish(self) -> dict:
         """The round ended -> its figures for the reply (the deferred probe's with them)."""
         self.engine.step_hook = None
+        self.engine.halt = False
         out = self.figures()
         region = self._probe
         if region is not None and region.probe is not None:

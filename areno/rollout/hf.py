@@ -19,7 +19,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from areno.rollout.batch import FINISH_LENGTH, FINISH_STOP, RolloutBatch, csr_take, offsets_from_lengths
+from areno.rollout.batch import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutBatch, csr_take, offsets_from_lengths
 from areno.rollout.engine import (
     SamplingConfig,
     prompt_seeds,
@@ -94,6 +94,7 @@ class HFEngine:
         self.step_hook: Callable[[int], None] | None = None
         self.weight_version: int | None = None
         self.kv_stale = False  # weights changed inside a generate: its cache is recomputed
+        self.halt = False  # set by step_hook: every row ends at this step boundary (finish "abort")
 
     # -- sampling ------------------------------------------------------------
     def generate(
@@ -341,13 +342,14 @@ def _left_pad(ids: np.ndarray, offsets: np.ndarray, members: np.ndarray, pad: in
 
 def _cut_at_stop(tok: np.ndarray, stop_ids: tuple[int, ...], max_new: int) -> tuple[np.ndarray, np.ndarray]:
     """[B, S] sampled tokens -> (length [B] incl. the first stop token, finish [B]).
-    Rows without a stop token ran to the step limit (generate stops early only
-    when every row has stopped)."""
+    A row without a stop token ran to the step limit, or, when S < max_new, was
+    halted (engine.halt: generate stops early otherwise only when every row has
+    stopped): finish "abort"."""
     b, s = tok.shape
     hit = np.isin(tok, np.asarray(stop_ids, dtype=tok.dtype)) if stop_ids else np.zeros((b, s), bool)
     has = hit.any(axis=1)
     length = np.where(has, hit.argmax(axis=1) + 1, s).astype(np.int64)
-    finish = np.where(has, FINISH_STOP, FINISH_LENGTH).astype(np.uint8)
+    finish = np.where(has, FINISH_STOP, FINISH_LENGTH if s >= max_new else FINISH_ABORT).astype(np.uint8)
     return length, finish
 
 

@@ -31,7 +31,8 @@ from transformers.generation.stopping_criteria import StoppingCriteria
 class StepBoundary(StoppingCriteria):
     """The step boundary of one `generate`: runs engine.step_hook(tokens sampled
     so far), recomputes the cache when the weights changed there, and records
-    (step, version) of each swap. Never stops a row (returns all False).
+    (step, version) of each swap. Stops every row only when the hook set
+    engine.halt (an interrupted run saves its rounds mid-generation).
 
     engine: HFEngine; cache: the DynamicCache generate fills; mask: [B, L] int64
     the rows' attention mask at the start (L: the left-padded prompt width)."""
@@ -46,6 +47,8 @@ class StepBoundary(StoppingCriteria):
         eng = self.engine
         if eng.step_hook is not None:
             eng.step_hook(self.steps)
+        if eng.halt:  # the run is saving: every row ends here, its tokens kept (finish "abort")
+            return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         if eng.kv_stale:
             recompute_cache(eng.model, self.cache, input_ids, self.mask)
             eng.kv_stale = False

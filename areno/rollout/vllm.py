@@ -38,7 +38,7 @@ from areno.rollout.factory import check_vllm_version, select_vllm_runner  # noqa
 from areno.rollout.engine import SamplingConfig, prompt_seeds, validate_prompts, validate_sequence  # noqa: E402
 from areno.rollout.probe import Fingerprint, WeightSyncError  # noqa: E402
 from areno.rollout.vllm_fingerprint import held_fingerprint  # noqa: E402
-from areno.rollout.vllm_inflight import SwapLog  # noqa: E402
+from areno.rollout.vllm_inflight import SwapLog, halt_requests  # noqa: E402
 from areno.rollout.vllm_lora import VLLMAdapters, lora_llm_kwargs  # noqa: E402
 from areno.rollout.vllm_rounds import RoundRequest, stream_rounds  # noqa: E402
 from areno.rollout.vllm_outputs import FlatLogprobs, batch_from_request_outputs  # noqa: E402
@@ -129,6 +129,7 @@ class VLLMEngine:
         # In-flight updates (rollout.vllm_inflight): step_hook(steps done) runs between
         # engine steps; weight_version (None: not told) tags every token sampled.
         self.step_hook: Callable[[int], None] | None = None
+        self.halt = False  # set by step_hook: every request ends at this step boundary (finish "abort")
         self.weight_version: int | None = None
         self._swaps: SwapLog | None = None  # the generation in progress, while a hook may swap
 
@@ -159,19 +160,24 @@ class VLLMEngine:
         engine = self.llm.llm_engine
         done: list[Any] = []
         self._swaps, steps = SwapLog(self.weight_version), 0
+
+        def part(outs: list[Any]) -> tuple[np.ndarray, RolloutBatch]:
+            pos = np.fromiter((position[o.request_id] for o in outs), np.int64, len(outs))
+            sub_ids = np.concatenate([pieces[i] for i in pos.tolist()])
+            batch = batch_from_request_outputs(outs, sub_ids, offsets_from_lengths(np.diff(offsets)[pos]), n)
+            return pos, self._swaps.stamp(batch, [req_ids[p] for p in pos.tolist()], n)
         try:
             while engine.has_unfinished_requests():
                 done += [o for o in engine.step() if o.finished]
                 steps += 1
                 if len(done) >= min_groups or (done and not engine.has_unfinished_requests()):
-                    pos = np.fromiter((position[o.request_id] for o in done), np.int64, len(done))
-                    lengths = np.diff(offsets)[pos]
-                    sub_ids = np.concatenate([pieces[i] for i in pos.tolist()])
-                    batch = batch_from_request_outputs(done, sub_ids, offsets_from_lengths(lengths), n)
-                    yield pos, self._swaps.stamp(batch, [req_ids[p] for p in pos.tolist()], n)
+                    yield part(done)
                     done = []
                 if self.step_hook is not None and engine.has_unfinished_requests():
                     self.step_hook(steps)
+                    if self.halt:  # the run is saving: every request ends now with its tokens
+                        yield part(done + halt_requests(engine))
+                        return
         finally:
             self._swaps = None
 

@@ -63,3 +63,19 @@ def child_ids(enqueued: str, n: int) -> list[str]:
     """The scheduler's ids of the n samples of one enqueued prompt (vLLM's
     parallel sampling names sample j "<j>_<id>"; n = 1 keeps the id)."""
     return [enqueued] if n == 1 else [f"{j}_{enqueued}" for j in range(n)]
+
+
+def halt_requests(llm_engine: Any) -> list[Any]:
+    """End every request the engine holds now, with the tokens it sampled (the
+    run is saving: fleet/inflight_loads.py's halt) -> their final RequestOutputs
+    (finish "abort"; a prompt's n samples in one, as a finished request's).
+    vLLM's sync engine makes no output for an aborted request, so each one's is
+    made from its output state (tokens and log-probs so far) before the abort."""
+    from vllm.v1.engine import FinishReason
+
+    states = llm_engine.output_processor.request_states
+    held = list(states)
+    outputs = [o for rid in held
+               if (o := states[rid].make_request_output([], None, FinishReason.ABORT, None)) is not None]
+    llm_engine.abort_request(held, internal=True)
+    return outputs

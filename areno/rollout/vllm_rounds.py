@@ -24,7 +24,7 @@ import numpy as np
 
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths
 from areno.rollout.engine import SamplingConfig
-from areno.rollout.vllm_inflight import SwapLog
+from areno.rollout.vllm_inflight import SwapLog, halt_requests
 
 
 @dataclass(frozen=True)
@@ -86,6 +86,12 @@ def stream_rounds(engine: Any, first: RoundRequest, admit: Callable[[int], Round
         swaps.logs.append(rounds[-1].swaps)
 
     enqueue(first)
+
+    def finished() -> Iterator[tuple[int, np.ndarray, RolloutBatch]]:
+        for k, r in enumerate(rounds):
+            if r.done:
+                yield k, *_part(r, [where[o.request_id][1] for o in r.done])
+                r.done = []
     engine._swaps, steps = swaps, 0
     try:
         while llm_engine.has_unfinished_requests():
@@ -93,14 +99,16 @@ def stream_rounds(engine: Any, first: RoundRequest, admit: Callable[[int], Round
                 if o.finished:
                     rounds[where[o.request_id][0]].done.append(o)
             steps += 1
-            for k, r in enumerate(rounds):
-                if r.done:
-                    yield k, *_part(r, [where[o.request_id][1] for o in r.done])
-                    r.done = []
+            yield from finished()
             if not llm_engine.has_unfinished_requests():
                 break
             if engine.step_hook is not None:
                 engine.step_hook(steps)
+                if engine.halt:  # the run is saving: every request ends now with its tokens
+                    for o in halt_requests(llm_engine):
+                        rounds[where[o.request_id][0]].done.append(o)
+                    yield from finished()
+                    return
             if (req := admit(running_sequences(engine))) is not None:
                 enqueue(req)
     finally:
