@@ -32,6 +32,7 @@ import numpy as np
 
 from areno.continuation import continuation_prompts, halted, splice
 from areno.data.prompts import PromptSet, select
+from areno.data.sampler import batches_drawn
 from areno.data.rows import RowSet
 from areno.dynsample import Round
 from areno.envs.driver import EpisodeSpec, env_states, observation_format, rollout_multiturn
@@ -81,21 +82,23 @@ class Producer:
         engines' next decode step with the tokens they have (EngineView.halt)."""
         self.run.engine.halt()
 
-    def continue_halted(self, batch: RolloutBatch, version: int, now: int, sampling: SamplingConfig,
-                        ) -> RolloutBatch:
-        """A saved round's batch (its tokens of `version` where it records none) with
-        its halted samples continued now, by the engines holding version `now`:
-        each from its prompt and tokens so far, up to the cap left to it
-        (areno/continuation.py); a batch with none is returned as is. sampling:
-        its round's; the continuation draws a stream of its own."""
-        which = np.flatnonzero(halted(batch))
-        if not which.size:
-            return batch
-        ids, offsets, budget = continuation_prompts(batch, which, sampling.max_tokens)
-        seed = None if sampling.seed is None else \
-            int(np.random.SeedSequence([sampling.seed, 1]).generate_state(1, np.uint64)[0] >> np.uint64(1))
-        cont = self.run.engine.generate(ids, offsets, 1, replace(sampling, max_tokens=int(budget.max()), seed=seed))
-        return splice(batch, which, cont, budget, version, now)
+    def continue_halted(self, saved: list[Any], now: int) -> bool:
+        """The checkpoint's rounds (scheduler Inflight: `saved` (batch, rewards), its
+        tokens of `version` where the batch records none) with their halted
+        samples continued now, by the engines holding version `now`: each from its
+        prompt and tokens so far, up to the cap left to it, with a stream of its
+        own (areno/continuation.py) -> False: none is left halted."""
+        for cur in saved:
+            if cur.saved is None or not (which := np.flatnonzero(halted(cur.saved[0]))).size:
+                continue
+            (batch, scored), sampling = cur.saved, self.run.sampling_for(1 + batches_drawn(cur.sampler_before))
+            ids, offsets, budget = continuation_prompts(batch, which, sampling.max_tokens)
+            seed = None if sampling.seed is None else \
+                int(np.random.SeedSequence([sampling.seed, 1]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+            cont = self.run.engine.generate(ids, offsets, 1, replace(sampling, max_tokens=int(budget.max()),
+                                                                     seed=seed))
+            cur.saved = (splice(batch, which, cont, budget, cur.version, now), scored)
+        return False
 
     def start(self, data: Data, prompt_idx: np.ndarray, n: int, sampling: SamplingConfig,
               region: Any = None, overlap: bool = True, version: int | None = None) -> "Pending":

@@ -117,12 +117,7 @@ class Rollouts:
         cfg = self.run.cfg
         informative = None if cfg.dynamic_sampling == "off" else self.informative
         if self.halted:  # a checkpoint's samples halted mid-generation: finished first
-            self.halted = False
-            for cur in self.inflight:
-                batch, scored = cur.saved or (None, None)
-                if batch is not None:
-                    sampling = self.run.sampling_for(1 + batches_drawn(cur.sampler_before))
-                    cur.saved = (self.producer.continue_halted(batch, cur.version, self.updates, sampling), scored)
+            self.halted = self.producer.continue_halted(self.inflight, self.updates)
         if self.partial:
             return first_finished.next_groups(self, step, timer, informative)
         self.taken, self.updates_at_train = [], self.updates

@@ -254,7 +254,7 @@ def test_a_hub_id_is_name_checked_from_its_snapshot_in_the_hf_cache(tiny_chat_pa
     import huggingface_hub.constants
     from transformers import AutoConfig
 
-    from areno.rollout.vllm import _checkpoint_names
+    from areno.rollout.vllm_fingerprint import checkpoint_names
 
     repo = tmp_path / "hub" / "models--areno-test--tiny-chat"
     shutil.copytree(tiny_chat_path, repo / "snapshots" / "abc123")
@@ -262,10 +262,10 @@ def test_a_hub_id_is_name_checked_from_its_snapshot_in_the_hf_cache(tiny_chat_pa
     (repo / "refs" / "main").write_text("abc123")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     hf = AutoConfig.from_pretrained(tiny_chat_path)
-    local = _checkpoint_names(types.SimpleNamespace(model=str(tiny_chat_path), hf_config=hf))
-    from_hub = _checkpoint_names(types.SimpleNamespace(model="areno-test/tiny-chat", hf_config=hf))
+    local = checkpoint_names(types.SimpleNamespace(model=str(tiny_chat_path), hf_config=hf))
+    from_hub = checkpoint_names(types.SimpleNamespace(model="areno-test/tiny-chat", hf_config=hf))
     assert from_hub == local and local[0], from_hub
-    assert _checkpoint_names(types.SimpleNamespace(model="areno-test/not-cached", hf_config=hf))[0] is None
+    assert checkpoint_names(types.SimpleNamespace(model="areno-test/not-cached", hf_config=hf))[0] is None
 
 
 def test_probe_catches_a_load_that_silently_drops_a_tensor(engine, tiny_chat_model, original_state,

@@ -14,7 +14,6 @@ generate otherwise), and OMP_NUM_THREADS=1 on <= 2 cores.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -33,17 +32,14 @@ import vllm  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths, with_version  # noqa: E402
-from areno.models.directory import local_model_dir  # noqa: E402
 from areno.rollout.factory import check_vllm_version, select_vllm_runner  # noqa: E402
 from areno.rollout.engine import SamplingConfig, prompt_seeds, validate_prompts, validate_sequence  # noqa: E402
 from areno.rollout.probe import Fingerprint, WeightSyncError  # noqa: E402
-from areno.rollout.vllm_fingerprint import held_fingerprint  # noqa: E402
+from areno.rollout.vllm_fingerprint import checkpoint_names, held_fingerprint  # noqa: E402
 from areno.rollout.vllm_inflight import SwapLog, halt_requests  # noqa: E402
 from areno.rollout.vllm_lora import VLLMAdapters, lora_llm_kwargs  # noqa: E402
 from areno.rollout.vllm_rounds import RoundRequest, stream_rounds  # noqa: E402
 from areno.rollout.vllm_outputs import FlatLogprobs, batch_from_request_outputs  # noqa: E402
-
-log = logging.getLogger(__name__)
 
 HAS_FLAT_LOGPROBS = FlatLogprobs is not None and hasattr(SamplingParams(), "flat_logprobs")
 # Default KV cache on CPU when the caller gives none: vLLM would claim most RAM.
@@ -123,7 +119,7 @@ class VLLMEngine:
         in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0" and (
             int(pc.world_size) == 1 or pc.distributed_executor_backend == "external_launcher")
         self.multiprocess: bool = not in_process
-        self._weight_names, self._optional_names = _checkpoint_names(mc)
+        self._weight_names, self._optional_names = checkpoint_names(mc)
         self._asleep = False
         self._discarded = False  # level-2 sleep freed weights and KV cache; a full load restores them
         # In-flight updates (rollout.vllm_inflight): step_hook(steps done) runs between
@@ -379,28 +375,3 @@ class VLLMEngine:
         if self._discarded and not loading:
             raise RuntimeError("VLLMEngine: sleep() freed the weights; load a full set before sampling")
 
-
-def _checkpoint_names(model_config: Any) -> tuple[set[str] | None, set[str]]:
-    """Tensor names of the checkpoint vLLM loaded (read from the safetensors
-    headers), used to check weight pushes by name: a local dir, or a hub id's
-    snapshot in the HF cache, where vLLM has just loaded it from; None if neither."""
-    path = local_model_dir(str(model_config.model))
-    files = sorted(path.glob("*.safetensors")) if path is not None else []
-    if not files:
-        log.warning("areno: cannot list the checkpoint's tensors in %s; weight pushes are not name-checked",
-                    model_config.model)
-        return None, set()
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            names.update(fh.keys())
-    hf = model_config.hf_config
-    tied = bool(getattr(hf, "tie_word_embeddings", False) or getattr(hf.get_text_config(), "tie_word_embeddings", False))
-    optional = {"lm_head.weight"} if tied else set()
-    names -= optional
-    # Non-persistent buffers some exporters include; vLLM skips them.
-    optional |= {n for n in names if n.endswith("rotary_emb.inv_freq")}
-    names -= optional
-    return names, optional

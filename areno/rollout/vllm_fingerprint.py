@@ -1,4 +1,5 @@
-"""What a vLLM model holds, as the weight-sync fingerprint (rollout.probe) sees it.
+"""What a vLLM model holds, as the weight-sync fingerprint (rollout.probe) sees it,
+and the checkpoint tensor names a weight push is checked against.
 
 Runs on the engine's worker, through `LLM.apply_model` (the engine lives in the
 rank's process: external_launcher, or the in-process engine core on CPU).
@@ -6,9 +7,15 @@ rank's process: external_launcher, or the in-process engine core on CPU).
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import torch
 
+from areno.models.directory import local_model_dir
 from areno.rollout.probe import Fingerprint, sum_squares
+
+log = logging.getLogger("areno.rollout.vllm")
 
 
 @torch.no_grad()
@@ -39,3 +46,29 @@ def held_fingerprint(model: torch.nn.Module) -> Fingerprint:
             items.append((f"{mname}.{pname}" if mname else pname, sum_squares(t), t.numel()))
     sums = torch.stack([s for _, s, _ in items]).cpu().tolist()
     return Fingerprint.of((n, s, k) for (n, _, k), s in zip(items, sums))
+
+
+def checkpoint_names(model_config: Any) -> tuple[set[str] | None, set[str]]:
+    """Tensor names of the checkpoint vLLM loaded (read from the safetensors
+    headers), used to check weight pushes by name: a local dir, or a hub id's
+    snapshot in the HF cache, where vLLM has just loaded it from; None if neither."""
+    path = local_model_dir(str(model_config.model))
+    files = sorted(path.glob("*.safetensors")) if path is not None else []
+    if not files:
+        log.warning("areno: cannot list the checkpoint's tensors in %s; weight pushes are not name-checked",
+                    model_config.model)
+        return None, set()
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            names.update(fh.keys())
+    hf = model_config.hf_config
+    tied = bool(getattr(hf, "tie_word_embeddings", False) or getattr(hf.get_text_config(), "tie_word_embeddings", False))
+    optional = {"lm_head.weight"} if tied else set()
+    names -= optional
+    # Non-persistent buffers some exporters include; vLLM skips them.
+    optional |= {n for n in names if n.endswith("rotary_emb.inv_freq")}
+    names -= optional
+    return names, optional
