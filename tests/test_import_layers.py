@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("envs/",),
     ("gateway/",),                                 # agents over HTTP: an env whose observations are requests
     ("config/",),                                  # TrainConfig and its rules
-    ("advantages.py", "losses.py", "pack.py", "split.py"),
+    ("advantages.py", "losses.py", "pack.py", "split.py", "continuation.py"),
     ("fleet/",),                                   # the engines: in a peer, engine processes, sync
     ("backend/",),                                 # the ranks and TorchBackend (never engine processes)
     ("settings.py", "runtime/", "scoring.py", "dynsample.py", "partial.py", "part_groups.py", "evaluate.py"),
