@@ -307,7 +307,7 @@ class EpisodeParts:
         self.positions.append(pos)
         self.arrived.append(time.monotonic())
         self.results.append(RewardResult(meta["rewards"], meta["valid"], meta["counts"], meta["messages"]))
-        self.metrics.append((meta["env"], meta["turns"]))
+        self.metrics.append((meta["env"], meta["turns"], meta["engine"]))
 
     def score(self, pos: np.ndarray, part: RolloutBatch) -> None:
         """Scored where it ran."""
@@ -323,14 +323,19 @@ class EpisodeParts:
                                    merged.messages), env_totals(self.metrics)
 
 
-def env_totals(parts: list[tuple[dict[str, float], np.ndarray]]) -> dict[str, float]:
-    """The env/* metrics of a round from its engines' parts: counts and seconds
-    summed (seconds: the slowest engine's), turns_mean over every trajectory."""
+def env_totals(parts: list[tuple[dict[str, float], np.ndarray, int]]) -> dict[str, float]:
+    """The env/* metrics of a round from its engines' parts (env/*, turns, engine):
+    counts summed, seconds summed per engine then the slowest engine's (an
+    engine streams its groups in several parts, each with the counts and seconds
+    since its last), turns_mean over every trajectory."""
     if not parts:
         return {}
-    out = {k: sum(m[k] for m, _ in parts) for k in parts[0][0]}
-    turns = np.concatenate([t for _, t in parts])
+    out = {k: sum(m[k] for m, _, _ in parts) for k in parts[0][0]}
+    turns = np.concatenate([t for _, t, _ in parts])
     out["env/turns_mean"] = float(turns.mean()) if turns.size else 0.0
     for k in ("env/engine_idle_s", "env/generate_s"):
-        out[k] = max(m[k] for m, _ in parts)
+        per_engine: dict[int, float] = {}
+        for m, _, e in parts:
+            per_engine[e] = per_engine.get(e, 0.0) + m[k]
+        out[k] = max(per_engine.values())
     return out

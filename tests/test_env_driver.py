@@ -237,3 +237,29 @@ def test_a_trajectory_whose_turns_span_versions_carries_each_tokens_version(hf_e
         assert (v[m == 1] == 4 + turn[m == 1]).all(), (i, v, m)
         assert (v[m == 0] == 4 + turn[m == 0]).all()  # the observation after turn k: version 4 + k
     assert oldest_version(b).tolist() == [5] * b.num_responses
+
+
+def test_each_group_is_emitted_once_its_trajectories_end_and_the_parts_make_the_rollout(hf_engine, tok, tmp_path):
+    """emit (an engine process streaming a multi-turn round, --partial-rollouts'
+    first-finished takes): group 0 (one move) ends at its first step and goes out
+    alone while group 1 (three moves) still plays; the parts hold every group
+    once, merged they are the rollout returned, and their counts and seconds
+    (those since the part before) add up to its totals."""
+    from areno.rollout.batch import RolloutBatch
+
+    rows = [{"moves": 1}, {"moves": 3}]
+    env, ids, off, states = _setup(tok, tmp_path, rows, n=2)
+    fmt = ObservationFormat(tok, True, hf_engine.eos_token_ids)
+    parts = []
+    with EnvPool(str(env), workers=2, timeout=60) as pool:
+        out = rollout_multiturn(hf_engine, pool, tok, fmt, ids, off, states, 2,
+                                SamplingConfig(max_tokens=4, seed=3), EnvBounds(max_turns=4), emit=parts.append)
+    assert [p.positions.tolist() for p in parts] == [[0], [1]]
+    assert [p.turns.tolist() for p in parts] == [[1, 1], [3, 3]] and out.turns.tolist() == [1, 1, 3, 3]
+    merged, _ = RolloutBatch.merge_parts([p.batch for p in parts], [p.positions for p in parts])
+    for f in ("prompt_ids", "response_ids", "response_offsets", "response_logprobs", "response_mask",
+              "finish_reason", "group_index", "turn_cut"):
+        np.testing.assert_array_equal(getattr(merged, f), getattr(out.batch, f), err_msg=f)
+    np.testing.assert_array_equal(np.concatenate([p.scored.rewards for p in parts]), out.scored.rewards)
+    assert sum(p.rounds for p in parts) == out.rounds == 3
+    assert sum(p.generate_s for p in parts) == pytest.approx(out.generate_s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -57,6 +58,7 @@ class EnvRollout:
     rounds: int = 0  # generate calls
     completions: list[list[str]] = field(default_factory=list)  # [N] each turn's text (display)
     observations: list[list[str]] = field(default_factory=list)  # [N] each observation's text
+    positions: np.ndarray | None = None  # [g] int64 a streamed part's groups (None: all, in order)
 
     def metrics(self) -> dict[str, float]:
         return env_metrics(float(self.turns.mean()) if self.turns.size else 0.0, self.turn_limit,
@@ -69,14 +71,17 @@ class _Driver:
 
     def __init__(self, engine: Any, pool: EnvPool, tokenizer: Any, fmt: ObservationFormat,
                  traj: Trajectories, states: list[EnvState], sampling: SamplingConfig,
-                 bounds: EnvBounds, budget: np.ndarray) -> None:
-        self.engine, self.pool, self.tokenizer, self.fmt = engine, pool, tokenizer, fmt
+                 bounds: EnvBounds, budget: np.ndarray, emit: Callable[[EnvRollout], None] | None = None) -> None:
+        self.engine, self.pool, self.tokenizer, self.fmt, self.emit = engine, pool, tokenizer, fmt, emit
         self.traj, self.states, self.sampling, self.bounds, self.budget = traj, states, sampling, bounds, budget
         n = len(traj)
         self.reward = np.zeros(n, np.float64)
         self.valid = np.ones(n, bool)
         self.finish = np.full(n, FINISH_STOP, np.uint8)
         self.cut = np.zeros(n, bool)  # the last turn hit its token cap (--mask-overlong)
+        self.ended = np.zeros(n, bool)  # the trajectory has ended (settle)
+        self.sent = np.zeros(int(traj.group_index.max(initial=-1)) + 1, bool)  # groups emitted
+        self.reported = (RewardCounts(), 0, EnvRollout(None, None, traj.turns))  # type: ignore[arg-type]
         self.counts, self.messages = RewardCounts(), []
         self.pending: dict[int, tuple[int, bool]] = {}  # ticket -> (trajectory, is a step)
         self.last_token = np.zeros(n, np.int64)
@@ -93,13 +98,35 @@ class _Driver:
         # the engines are free (the engines wait only when every trajectory waits).
         while self.pending or self.ready:
             self.harvest(wait=not self.ready, every=not self.bounds.eager)
+            self.stream()
             if self.ready:
                 idx, self.ready = np.sort(np.array(self.ready, np.int64)), []
                 self.generate(idx)
+        self.stream()
         self.out.batch = self.traj.to_batch(self.finish, self.cut)
         self.out.scored = RewardResult(self.reward.astype(np.float32), self.valid, self.counts,
                                        tuple(self.messages[:5]))
         return self.out
+
+    def stream(self) -> None:
+        """emit: the groups whose every trajectory has ended, not sent yet, as one
+        part (an EnvRollout with their positions; its counts and seconds those
+        since the last part), so a slow trajectory holds back its own group only."""
+        if self.emit is None:
+            return
+        open_ = np.bincount(self.traj.group_index, weights=~self.ended, minlength=self.sent.size)
+        groups = np.flatnonzero((open_ == 0) & ~self.sent)
+        if not groups.size:
+            return
+        self.sent[groups] = True
+        sub, resp = self.traj.to_batch(self.finish, self.cut).take_groups(groups)
+        counts, n_msg, last = self.reported
+        delta = {f: getattr(self.out, f) - getattr(last, f) for f in
+                 ("turn_limit", "token_limit", "long_observations", "engine_idle_s", "generate_s", "rounds")}
+        self.reported = (self.counts, len(self.messages), replace(self.out))
+        self.emit(EnvRollout(sub, RewardResult(self.reward[resp].astype(np.float32), self.valid[resp],
+                                               self.counts - counts, tuple(self.messages[n_msg:][:5])),
+                             self.traj.turns[resp].copy(), positions=groups, **delta))
 
     def generate(self, idx: np.ndarray) -> None:
         """One turn of trajectories idx; each finished one goes to its env at once."""
@@ -159,14 +186,14 @@ class _Driver:
             self.valid[i] &= o.valid
             if not o.valid:
                 self.reward[i] = np.nan
-            self.finish[i] = FINISH_ABORT
+            self._end(i, FINISH_ABORT)
             return
         self.states[i].data = o.reply.data
         if o.reply.done:
-            self.finish[i] = FINISH_STOP
+            self._end(i, FINISH_STOP)
             return
         if is_step and self.traj.turns[i] >= self.bounds.max_turns:
-            self.finish[i] = FINISH_LENGTH
+            self._end(i, FINISH_LENGTH)
             self.out.turn_limit += 1
             return
         if is_step:
@@ -187,24 +214,29 @@ class _Driver:
 
     def _too_long(self, i: int) -> None:
         """The observation does not fit: the trajectory ends `length`, its env reward counted."""
-        self.finish[i] = FINISH_LENGTH
+        self._end(i, FINISH_LENGTH)
         self.out.token_limit += 1
+
+    def _end(self, i: int, finish: int) -> None:
+        self.finish[i], self.ended[i] = finish, True
 
 
 def rollout_multiturn(engine: Any, pool: EnvPool, tokenizer: Any, fmt: ObservationFormat,
                       prompt_ids: np.ndarray, prompt_offsets: np.ndarray, states: list[EnvState],
-                      n: int, sampling: SamplingConfig, bounds: EnvBounds) -> EnvRollout:
+                      n: int, sampling: SamplingConfig, bounds: EnvBounds,
+                      emit: Callable[[EnvRollout], None] | None = None) -> EnvRollout:
     """P prompts (CSR), n trajectories each (states: [P*n], trajectory i answers
     prompt i // n) -> their EnvRollout. Rewards: the env's, summed or last
     (bounds.reward); a failed env call (on_error zero/skip) ends its trajectory
-    with finish_reason abort."""
+    with finish_reason abort. emit: called with each part of groups as they
+    end (_Driver.stream); the parts together are the EnvRollout returned."""
     P = int(np.asarray(prompt_offsets).size - 1)
     assert len(states) == P * n, (len(states), P, n)
     traj = Trajectories(prompt_ids, prompt_offsets, np.repeat(np.arange(P, dtype=np.int64), n))
     p_len = np.diff(np.asarray(prompt_offsets, np.int64))[traj.group_index]
     context_room = engine.max_model_len - p_len
     budget = context_room if bounds.max_tokens <= 0 else np.minimum(bounds.max_tokens, context_room)
-    return _Driver(engine, pool, tokenizer, fmt, traj, states, sampling, bounds, budget).run()
+    return _Driver(engine, pool, tokenizer, fmt, traj, states, sampling, bounds, budget, emit).run()
 
 
 def env_states(rows: Any, prompts: Any, prompt_idx: np.ndarray, n: int) -> list[EnvState]:
@@ -270,7 +302,8 @@ class EpisodeHost:
         self.fmt: ObservationFormat | None = None
 
     def run(self, engine: Any, spec: EpisodeSpec, ids: np.ndarray, offsets: np.ndarray,
-            states: list[EnvState], n: int, sampling: SamplingConfig) -> EnvRollout:
+            states: list[EnvState], n: int, sampling: SamplingConfig,
+            emit: Callable[[EnvRollout], None] | None = None) -> EnvRollout:
         if spec != self.spec:
             self.close()
             self.tokenizer = load_tokenizer(spec.tokenizer_path)
@@ -278,7 +311,7 @@ class EpisodeHost:
             self.pool = EnvPool(spec.env_path, workers=spec.workers, timeout=spec.timeout, on_error=spec.on_error)
             self.spec = spec
         return rollout_multiturn(engine, self.pool, self.tokenizer, self.fmt, ids, offsets, states, n,
-                                 sampling, spec.bounds)
+                                 sampling, spec.bounds, emit)
 
     def close(self) -> None:
         if self.pool is not None:

@@ -181,8 +181,9 @@ class EngineWorker:
         """A multi-turn rollout of split placement: load `region` first when given (as
         cmd_rollout), then run the episode driver (envs/driver.py) here, beside the
         engine, with this process's own environment workers: every turn of every
-        trajectory samples with the weights just loaded. The whole rollout goes back
-        as one part with its arrays inline (response_mask, rewards). share: (g, E),
+        trajectory samples with the weights just loaded. Each group goes back as
+        soon as its trajectories end, in a part with its arrays inline
+        (response_mask, rewards; an agent's round: one part). share: (g, E),
         this engine's place among E: each generate call's seed becomes
         engine_sampling's, as the controller gives an engine group its seed
         (fleet/engines.py, PeerEngines._send), so one engine process samples what one
@@ -207,8 +208,12 @@ class EngineWorker:
         engine = _SeedShare(self.engine, *share)
         try:
             if offsets.size > 1:
-                done = self._episodes.run(engine, spec, ids, offsets, states, n, sampling)
-                self.emit(episode_part(done))
+                if spec.agent:  # one part: an agent's conversations end as its gateway says
+                    done = self._episodes.run(engine, spec, ids, offsets, states, n, sampling)
+                    self.emit(episode_part(done, self.index))
+                else:  # each group as its trajectories end (envs.driver._Driver.stream)
+                    done = self._episodes.run(engine, spec, ids, offsets, states, n, sampling,
+                                              emit=lambda part: self.emit(episode_part(part, self.index)))
         except RewardError as e:
             return loaded | {"reward_error": str(e), "tokens": 0, "idle_s": idle_s}
         finally:
@@ -224,13 +229,16 @@ class EngineWorker:
         return out | {"load_s": time.perf_counter() - t0}
 
 
-def episode_part(done) -> dict:
-    """An EnvRollout (or AgentRollout) -> the part message of cmd_episodes: its
+def episode_part(done, engine: int) -> dict:
+    """An EnvRollout (or AgentRollout) of engine process `engine` -> the part message
+    of cmd_episodes: its groups' positions (a streamed part's, else all), its
     arrays inline (whole buffers), its prompts (an agent's conversation chose
     them), turn_cut and the tokens' versions, the rewards and counts, the env/* (and
     agent/*) metrics, the trajectories' turns."""
     b, sc = done.batch, done.scored
-    return dict(positions=np.arange(b.num_prompts, dtype=np.int64), lengths=np.diff(b.response_offsets),
+    pos = getattr(done, "positions", None)
+    return dict(positions=np.arange(b.num_prompts, dtype=np.int64) if pos is None else pos, engine=engine,
+                lengths=np.diff(b.response_offsets),
                 finish=b.finish_reason, start=0, ids=b.response_ids, logprobs=b.response_logprobs,
                 mask=b.response_mask, prompt_ids=b.prompt_ids, prompt_offsets=b.prompt_offsets,
                 turn_cut=b.turn_cut, rewards=sc.rewards, valid=sc.valid, counts=sc.counts,

@@ -97,6 +97,10 @@ class RewardCounts:
     def __add__(self, other: "RewardCounts") -> "RewardCounts":
         return RewardCounts(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
+    def __sub__(self, other: "RewardCounts") -> "RewardCounts":
+        """The counts since `other` (an earlier total of the same rollout)."""
+        return RewardCounts(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
+
     @property
     def failures(self) -> int:
         return self.errors + self.timeouts + self.nan + self.worker_crashes
