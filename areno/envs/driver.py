@@ -90,18 +90,35 @@ class _Driver:
                               completions=[[] for _ in range(n)], observations=[[] for _ in range(n)])
 
     def run(self) -> EnvRollout:
-        for i, s in enumerate(self.states):
-            self.pending[self.pool.submit(s, None)] = (i, False)
+        self.start()
         # turns: wait for every env call out, then generate every ready trajectory in
         # index order, so which requests share a generate call (and their seeds) never
         # depends on when calls return. eager: generate whatever is ready as soon as
         # the engines are free (the engines wait only when every trajectory waits).
-        while self.pending or self.ready:
+        while self.active:
             self.harvest(wait=not self.ready, every=not self.bounds.eager)
             self.stream()
-            if self.ready:
-                idx, self.ready = np.sort(np.array(self.ready, np.int64)), []
-                self.generate(idx)
+            self.generate_ready()
+        return self.result()
+
+    def start(self) -> None:
+        """Every trajectory's env reset goes out."""
+        for i, s in enumerate(self.states):
+            self.pending[self.pool.submit(s, None)] = (i, False)
+
+    @property
+    def active(self) -> bool:
+        """Some trajectory waits on its env or is ready for its next turn."""
+        return bool(self.pending or self.ready)
+
+    def generate_ready(self) -> None:
+        """The next turn of every ready trajectory, in index order."""
+        if self.ready:
+            idx, self.ready = np.sort(np.array(self.ready, np.int64)), []
+            self.generate(idx)
+
+    def result(self) -> EnvRollout:
+        """Every trajectory ended: the rest streamed, the whole rollout."""
         self.stream()
         self.out.batch = self.traj.to_batch(self.finish, self.cut)
         self.out.scored = RewardResult(self.reward.astype(np.float32), self.valid, self.counts,
@@ -230,13 +247,21 @@ def rollout_multiturn(engine: Any, pool: EnvPool, tokenizer: Any, fmt: Observati
     (bounds.reward); a failed env call (on_error zero/skip) ends its trajectory
     with finish_reason abort. emit: called with each part of groups as they
     end (_Driver.stream); the parts together are the EnvRollout returned."""
+    return driver(engine, pool, tokenizer, fmt, prompt_ids, prompt_offsets, states, n, sampling, bounds,
+                  emit).run()
+
+
+def driver(engine: Any, pool: EnvPool, tokenizer: Any, fmt: ObservationFormat, prompt_ids: np.ndarray,
+           prompt_offsets: np.ndarray, states: list[EnvState], n: int, sampling: SamplingConfig,
+           bounds: EnvBounds, emit: Callable[[EnvRollout], None] | None = None) -> _Driver:
+    """rollout_multiturn's driver, not started (envs/rounds.py runs several in one loop)."""
     P = int(np.asarray(prompt_offsets).size - 1)
     assert len(states) == P * n, (len(states), P, n)
     traj = Trajectories(prompt_ids, prompt_offsets, np.repeat(np.arange(P, dtype=np.int64), n))
     p_len = np.diff(np.asarray(prompt_offsets, np.int64))[traj.group_index]
     context_room = engine.max_model_len - p_len
     budget = context_room if bounds.max_tokens <= 0 else np.minimum(bounds.max_tokens, context_room)
-    return _Driver(engine, pool, tokenizer, fmt, traj, states, sampling, bounds, budget, emit).run()
+    return _Driver(engine, pool, tokenizer, fmt, traj, states, sampling, bounds, budget, emit)
 
 
 def env_states(rows: Any, prompts: Any, prompt_idx: np.ndarray, n: int) -> list[EnvState]:
@@ -304,14 +329,20 @@ class EpisodeHost:
     def run(self, engine: Any, spec: EpisodeSpec, ids: np.ndarray, offsets: np.ndarray,
             states: list[EnvState], n: int, sampling: SamplingConfig,
             emit: Callable[[EnvRollout], None] | None = None) -> EnvRollout:
+        return self.driver(engine, spec, ids, offsets, states, n, sampling, emit).run()
+
+    def driver(self, engine: Any, spec: EpisodeSpec, ids: np.ndarray, offsets: np.ndarray,
+               states: list[EnvState], n: int, sampling: SamplingConfig,
+               emit: Callable[[EnvRollout], None] | None = None) -> _Driver:
+        """The driver of one round (not started), over this host's pool and tokenizer."""
         if spec != self.spec:
             self.close()
             self.tokenizer = load_tokenizer(spec.tokenizer_path)
             self.fmt = observation_format(self.tokenizer, spec.chat_template)
             self.pool = EnvPool(spec.env_path, workers=spec.workers, timeout=spec.timeout, on_error=spec.on_error)
             self.spec = spec
-        return rollout_multiturn(engine, self.pool, self.tokenizer, self.fmt, ids, offsets, states, n,
-                                 sampling, spec.bounds, emit)
+        return driver(engine, self.pool, self.tokenizer, self.fmt, ids, offsets, states, n, sampling,
+                      spec.bounds, emit)
 
     def close(self) -> None:
         if self.pool is not None:

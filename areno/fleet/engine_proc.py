@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from areno.fleet.engine_host import OutRegion, generate_into
+from areno.fleet.episode_rounds import SeedShare, episode_part, run_episode_rounds
 from areno.fleet.hooks import EngineHooks, load_hooks
 from areno.fleet.inflight_loads import InflightLoads
 from areno.fleet.tail_fill import run_rounds
@@ -46,7 +47,6 @@ from areno.procs.serve import CommandInbox, quiet_peer, serve_worker
 from areno.rundir.log import move_child_output, redirect_child_output
 from areno.timing import startup_mark
 from areno.fleet.weight_sync import SyncCheck, WeightRegion, load_region, reports_fingerprint
-from areno.rollout.engine import engine_sampling
 from areno.rollout.factory import make_engine
 from areno.rollout.vllm_rounds import RoundRequest
 
@@ -205,7 +205,10 @@ class EngineWorker:
             if self._episodes is not None:
                 self._episodes.close()
             self._episodes = kind()
-        engine = _SeedShare(self.engine, *share)
+        if offsets.size > 1 and version is not None and not spec.agent and self.inbox is not None:
+            kw = dict(ids=ids, offsets=offsets, n=n, sampling=sampling, spec=spec, states=states, share=share)
+            return run_episode_rounds(self, kw, loaded | {"idle_s": idle_s})  # the rounds queued behind may join
+        engine = SeedShare(self.engine, *share)
         try:
             if offsets.size > 1:
                 if spec.agent:  # one part: an agent's conversations end as its gateway says
@@ -227,33 +230,3 @@ class EngineWorker:
         t0 = time.perf_counter()
         out = load_region(self.engine, region, self.sync_check)
         return out | {"load_s": time.perf_counter() - t0}
-
-
-def episode_part(done, engine: int) -> dict:
-    """An EnvRollout (or AgentRollout) of engine process `engine` -> the part message
-    of cmd_episodes: its groups' positions (a streamed part's, else all), its
-    arrays inline (whole buffers), its prompts (an agent's conversation chose
-    them), turn_cut and the tokens' versions, the rewards and counts, the env/* (and
-    agent/*) metrics, the trajectories' turns."""
-    b, sc = done.batch, done.scored
-    pos = getattr(done, "positions", None)
-    return dict(positions=np.arange(b.num_prompts, dtype=np.int64) if pos is None else pos, engine=engine,
-                lengths=np.diff(b.response_offsets),
-                finish=b.finish_reason, start=0, ids=b.response_ids, logprobs=b.response_logprobs,
-                mask=b.response_mask, prompt_ids=b.prompt_ids, prompt_offsets=b.prompt_offsets,
-                turn_cut=b.turn_cut, rewards=sc.rewards, valid=sc.valid, counts=sc.counts,
-                messages=sc.messages, env=done.metrics(), turns=done.turns,
-                **({} if b.token_version is None else {"versions": b.token_version}))
-
-
-class _SeedShare:
-    """An engine whose generate calls sample as engine g of E does under the
-    controller's split (rollout.engine.engine_sampling)."""
-
-    def __init__(self, engine, g: int, num: int) -> None:
-        self.engine, self.g, self.num = engine, g, num
-        self.max_model_len = engine.max_model_len
-
-    def generate_stream(self, ids, offsets, n, sampling, min_groups: int = 1):
-        return self.engine.generate_stream(ids, offsets, n, engine_sampling(sampling, self.g, self.num),
-                                           min_groups=min_groups)

@@ -28,8 +28,8 @@ What holds, round by round:
 Only the vLLM engine can take requests between steps (VLLMEngine.generate_rounds);
 the transformers engine runs one `generate` call per bucket, fixed at its start
 (rollout/hf.py), and runs its rounds one after another as before. Multi-turn
-`episodes` commands are never filled in (their turns come from the episode
-driver, not from one generation loop), nor filled behind.
+`episodes` commands have their own (fleet/episode_rounds.py: their turns come
+from the episode driver, not from one generation loop).
 """
 
 from __future__ import annotations

@@ -1,0 +1,55 @@
+"""Several multi-turn rounds in one loop over one engine (--partial-rollouts,
+fleet/episode_fill.py): while every trajectory of the running rounds waits on
+its environment, the engine would idle; a round queued behind them starts
+then, and from there on every round's ready trajectories take their turns as
+they come (the eager schedule: which trajectories share a generate call depends
+on when env calls return, so this is never the deterministic `turns`
+schedule, which runs its rounds one after another).
+
+Each round keeps its own driver (envs/driver.py's _Driver: its trajectories,
+rewards, seeds and streamed parts); they share the engine and the environment
+pool. A round ends when its every trajectory has; `done` hears of each, in
+the order they end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from areno.envs.driver import EnvRollout
+
+
+def run_rounds(first: Any, admit: Callable[[], Any | None], done: Callable[[int, EnvRollout], None]) -> None:
+    """Drive `first` (a _Driver, not started) and every driver `admit()` returns
+    (None: none now), asked whenever no trajectory is ready for a turn; done(k,
+    rollout) as round k (0: first, then in admission order) ends. The engine's
+    waits on environments count as the oldest running round's engine_idle_s."""
+    drivers = [first]
+    first.start()
+    ended: set[int] = set()
+    while len(ended) < len(drivers):
+        live = [d for k, d in enumerate(drivers) if k not in ended]
+        for d in live:
+            d.harvest(wait=False)
+            d.stream()
+        for k, d in enumerate(drivers):
+            if k not in ended and not d.active:
+                ended.add(k)
+                done(k, d.result())
+        live = [d for d in live if d.active]
+        if not live:
+            continue  # the loop ends, or admit below is asked again next pass
+        if not any(d.ready for d in live):
+            new = admit()
+            if new is not None:
+                new.start()
+                drivers.append(new)
+                continue
+            t0 = time.perf_counter()
+            live[0].pool.wait_any([t for d in live for t in d.pending], timeout=None)
+            live[0].out.engine_idle_s += time.perf_counter() - t0
+            continue
+        for d in live:
+            d.generate_ready()

@@ -1,0 +1,72 @@
+"""Multi-turn rounds on an engine process under --partial-rollouts: each group
+streams back as soon as its trajectories end (envs/driver.py's _Driver.stream),
+so a slow trajectory holds back its own group only and a step may take the
+others first (first_finished.py); a round queued behind starts while the
+running one's trajectories wait on their envs (fleet/episode_rounds.py).
+In-process, split placement, a real engine process."""
+
+from __future__ import annotations
+
+ENV = '''
+def reset(state):
+    state.data["moves"] = 0
+def step(state, completion):
+    state.data["moves"] += 1
+    done = state.data["moves"] >= (1 if state.index < 2 else 2)  # group 0 (n = 2) ends first
+    return f"move {state.data['moves']}", 1.0 if done else 0.0, done
+'''
+
+
+def test_a_multi_turn_rounds_groups_reach_the_controller_as_each_one_ends(tmp_path, areno_cache, monkeypatch):
+    """K = 1, --partial-rollouts: every round of 4 groups x 2 trajectories, where
+    group 0 ends after one move and the others after two, arrives in two parts,
+    group 0 first; each step trains 4 whole groups with their turns (1.75 a
+    trajectory) and every round's env/* counted once."""
+    from areno.producers import EpisodeParts
+    from test_compose import SPLIT, train
+
+    env = tmp_path / "env.py"
+    env.write_text(ENV)
+    parts: dict[int, list[list[int]]] = {}
+    keep = EpisodeParts.keep
+
+    def spied(sink, pos, part, meta=None):
+        parts.setdefault(id(sink), []).append(sorted(pos.tolist()))
+        return keep(sink, pos, part, meta)
+    monkeypatch.setattr(EpisodeParts, "keep", spied)
+    steps = train(tmp_path / "run", areno_cache, monkeypatch, "--env-path", str(env), "--max-turns", "3",
+                  "--reward-workers", "0", "--n-samples", "2", *SPLIT, "--off-policy-steps", "1",
+                  "--partial-rollouts", steps=3)
+    assert sorted(steps) == [1, 2, 3]
+    assert list(parts.values()) == [[[0], [1, 2, 3]]] * 3
+    assert all(steps[s]["env/turns_mean"] == 1.75 for s in steps)
+    assert sum(steps[s]["env/rounds"] for s in steps) == 3 * 2  # two generate calls a round, each counted once
+
+
+SLOW = '''
+import time
+def step(state, completion):
+    state.data["n"] = state.data.get("n", 0) + 1
+    time.sleep(0.3)
+    return f"seen {state.data['n']}", float(len(completion) % 2), state.data["n"] >= 2
+'''
+
+
+def test_queued_multi_turn_rounds_start_while_the_running_ones_wait_on_their_envs(
+        tmp_path, areno_cache, monkeypatch):
+    """K = 2: the three start-up rounds queue on the one engine process; each
+    env step takes 0.3 s, so the engine would idle through every step of a
+    round; instead the rounds queued behind join it (rollout/tail_filled counts
+    their trajectories), every step trains 4 whole groups of two-turn
+    trajectories, and no token lags more than K."""
+    from test_compose import SPLIT, train
+
+    env = tmp_path / "env.py"
+    env.write_text(SLOW)
+    steps = train(tmp_path / "run", areno_cache, monkeypatch, "--env-path", str(env), "--max-turns", "3",
+                  "--reward-workers", "2", "--n-samples", "2", *SPLIT, "--off-policy-steps", "2",
+                  "--partial-rollouts", steps=3)
+    assert sorted(steps) == [1, 2, 3]
+    assert sum(steps[s]["rollout/tail_filled"] for s in steps) > 0
+    assert all(steps[s]["env/turns_mean"] == 2.0 for s in steps)
+    assert max(steps[s]["rollout/token_lag_max"] for s in steps) <= 2
