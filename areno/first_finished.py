@@ -52,13 +52,18 @@ def group_table(sched: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
     """The untrained groups in flight -> ([G] int64 round index in sched.inflight,
     [G] int64 position in it, [G] int64 its round's version, [G] float64 when it
     came complete, inf: running; a saved round's came before any). A round whose
-    every group arrived has its engines' final reply read here (segment freed)."""
+    every group arrived has its engines' final reply read here (segment freed),
+    every round's before any arrival is read: reading one round's reply reads
+    what the engines sent before it, other rounds' parts too (tail fill), so an
+    arrival read earlier could miss a part, and with it the round's final
+    reply, read by now, no round would be left generating to wait on."""
+    for cur in sched.inflight:
+        if cur.pending is not None:
+            cur.pending.settle_whole()
     owner, pos, version, done = [], [], [], []
     for i, cur in enumerate(sched.inflight):
         g = left_of(cur)
         at = np.zeros(cur.prompt_idx.size) if cur.pending is None else cur.pending.arrived()
-        if cur.pending is not None:
-            cur.pending.settle_whole()
         owner.append(np.full(g.size, i, np.int64))
         pos.append(g)
         version.append(np.full(g.size, cur.version, np.int64))

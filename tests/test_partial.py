@@ -107,3 +107,38 @@ def test_a_group_past_its_deadline_or_more_due_than_a_batch_is_a_scheduler_bug()
         must_take(np.array([0, 3]), 3, 2, 2)
     with pytest.raises(AssertionError, match="more than --batch-size 2"):
         must_take(np.zeros(3, np.int64), 2, 2, 2)
+
+
+class _Stream:
+    """A round in flight whose parts another round's reply read may deliver
+    (what an engine process's tail fill does: rounds' messages interleave)."""
+
+    def __init__(self, arrived: list[float]) -> None:
+        self.at = np.array(arrived)
+        self.delivers: tuple["_Stream", list[float]] | None = None
+
+    def arrived(self) -> np.ndarray:
+        return self.at.copy()
+
+    def settle_whole(self) -> None:
+        if self.delivers is not None:  # reading this round's reply read the other's last parts
+            other, at = self.delivers
+            other.at = np.array(at)
+            self.delivers = None
+
+
+def test_the_group_table_reads_every_rounds_reply_before_any_arrival():
+    """Round 2's settle reads round 1's last part (and its final reply): the table
+    must show round 1 complete, or the step would find no group to take and no
+    round left generating to wait on (a run of the multi-turn tail fill hit it)."""
+    from types import SimpleNamespace
+
+    from areno.first_finished import group_table
+    from areno.inflight import Inflight
+
+    one, two = _Stream([1.0, np.inf]), _Stream([2.0, 3.0])
+    two.delivers = (one, [1.0, 4.0])
+    sched = SimpleNamespace(inflight=[Inflight(1, np.arange(2), {}, 0, pending=one),
+                                      Inflight(2, np.arange(2), {}, 0, pending=two)])
+    owner, pos, version, done = group_table(sched)
+    assert owner.tolist() == [0, 0, 1, 1] and done.tolist() == [1.0, 4.0, 2.0, 3.0]
