@@ -81,7 +81,7 @@ def main() -> None:
                                           env, args))
                 print(rev_label(rev), json.dumps({k: round(v, 3) for k, v in runs[rev][-1].items()}), flush=True)
     med = {r: {k: statistics.median(x[k] for x in runs[r]) for k in runs[r][0]} for r in revs}
-    print(f"\n| revision | trained tokens/s | step s (median) | env idle share | tail filled |")
+    print("\n| revision | trained tokens/s | step s (median) | env idle share | tail filled |")
     print("| --- | --- | --- | --- | --- |")
     for r in revs:
         m = med[r]
