@@ -82,12 +82,12 @@ class Producer:
         engines' next decode step with the tokens they have (EngineView.halt)."""
         self.run.engine.halt()
 
-    def continue_halted(self, saved: list[Any], now: int) -> bool:
+    def continue_halted(self, saved: list[Any], now: int) -> None:
         """The checkpoint's rounds (scheduler Inflight: `saved` (batch, rewards), its
         tokens of `version` where the batch records none) with their halted
         samples continued now, by the engines holding version `now`: each from its
         prompt and tokens so far, up to the cap left to it, with a stream of its
-        own (areno/continuation.py) -> False: none is left halted."""
+        own (areno/continuation.py)."""
         for cur in saved:
             if cur.saved is None or not (which := np.flatnonzero(halted(cur.saved[0]))).size:
                 continue
@@ -98,7 +98,6 @@ class Producer:
             cont = self.run.engine.generate(ids, offsets, 1, replace(sampling, max_tokens=int(budget.max()),
                                                                      seed=seed))
             cur.saved = (splice(batch, which, cont, budget, cur.version, now), scored)
-        return False
 
     def start(self, data: Data, prompt_idx: np.ndarray, n: int, sampling: SamplingConfig,
               region: Any = None, overlap: bool = True, version: int | None = None) -> "Pending":

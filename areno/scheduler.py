@@ -117,7 +117,8 @@ class Rollouts:
         cfg = self.run.cfg
         informative = None if cfg.dynamic_sampling == "off" else self.informative
         if self.halted:  # a checkpoint's samples halted mid-generation: finished first
-            self.halted = self.producer.continue_halted(self.inflight, self.updates)
+            self.producer.continue_halted(self.inflight, self.updates)
+            self.halted = False
         if self.partial:
             return first_finished.next_groups(self, step, timer, informative)
         self.taken, self.updates_at_train = [], self.updates
@@ -276,7 +277,7 @@ class Rollouts:
         if wait_s is None:
             wait_s = float("inf") if self.partial else INTERRUPT_WAIT_S
         if wait_s == float("inf"):
-            self._say_waiting()
+            self._halt_or_wait()
         until, kept = time.monotonic() + wait_s, 0
         for cur in self.inflight:
             try:
@@ -293,7 +294,7 @@ class Rollouts:
                 cur.pending.drop()
         return dropped[0].sampler_before if dropped else None
 
-    def _say_waiting(self) -> None:
+    def _halt_or_wait(self) -> None:
         """Single-turn rounds generating now are halted (their tokens saved, continued
         on resume); multi-turn ones are waited for. One line says which."""
         busy = sum(cur.pending is not None and cur.round is None and cur.pending.generating for cur in self.inflight)
