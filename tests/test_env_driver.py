@@ -270,7 +270,7 @@ SLOW_FIRST = '''
 import time
 def step(state, completion):
     state.data["n"] = state.data.get("n", 0) + 1
-    time.sleep(0.5 if state.row.get("slow") else 0.0)
+    time.sleep(1.0 if state.row.get("slow") else 0.0)
     return f"seen {state.data['n']}", 1.0, state.data["n"] >= 2
 '''
 
@@ -278,10 +278,12 @@ def step(state, completion):
 def test_a_queued_round_runs_while_the_running_ones_trajectories_wait_on_their_envs(hf_engine, tok, tmp_path):
     """envs/rounds.py, several rounds in one loop over one engine (the multi-turn
     tail fill of --partial-rollouts, fleet/episode_rounds.py): round 0's env
-    answers after 0.5 s a step; round 1, admitted as soon as every trajectory
-    of round 0 waits, plays its two turns meanwhile and ends first; both rollouts are whole (every trajectory two turns, its tokens
-    sampled), each streamed part of groups goes to its own round, and the
-    engine's waits count once, on the round running."""
+    answers after 1 s a step; round 1, admitted as soon as every trajectory of
+    round 0 waits, plays its two turns meanwhile (a worker each: the pool has
+    room for both rounds) and ends first; both rollouts are whole (every
+    trajectory two turns, its tokens sampled), each streamed part of groups
+    goes to its own round, and the engine's waits count once, on the round
+    running."""
     from areno.envs.driver import driver
     from areno.envs.rounds import run_rounds
 
@@ -293,7 +295,9 @@ def test_a_queued_round_runs_while_the_running_ones_trajectories_wait_on_their_e
     s = SamplingConfig(max_tokens=4, seed=3)
     parts: dict[int, list] = {0: [], 1: []}
     ended: list[tuple[int, object]] = []
-    with EnvPool(str(env), workers=4, timeout=60) as pool:
+    with EnvPool(str(env), workers=8, timeout=60) as pool:
+        pool.warm()  # eight workers up: the timing below is the env's, not a worker's start-up
+
         def make(k: int, states: list[EnvState]):
             return driver(hf_engine, pool, tok, fmt, ids, off, states, 2, s, EnvBounds(max_turns=3),
                           emit=parts[k].append)
@@ -306,5 +310,5 @@ def test_a_queued_round_runs_while_the_running_ones_trajectories_wait_on_their_e
         assert np.all(out.batch.response_lengths > 0)
         assert sorted(p for part in parts[k] for p in part.positions.tolist()) == [0, 1]
     slow = dict(ended)[0]
-    assert slow.engine_idle_s > 0.5  # the waits on round 0's envs once round 1 had ended
+    assert slow.engine_idle_s > 0.8  # the waits on round 0's envs once round 1 had ended
     assert dict(ended)[1].engine_idle_s < 0.5
