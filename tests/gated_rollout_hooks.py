@@ -3,20 +3,19 @@ engine process's hf engine, wrapped so that a rollout yields one part per prompt
 and, after the first, waits for the controller to have taken that part (the
 file GATE_ENV names appears) before it generates the rest. Parts that reached
 the controller only with the rollout's final reply would never open the gate
-(the engine gives up after WAIT_S and the test fails)."""
+(the engine gives up after gated_engine.WAIT_S and the test fails)."""
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 from areno.backend.hooks import RankHooks
 from areno.rollout.batch import csr_take
 from areno.rollout.factory import make_engine
+from gated_engine import wait_until
 
 GATE_ENV = "ARENO_TEST_PART_GATE"
-WAIT_S = 60.0
 
 
 class GatedEngine:
@@ -32,9 +31,7 @@ class GatedEngine:
         gate = Path(os.environ[GATE_ENV])
         for p in range(offsets.size - 1):
             if p == 1:
-                deadline = time.monotonic() + WAIT_S
-                while not gate.exists() and time.monotonic() < deadline:
-                    time.sleep(0.02)
+                wait_until(gate.exists)
             sub_ids, sub_off = csr_take(ids, offsets, [p])
             for pos, part in self.inner.generate_stream(sub_ids, sub_off, n, sampling, min_groups):
                 yield pos + p, part
