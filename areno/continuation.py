@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from areno.rollout.batch import FINISH_ABORT, FINISH_LENGTH, RolloutBatch, csr_take, offsets_from_lengths
+from areno.rollout.batch import (
+    FINISH_ABORT, FINISH_LENGTH, RolloutBatch, csr_take, offsets_from_lengths, segment_gather,
+)
 
 
 def halted(batch: RolloutBatch) -> np.ndarray:
@@ -36,13 +38,12 @@ def continuation_prompts(batch: RolloutBatch, which: np.ndarray, max_tokens: int
     p_ids, p_off = csr_take(batch.prompt_ids, batch.prompt_offsets, prompts)
     r_ids, r_off = csr_take(batch.response_ids, batch.response_offsets, which)
     p_len, r_len = np.diff(p_off), np.diff(r_off)
-    offsets = offsets_from_lengths(p_len + r_len)
     # Each row: its prompt, then its response: one gather over the two pools.
     pool = np.concatenate([p_ids, r_ids])
     src_start = np.stack([p_off[:-1], p_ids.size + r_off[:-1]], axis=1).ravel()
     seg_len = np.stack([p_len, r_len], axis=1).ravel()
-    ids = pool[_gather(src_start, seg_len)]
-    return ids.astype(np.int32, copy=False), offsets, np.maximum(max_tokens - r_len, 1)
+    ids = pool[segment_gather(src_start, seg_len)[0]]
+    return ids.astype(np.int32, copy=False), offsets_from_lengths(p_len + r_len), np.maximum(max_tokens - r_len, 1)
 
 
 def splice(batch: RolloutBatch, which: np.ndarray, cont: RolloutBatch, budget: np.ndarray,
@@ -65,7 +66,7 @@ def splice(batch: RolloutBatch, which: np.ndarray, cont: RolloutBatch, budget: n
     c_start[which] = t_old + cont.response_offsets[:-1]
     src_start = np.stack([batch.response_offsets[:-1], c_start], axis=1).ravel()
     seg_len = np.stack([old_len, add], axis=1).ravel()
-    gather = _gather(src_start, seg_len)
+    gather, _ = segment_gather(src_start, seg_len)
 
     def pooled(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.concatenate([a, b])[gather]
@@ -85,8 +86,3 @@ def splice(batch: RolloutBatch, which: np.ndarray, cont: RolloutBatch, budget: n
         token_version=pooled(own_v, cont_v).astype(np.int32, copy=False),
     )
 
-
-def _gather(src_start: np.ndarray, seg_len: np.ndarray) -> np.ndarray:
-    """Indices that read segment k (src_start[k], seg_len[k] long) after segment k - 1."""
-    dst = offsets_from_lengths(seg_len)
-    return np.repeat(src_start - dst[:-1], seg_len) + np.arange(dst[-1])

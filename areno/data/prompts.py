@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from areno.errors import UserError, one_line
-from areno.rollout.batch import offsets_from_lengths
+from areno.rollout.batch import csr_take, offsets_from_lengths
 
 
 @dataclass(frozen=True, repr=False)
@@ -150,14 +150,5 @@ def tokenize_prompts(
 
 
 def select(prompt_set: PromptSet, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Flat tokens of prompts `idx` ([B] int): ([sum lens] int32, [B+1] int64).
-
-    One vectorized gather: token j of the output comes from
-    ids[start[b] + (j - new_offsets[b])] for the prompt b it belongs to.
-    """
-    idx = np.asarray(idx, dtype=np.int64)
-    starts = prompt_set.offsets[idx]
-    lengths = prompt_set.offsets[idx + 1] - starts
-    offsets = offsets_from_lengths(lengths)
-    src = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1], dtype=np.int64)
-    return prompt_set.ids[src], offsets
+    """Flat tokens of prompts `idx` ([B] int): ([sum lens] int32, [B+1] int64), one gather."""
+    return csr_take(prompt_set.ids, prompt_set.offsets, idx)

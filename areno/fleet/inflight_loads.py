@@ -41,7 +41,7 @@ class InflightLoads:
         self.version: int | None = None  # the weights the engine holds (None: not told yet)
         self._offer: tuple[int, WeightRegion] | None = None
         self._lock = threading.Lock()  # the reader thread offers while the hook takes
-        self._halt = False  # the run is saving (halt): rounds end at their next step boundary
+        self._halt = False  # the run is saving (halt), never cleared: it exits after the save
         self._haltable = False  # the round generating may be halted (single-turn: cmd_rollout)
         self._reset()
 

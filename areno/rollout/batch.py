@@ -298,13 +298,19 @@ def segment_sums(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return c[offsets[1:]] - c[offsets[:-1]]
 
 
+def segment_gather(src_start: np.ndarray, seg_len: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Segments k = 0.. (src_start[k], seg_len[k] long, [S] int64 each) laid end
+    to end -> ([sum seg_len] int64 indices that read them in order, [S+1] int64
+    offsets of the segments in the result). O(segments) index math."""
+    out_off = offsets_from_lengths(seg_len)
+    return np.repeat(src_start - out_off[:-1], seg_len) + np.arange(out_off[-1]), out_off
+
+
 def csr_take(values: np.ndarray, offsets: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Rows idx of a CSR array (values [T], offsets [R+1]) -> (values', offsets'):
     one gather, O(rows) index math, no per-token Python."""
     idx = np.asarray(idx, dtype=np.int64)
-    lengths = np.diff(offsets)[idx]
-    out_off = offsets_from_lengths(lengths)
-    gather = np.repeat(offsets[idx] - out_off[:-1], lengths) + np.arange(out_off[-1])
+    gather, out_off = segment_gather(offsets[idx], np.diff(offsets)[idx])
     return values[gather], out_off
 
 

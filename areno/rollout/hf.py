@@ -19,7 +19,9 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 
-from areno.rollout.batch import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutBatch, csr_take, offsets_from_lengths
+from areno.rollout.batch import (
+    FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutBatch, csr_take, offsets_from_lengths, segment_gather,
+)
 from areno.rollout.engine import (
     SamplingConfig,
     prompt_seeds,
@@ -367,9 +369,7 @@ def _assemble(
     prompt_of = np.concatenate(who)
     order = np.argsort(prompt_of, kind="stable")
     src_off = offsets_from_lengths(length)
-    new_len = length[order]
-    dst_off = offsets_from_lengths(new_len)
-    gather = np.repeat(src_off[:-1][order] - dst_off[:-1], new_len) + np.arange(dst_off[-1])
+    gather, dst_off = segment_gather(src_off[:-1][order], length[order])
     return RolloutBatch(
         prompt_ids=ids,
         prompt_offsets=offsets,
