@@ -238,6 +238,27 @@ def test_bench_lora_vs_full_runs_both_arms_on_one_seed(tmp_path: Path, tiny_chat
     assert "mean reward/mean per block" in res.stdout
 
 
+@pytest.mark.bench
+def test_bench_partial_learning_runs_k0_and_partial_in_split_placement(tmp_path: Path, tiny_chat_path: Path):
+    """scripts/bench_partial_learning.py (issue 39's real-model learning check) on
+    the tiny chat model, 3 steps, the transformers engine: both arms run in an
+    engine process, K = 0 trains every token at lag 0, the partial arm at K = 2
+    trains tokens of older versions (its start-up rounds share version 0)."""
+    out = tmp_path / "pl.json"
+    res = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_partial_learning.py"), "--model", str(tiny_chat_path),
+         "--steps", "3", "--batch-size", "2", "--n-samples", "2", "--window", "2", "--engine", "hf",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=child_env(REPO))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    arms = json.loads(out.read_text())["arms"]
+    assert list(arms) == ["K=0 s0", "K=2 partial s0"]
+    assert all(len(a["rewards"]) == 3 for a in arms.values())
+    sync, partial = arms["K=0 s0"]["token_lag"], arms["K=2 partial s0"]["token_lag"]
+    assert sync[0] > 0 and sync[1:] == [0, 0] and sum(partial[1:]) > 0
+    assert "over 1 seed(s)" in res.stdout
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_near_limit_references_equal_areno(seed: int):
     """The near-limit references compute exactly what areno computes (1-token

@@ -27,11 +27,13 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Arm:
-    """One run of the comparison: its name, --lora-rank (0: full FT) and --lr."""
+    """One run of a comparison: its name, --lora-rank (0: full FT), --lr and any
+    further flags (placement, K)."""
 
     name: str
     lora_rank: int
     lr: float
+    flags: tuple[str, ...] = ()
 
 
 def write_task(path: Path) -> Path:
@@ -54,7 +56,7 @@ def train_args(model: Path, data: Path, out: Path, arm: Arm, steps: int, seed: i
             "--max-new-tokens", str(max_new_tokens), "--lr", f"{arm.lr:g}", "--warmup-steps", "0",
             "--dtype", "float32", "--rollout-engine", engine, "--cpu-threads", str(threads),
             "--system-prompt", SYSTEM_PROMPT, "--epochs", "1000", "--no-save", "--output-dir", str(out)]
-    return args + (["--lora-rank", str(arm.lora_rank)] if arm.lora_rank else [])
+    return args + (["--lora-rank", str(arm.lora_rank)] if arm.lora_rank else []) + list(arm.flags)
 
 
 def rewards_of(run_dir: Path) -> list[float]:
