@@ -58,7 +58,6 @@ from the checkpoint's weights (deterministic, with a smaller lag).
 from __future__ import annotations
 
 import json
-import sys
 import time
 import zipfile
 from dataclasses import fields, replace
@@ -296,7 +295,8 @@ class Rollouts:
 
     def _halt_or_wait(self) -> None:
         """Single-turn rounds generating now are halted (their tokens saved, continued
-        on resume); multi-turn ones are waited for. One line says which."""
+        on resume); multi-turn ones are waited for. One line on stdout says which
+        (stderr keeps the run's one closing line)."""
         busy = sum(cur.pending is not None and cur.round is None and cur.pending.generating for cur in self.inflight)
         if not busy:
             return
@@ -306,7 +306,7 @@ class Rollouts:
                     "their tokens and a resume continues them")
         else:
             what = f"waiting for the {busy} multi-turn rollout(s) in flight to finish, so that no sampled token is lost"
-        print(f"areno: {what} (--partial-rollouts); Ctrl-C again drops them", file=sys.stderr, flush=True)
+        print(f"areno: {what} (--partial-rollouts); Ctrl-C again drops them", flush=True)  # stderr: the end's
 
     def checkpoint_state(self, path: Path) -> dict:
         """Save every round in flight into checkpoint dir `path`, waiting for each

@@ -64,7 +64,7 @@ def test_a_ctrl_c_halts_the_rounds_in_flight_and_the_resumed_run_continues_every
     res = run_here(["train", *ARGS, "--output-dir", str(out)], areno_cache,
                    env={"ARENO_RANK_HOOKS": "halt_gate_hooks:HaltGate"})
     assert res.returncode == 130, res.stderr[-3000:]
-    assert "halting the 2 rollout(s) in flight at their next decode step" in res.stderr, res.stderr[-3000:]
+    assert "halting the 2 rollout(s) in flight at their next decode step" in res.stdout, res.stdout[-3000:]
     ckpt = out / "checkpoints" / "step_000001"
     saved = saved_responses(ckpt)
     samples = [s for group in saved.values() for s in group]

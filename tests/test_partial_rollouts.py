@@ -169,7 +169,7 @@ def test_ctrl_c_under_partial_rollouts_halts_single_turn_rounds_and_waits_for_ev
     before = sched.settle_interrupt(3)
     assert (before, len(sched.inflight), slow.dropped) == ((None, 1, False) if partial else ({"pos": 7}, 0, True))
     assert len(halts) == (partial and episodes is None)
-    said = capsys.readouterr().err  # the wait without limit says why, and how to cut it short
+    said = capsys.readouterr().out  # the wait without limit says why, and how to cut it short
     assert said == {
         None: "" if not partial else
         "areno: halting the 1 rollout(s) in flight at their next decode step: the checkpoint keeps their tokens "
