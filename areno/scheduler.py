@@ -67,7 +67,7 @@ from typing import Any
 import numpy as np
 
 from areno.procs.errors import BackendError
-from areno.config.offpolicy import weight_slots
+from areno.config.offpolicy import partial_on, weight_slots
 from areno.config.env import multi_turn
 from areno.continuation import halted
 from areno.envs.driver import episode_spec
@@ -106,7 +106,7 @@ class Rollouts:
         # flight, which load it between decode steps (fleet/inflight_loads.py), and
         # a step trains the groups that finish first, from any round, the filter's
         # too (first_finished.py).
-        self.partial = bool(getattr(run.cfg, "partial_rollouts", False))
+        self.partial = partial_on(run.cfg)
         self.halted = any(c.saved is not None and halted(c.saved[0]).any() for c in self.inflight)
 
     # -- the step ------------------------------------------------------------------

@@ -34,9 +34,12 @@ from test_resume import (FLAGS, HF1, REPO, assert_resume_repeats, assert_same_st
                          eval_flags, expected_prompt_hashes, ok, popen_train, train_steps)  # noqa: F401 (fixture)
 from test_split_placement import PROMPTS, backend_config, split_placement
 
-K1 = ["--rollout-world-size", "1", "--off-policy-steps", "1"]
+# Whole rounds (--whole-rounds): this file holds the deterministic loop, whose
+# resume is exact; split placement at K >= 1 takes partial rollouts unless told
+# not to (tests/test_partial_rollouts.py and test_halt_resume.py hold those).
+K1 = ["--rollout-world-size", "1", "--off-policy-steps", "1", "--whole-rounds"]
 LEARNED_AT_300 = 0.6  # the 20-step mean reward at step 300 of the demo
-K2 = ["--rollout-world-size", "1", "--off-policy-steps", "2"]
+K2 = ["--rollout-world-size", "1", "--off-policy-steps", "2", "--whole-rounds"]
 
 
 def test_admission_bounds_the_lag_by_k():
@@ -300,7 +303,7 @@ def test_the_demo_learns_with_k4(tmp_path, areno_cache):
     step 400, the 20-step mean at 0.9 by step 273 (where the run stops); at 600
     steps 0.976 (issue 27)."""
     out = tmp_path / "demo"
-    ok(run_here(["train", "--rollout-world-size", "1", "--off-policy-steps", "4", "--seed", "0", "--no-save",
+    ok(run_here(["train", *K2[:3], "4", "--whole-rounds", "--seed", "0", "--no-save",
                  *STOP, "--max-steps", "400", "--output-dir", str(out)], areno_cache))
     steps = train_steps(out)
     rewards = np.array([r["reward/mean"] for _, r in sorted(steps.items())])

@@ -93,7 +93,7 @@ def test_k_turns_on_recompute_and_the_default_cap_and_says_so(files, capsys):
 
 
 def test_k_keeps_a_given_cap_and_a_given_recompute_silently(files, capsys):
-    given = {**files, "off_policy_steps": 1, "rollout_world_size": 1, "tis_cap": 3.5}
+    given = {**files, "off_policy_steps": 1, "rollout_world_size": 1, "tis_cap": 3.5, "partial_rollouts": False}
     cfg = TrainConfig.from_sources(None, given)
     assert cfg.tis_cap == 3.5 and cfg.recompute_logprobs
     assert capsys.readouterr().out.strip() == (
@@ -110,7 +110,7 @@ def test_config_yaml_records_what_k_turned_on(files, tmp_path, capsys):
                                           "output_dir": str(tmp_path / "r")})
     saved = yaml.safe_load((make_output_dir(cfg) / "config.yaml").read_text())
     assert (saved["off_policy_steps"], saved["rollout_world_size"]) == (1, 1)
-    assert saved["recompute_logprobs"] is True and saved["tis_cap"] == 2.0
+    assert saved["recompute_logprobs"] is True and saved["tis_cap"] == 2.0 and saved["partial_rollouts"] is True
 
 
 def test_k0_leaves_every_setting_as_it_was(files, capsys):

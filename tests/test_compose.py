@@ -57,7 +57,7 @@ def test_env_under_split_placement_at_k0_is_the_colocated_run_bit_for_bit(tmp_pa
 
 def test_env_at_k1_lags_one_version_and_resumes_exactly_with_trajectories_in_flight(
         tmp_path, areno_cache, monkeypatch):
-    k1 = [*ENV, *SPLIT, "--off-policy-steps", "1"]
+    k1 = [*ENV, *SPLIT, "--off-policy-steps", "1", "--whole-rounds"]  # exact resume
     full = train(tmp_path / "full", areno_cache, monkeypatch, *k1, "--save-interval", "3", "--keep-last", "0",
                  steps=6)
     assert [full[s]["rollout/policy_lag_max"] for s in range(1, 7)] == [0, 1, 1, 1, 1, 1]
@@ -78,7 +78,8 @@ def test_env_at_k1_lags_one_version_and_resumes_exactly_with_trajectories_in_fli
 def test_dynamic_sampling_at_k1_refills_under_admission_and_resumes_exactly(tmp_path, areno_cache, monkeypatch):
     """A refill takes the next round in flight (or starts one): lag stays <= K,
     and a resume from a checkpoint with rounds in flight repeats the steps."""
-    ds = [*SPLIT, "--off-policy-steps", "1", "--dynamic-sampling", "reward", "--max-sampling-rounds", "3"]
+    ds = [*SPLIT, "--off-policy-steps", "1", "--whole-rounds", "--dynamic-sampling", "reward",
+          "--max-sampling-rounds", "3"]
     full = train(tmp_path / "full", areno_cache, monkeypatch, *ds, "--save-interval", "3", "--keep-last", "0",
                  steps=6)
     assert max(full[s]["rollout/policy_lag_max"] for s in full) <= 1
@@ -115,7 +116,7 @@ def test_dynamic_sampling_under_partial_rollouts_takes_groups_until_kept_within_
     assert max(max(steps[s]["rollout/token_lag_max"], steps[s]["rollout/policy_lag_max"]) for s in steps) <= 1
 
 
-@pytest.mark.parametrize("partial", [[], ["--partial-rollouts"]], ids=["whole-rounds", "partial"])
+@pytest.mark.parametrize("partial", [["--whole-rounds"], ["--partial-rollouts"]], ids=["whole-rounds", "partial"])
 def test_refills_past_what_admission_counted_sample_streams_of_their_own(tmp_path, areno_cache, monkeypatch,
                                                                           partial):
     """The demo's 0/1 reward on the untrained model leaves most groups
@@ -179,7 +180,7 @@ def test_the_guess_demo_masters_its_game_two_rounds_ahead_on_an_engine_process(t
     0.98 over the last 20 of 200, the 20-step mean at 0.9 by step 103-108 (where
     the run stops; colocated K = 0: test_env_learns)."""
     steps = train(tmp_path / "guess", areno_cache, monkeypatch, *ENV, *SPLIT, "--off-policy-steps", "2",
-                  "--no-save", *STOP, steps=200, base=())
+                  "--whole-rounds", "--no-save", *STOP, steps=200, base=())
     assert_learned(rewards_of(steps), 200, early_bar=0.4, early=10)
     assert max(r["rollout/policy_lag_max"] for r in steps.values()) == 2
     assert steps[max(steps)]["env/turns_mean"] > 1.5  # it reads the env's answer on turn 2
@@ -187,7 +188,7 @@ def test_the_guess_demo_masters_its_game_two_rounds_ahead_on_an_engine_process(t
 
 @pytest.mark.learning
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("partial", [[], ["--partial-rollouts"]], ids=["whole-rounds", "partial"])
+@pytest.mark.parametrize("partial", [["--whole-rounds"], ["--partial-rollouts"]], ids=["whole-rounds", "partial"])
 def test_the_demo_masters_its_task_with_dynamic_sampling_two_rounds_ahead(tmp_path, areno_cache, monkeypatch,
                                                                           partial):
     """The embedded demo with --dynamic-sampling reward at K = 2 on an engine process,

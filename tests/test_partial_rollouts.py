@@ -24,6 +24,47 @@ def test_partial_rollouts_refused_without_split_placement_and_k(args, needle, ca
     assert needle in refused(args, capsys)
 
 
+def test_split_placement_at_k_turns_partial_rollouts_on_unless_told_not_to(files, capsys):
+    """Unset, --partial-rollouts is on under split placement at K >= 1 (issue 39:
+    its learning checks hold), recorded as given and said in the line that lists
+    what K turned on; --whole-rounds (False) keeps whole rounds, silently; K = 0
+    or colocated engines leave it off. A TrainConfig built directly (None) is
+    resolved by the same rule (offpolicy.partial_on)."""
+    from areno.config.offpolicy import partial_on
+    from areno.config.train import TrainConfig
+
+    split = {**files, "rollout_world_size": 1}
+    on = TrainConfig.from_sources(None, {**split, "off_policy_steps": 2})
+    assert on.partial_rollouts is True and partial_on(on)
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("areno: --off-policy-steps 2 turns on --recompute-logprobs and --tis-cap 2 (")
+    assert line.endswith("and --partial-rollouts (engines take new weights mid-generation and a step trains "
+                         "the groups that finish first; --whole-rounds: each rollout on one version, a resume "
+                         "bit-exact)")
+    off = TrainConfig.from_sources(None, {**split, "off_policy_steps": 2, "partial_rollouts": False})
+    assert off.partial_rollouts is False and not partial_on(off)
+    assert "--partial-rollouts" not in capsys.readouterr().out
+    for k0 in ({**split, "off_policy_steps": 0}, files):
+        cfg = TrainConfig.from_sources(None, k0)
+        assert cfg.partial_rollouts is None and not partial_on(cfg)
+    assert partial_on(TrainConfig(**split, off_policy_steps=1, recompute_logprobs=True, tis_cap=2.0))
+    assert not partial_on(TrainConfig(**files))
+
+
+def test_whole_rounds_turns_partial_rollouts_off_and_help_states_the_default():
+    import typer
+
+    from areno.cli.app import app
+    from test_cli_help import _help
+
+    train = typer.main.get_command(app).commands["train"]
+    for argv, want in (([], None), (["--partial-rollouts"], True), (["--whole-rounds"], False)):
+        assert train.make_context("train", list(argv)).params["partial_rollouts"] is want, argv
+    text = " ".join(_help(200).replace("│", " ").split())
+    assert "--partial-rollouts --whole-rounds" in text
+    assert "on with --rollout-world-size and --off-policy-steps >= 1, else off" in text
+
+
 def engine_config(path, kind: str):
     """One rank, one engine process of `kind` (vLLM: in-process, a small KV cache)."""
     from areno.backend.config import BackendConfig

@@ -69,7 +69,9 @@ def _train_parameters() -> list[inspect.Parameter]:
         flag = flag_name(f.name)
         # A switch that is off by default gets no --no- form: a second column of long
         # negated names would leave too little width and rich would cut flag names.
-        decls = [f"{flag}/--no-{flag[2:]}"] if base is bool and f.default else [flag]
+        # One whose derived default may be on names a short off_flag instead.
+        off = f.metadata.get("off_flag") or (f"--no-{flag[2:]}" if base is bool and f.default else None)
+        decls = [f"{flag}/{off}"] if off else [flag]
         params.append(inspect.Parameter(
             f.name, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[base],
             default=typer.Option(None, *decls, help=option_help(f), metavar=_metavar(base),

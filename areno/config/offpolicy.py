@@ -27,13 +27,31 @@ def weight_slots(k: int) -> int:
     return max(2, k + 1)
 
 
+def _at_least_one(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value >= 1
+
+
+def partial_default(m: Any, k: Any) -> bool:
+    """--partial-rollouts where no flag or --config set it: on under split placement
+    (--rollout-world-size m >= 1) at --off-policy-steps k >= 1, where weights can
+    change while a rollout runs; off otherwise (check_partial's limits)."""
+    return _at_least_one(m) and _at_least_one(k)
+
+
+def partial_on(cfg: Any) -> bool:
+    """Whether a TrainConfig's run takes partial rollouts: its --partial-rollouts,
+    or partial_default where unset (None: a TrainConfig built without from_sources)."""
+    given = getattr(cfg, "partial_rollouts", False)
+    return partial_default(cfg.rollout_world_size, cfg.off_policy_steps) if given is None else bool(given)
+
+
 def off_policy_defaults(values: dict[str, Any]) -> list[str]:
-    """--off-policy-steps K >= 1 turns on --recompute-logprobs and --tis-cap (the
-    values config.yaml records), where neither a flag nor --config set them; the
-    flags it set, for the line that says so. recompute_logprobs: false in --config
-    (the switch has no --no- form) is refused by check_off_policy()."""
-    k = values.get("off_policy_steps")
-    if isinstance(k, bool) or not isinstance(k, (int, float)) or not k >= 1:
+    """--off-policy-steps K >= 1 turns on --recompute-logprobs and --tis-cap, and
+    under split placement --partial-rollouts (the values config.yaml records),
+    where neither a flag nor --config set them; the flags it set, for the line
+    that says so (turned_on_line). recompute_logprobs: false in --config (the
+    switch has no --no- form) is refused by check_off_policy()."""
+    if not _at_least_one(values.get("off_policy_steps")):
         return []  # off, or a bad value TrainConfig.validate() names
     turned_on = []
     if values.get("recompute_logprobs") is None:
@@ -42,7 +60,24 @@ def off_policy_defaults(values: dict[str, Any]) -> list[str]:
     if values.get("tis_cap") is None:
         values["tis_cap"] = OFF_POLICY_TIS_CAP
         turned_on.append(f"--tis-cap {OFF_POLICY_TIS_CAP:g}")
+    if values.get("partial_rollouts") is None and partial_default(values.get("rollout_world_size"), 1):
+        values["partial_rollouts"] = True
+        turned_on.append("--partial-rollouts")
     return turned_on
+
+
+def turned_on_line(k: int, turned_on: list[str]) -> str:
+    """The line that says what --off-policy-steps k turned on, and why."""
+    loss = [f for f in turned_on if f != "--partial-rollouts"]
+    why = []
+    if loss:
+        why.append(" and ".join(loss) + " (decoupled PPO: the trainer's log-probs are the proximal "
+                   "policy, capped importance weights correct for the stale sampler)")
+    if "--partial-rollouts" in turned_on:
+        why.append("--partial-rollouts (engines take new weights mid-generation and a step trains "
+                   "the groups that finish first; --whole-rounds: each rollout on one version, a "
+                   "resume bit-exact)")
+    return f"areno: --off-policy-steps {k} turns on " + " and ".join(why)
 
 
 def check_off_policy(cfg: Any) -> None:
@@ -53,9 +88,9 @@ def check_off_policy(cfg: Any) -> None:
         raise UserError(f"--rollout-world-size {m} with --tensor-parallel-size {tp}: an engine "
                         "process holds one device, and vLLM's tensor-parallel workers need a device each "
                         "(colocated engines, without --rollout-world-size, take --tensor-parallel-size)")
-    if getattr(cfg, "partial_rollouts", False):
-        check_partial(m, k)
     if not k:
+        if getattr(cfg, "partial_rollouts", False):  # given: None (unset) is partial_default's
+            check_partial(m, k)
         return
     flag = f"--off-policy-steps {k}"  # any K >= 1: K rollouts queue on the engines (scheduler.py)
     if not m:

@@ -22,7 +22,7 @@ from areno.choices import (
 )
 from areno.config.fieldcheck import base_type, check_value
 from areno.config.lora import FULL_FT_LR, LORA_LR_FACTOR
-from areno.config.offpolicy import OFF_POLICY_TIS_CAP, off_policy_defaults
+from areno.config.offpolicy import OFF_POLICY_TIS_CAP, off_policy_defaults, turned_on_line
 from areno.config.rules import check_reward_timeout, check_rules, fill_demo_preset
 from areno.config.env import EnvOptions
 from areno.rollout.factory import EngineKind
@@ -36,12 +36,13 @@ STOP_WINDOW = 20  # steps whose mean reward --stop-at-reward compares
 
 
 def opt(default: Any, help: str, group: str, *, ge: float | None = None, gt: float | None = None,
-        le: float | None = None, lt: float | None = None, shown: str | None = None) -> Any:
-    """A TrainConfig field. shown: how --help states a default that is not a plain
-    value (None meaning "derived from other options")."""
+        le: float | None = None, lt: float | None = None, shown: str | None = None,
+        off_flag: str | None = None) -> Any:
+    """A TrainConfig field. shown: how --help states a default that is not a plain value (None
+    meaning "derived from other options"); off_flag: what turns off a switch derived on."""
     assert group in GROUPS, group
     return field(default=default, metadata=dict(help=help, group=group, ge=ge, gt=gt, le=le, lt=lt,
-                                                 shown=shown))
+                                                 shown=shown, off_flag=off_flag))
 
 
 @dataclass
@@ -97,12 +98,6 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
         "given). Needs --rollout-world-size. 0: synchronous, every batch sampled by the "
         "current policy.",
         "Rollout", ge=0)
-    partial_rollouts: bool = opt(
-        False, "Partial rollouts (in-flight weight updates): weights the ranks publish while a "
-        "rollout generates reach its engines between two decode steps, the requests they hold "
-        "kept, every token carries the version that sampled it, and a step trains the groups that "
-        "finish first within their K-step deadlines. Needs --rollout-world-size and --off-policy-steps "
-        ">= 1. What finishes when is timing's, so a resume is not bit-exact (off: it is).", "Rollout")
     # -- Rewards -------------------------------------------------------------
     reward_fn_path: str | None = opt(
         None, "Reward plugin: a .py file defining reward_fn(record) -> float or "
@@ -256,6 +251,15 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
         0, "Processes that only run rollout engines, beside the training ranks (split "
         "placement; on GPU one GPU each, after the ranks'; no --tensor-parallel-size). 0: every "
         "training rank holds an engine (colocated).", "Parallelism", ge=0)
+    partial_rollouts: bool | None = opt(
+        None, "Partial rollouts (in-flight weight updates): weights the ranks publish while a "
+        "rollout generates reach its engines between two decode steps, the requests they hold "
+        "kept, every token carries the version that sampled it, and a step trains the groups that "
+        "finish first within their K-step deadlines. Needs --rollout-world-size and --off-policy-steps "
+        ">= 1. What finishes when is timing's, so a run does not repeat and a resume is not "
+        "bit-exact; --whole-rounds: each rollout loads weights once, at its start, and both are "
+        "exact.", "Parallelism",
+        shown="on with --rollout-world-size and --off-policy-steps >= 1, else off", off_flag="--whole-rounds")
     cpu_threads: int | None = opt(None, "torch threads of each CPU rank. The ranks' OpenMP threads wait "
                                   "passively (OMP_WAIT_POLICY=PASSIVE unless set; a ~0.3 ms spin first "
                                   "when no other task is runnable at start-up), so a busy neighbour "
@@ -371,10 +375,7 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
         cfg = cls(**values)
         cfg.validate()
         if turned_on:  # beside "resuming with": the settings a run did not say it wants
-            print(f"areno: --off-policy-steps {cfg.off_policy_steps} turns on "
-                  + " and ".join(turned_on) + " (decoupled PPO: the trainer's log-probs are the "
-                  "proximal policy, capped importance weights correct for the stale sampler)",
-                  flush=True)
+            print(turned_on_line(cfg.off_policy_steps, turned_on), flush=True)
         return cfg
 
     def validate(self) -> None:

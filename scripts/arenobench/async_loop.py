@@ -147,7 +147,8 @@ def run_one(k: int, rollout_s: float, train_s: float, steps: int, tmp: Path,
     log.mkdir(parents=True)
     cmd = [sys.executable, "-m", "areno.cli", "train", "--rollout-engine", "hf", "--world-size", "1",
            "--rollout-world-size", "1", "--off-policy-steps", str(k), "--max-steps", str(steps),
-           "--seed", "0", "--no-save", "--log-completions", "0", "--output-dir", str(out), *extra]
+           "--seed", "0", "--no-save", "--log-completions", "0", "--output-dir", str(out), *extra,
+           *([] if "--partial-rollouts" in extra else ["--whole-rounds"])]  # K-ahead: whole rounds
     env = child_env(ARENO_RANK_HOOKS=HOOKS_SPEC, **{ROLLOUT_ENV: str(rollout_s), TRAIN_ENV: str(train_s),
                                                    LOG_ENV: str(log), **({TIMES_ENV: str(times)} if times else {}),
                                                    **(env_extra or {})})
@@ -230,7 +231,7 @@ def misses(scenarios: list[dict]) -> list[str]:
 
 
 DEMO_MODES = {"colocated K=0": [], "split K=0": ["--rollout-world-size", "1"],
-              "split K=1": ["--rollout-world-size", "1", "--off-policy-steps", "1"]}
+              "split K=1": ["--rollout-world-size", "1", "--off-policy-steps", "1", "--whole-rounds"]}
 
 
 def demo_table(steps: int, tmp: Path) -> str:

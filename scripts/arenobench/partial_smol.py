@@ -63,7 +63,7 @@ def run_mode(model: Path, data: Path, reward: Path, k: int, partial: bool, args,
            "--off-policy-steps", str(k), "--batch-size", str(args.prompts), "--n-samples", str(args.samples),
            "--max-new-tokens", str(args.new_tokens), "--max-steps", str(args.smol_steps), "--seed", "0",
            "--reward-workers", "0", "--log-completions", "0", "--no-save", "--output-dir", str(out),
-           *(["--partial-rollouts"] if partial else [])]
+           "--partial-rollouts" if partial else "--whole-rounds"]
     res = subprocess.run(cmd, env=child_env(), capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed (rc {res.returncode}):\n{res.stderr[-3000:]}")
