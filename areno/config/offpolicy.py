@@ -60,7 +60,8 @@ def off_policy_defaults(values: dict[str, Any]) -> list[str]:
     if values.get("tis_cap") is None:
         values["tis_cap"] = OFF_POLICY_TIS_CAP
         turned_on.append(f"--tis-cap {OFF_POLICY_TIS_CAP:g}")
-    if values.get("partial_rollouts") is None and partial_default(values.get("rollout_world_size"), 1):
+    if values.get("partial_rollouts") is None and partial_default(values.get("rollout_world_size"),
+                                                                  values.get("off_policy_steps")):
         values["partial_rollouts"] = True
         turned_on.append("--partial-rollouts")
     return turned_on
