@@ -91,3 +91,23 @@ def test_bench_async_partial_real_runs_sync_k_ahead_and_partial_rollouts_side_by
     assert sync["policy_lag_mean"] == sync["inflight_loads_per_step"] == ahead["inflight_loads_per_step"] == 0
     assert ahead["token_lag_mean"] == ahead["policy_lag_mean"] == 1
     assert part["token_lag_mean"] <= part["policy_lag_mean"] <= 1 and part["measured_steps"] >= 1
+
+
+def test_the_partial_targets_judge_first_finished_as_well_as_the_pool() -> None:
+    """bench_async --partial's "targets:" line names each partial mode that missed
+    one: the pool's (`partial`) and first-finished, what areno runs, which an
+    idle engine no longer hides behind a busy pool."""
+    import numpy as np
+
+    from arenobench.partial_sim import Result, misses
+
+    def res(mode: str, tokens: int, idle: float) -> Result:
+        return Result(mode, 2, 100.0, tokens, tokens, idle, np.zeros(1, np.int64))
+
+    sync, ahead = res("sync", 1000, 0.7), res("K-ahead", 1200, 0.6)
+    busy_pool, idle_ff = res("partial", 3000, 0.02), res("first-finished", 3000, 0.28)
+    assert misses([sync, ahead, busy_pool, res("tail fill, whole rounds", 2900, 0.3), idle_ff]) == \
+        ["first-finished idle 28.0% > 5%"]
+    slow_ff = res("first-finished", 1500, 0.04)
+    assert misses([sync, ahead, busy_pool, slow_ff]) == \
+        ["first-finished 1.50x sync < 2.0", "first-finished 1.25x K-ahead < 1.5"]
