@@ -175,8 +175,8 @@ def rewards_of(steps: dict[int, dict]) -> np.ndarray:
 @pytest.mark.timeout(900)
 def test_the_guess_demo_masters_its_game_two_rounds_ahead_on_an_engine_process(tmp_path, areno_cache,
                                                                                 monkeypatch):
-    """examples/guess at K = 2 with split placement (its README command plus two
-    flags, and --stop-at-reward). Measured at seed 0: 0.17 over the first 10 steps,
+    """examples/guess at K = 2 with split placement (its README command plus three
+    flags, whole rounds, and --stop-at-reward). Measured at seed 0: 0.17 over the first 10 steps,
     0.98 over the last 20 of 200, the 20-step mean at 0.9 by step 103-108 (where
     the run stops; colocated K = 0: test_env_learns)."""
     steps = train(tmp_path / "guess", areno_cache, monkeypatch, *ENV, *SPLIT, "--off-policy-steps", "2",

@@ -1,7 +1,7 @@
 """--partial-rollouts (issue 39): weights published while a round generates reach
 the engine processes between two decode steps (fleet/inflight_loads.py), every
-token carries the version that sampled it, and the refusals that name why the
-option needs split placement and K >= 1."""
+token carries the version that sampled it, the refusals that name why the
+option needs split placement and K >= 1, and its default there (on)."""
 
 from __future__ import annotations
 
