@@ -275,7 +275,7 @@ def test_ctrl_c_saves_the_rollouts_in_flight_and_the_resumed_run_trains_them(tmp
     wait (scheduler.INTERRUPT_WAIT_S), and the resumed run trains on them at the
     lag they were sampled with (dropped, they would come back at lag 0)."""
     stopped, saved, every = ctrl_c_then_resume(tmp_path, areno_cache, k)
-    K = int(k[-1])
+    K = int(k[k.index("--off-policy-steps") + 1])
     assert saved and saved == list(range(stopped + 1, stopped + 1 + len(saved))) and len(saved) <= K + 1
     assert every[stopped + 1]["rollout/policy_lag_max"] == every[stopped]["rollout/policy_lag_max"] == K
 
