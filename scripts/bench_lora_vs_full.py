@@ -17,23 +17,18 @@ import tempfile
 from pathlib import Path
 
 from arenobench.lib import write_json
-from arenobench.lora_vs_full import Arm, curve_summary, run_arm, side_by_side, train_args, write_task
+from arenobench.lora_vs_full import Arm, add_task_args, curve_summary, run_arm, side_by_side, train_args, write_task
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--n-samples", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-5, help="full FT's; LoRA takes 10x")
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--engine", default="hf", choices=["vllm", "hf"])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--window", type=int, default=10)
-    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "areno")
-    ap.add_argument("--model", type=Path, default=None, help="another HF model dir (tests: tiny chat)")
+    add_task_args(ap)
     ap.add_argument("--out", type=Path, default=Path("bench_results/lora_vs_full.json"))
     args = ap.parse_args()
 

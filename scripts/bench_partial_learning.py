@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from arenobench.lib import write_json
-from arenobench.lora_vs_full import Arm, curve_summary, run_arm, side_by_side, train_args, write_task
+from arenobench.lora_vs_full import Arm, add_task_args, curve_summary, run_arm, side_by_side, train_args, write_task
 
 
 def lag_histogram(run_dir: Path, k: int) -> list[int]:
@@ -45,16 +45,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--k", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--n-samples", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-4, help="LoRA's (--lora-rank > 0), else full FT's")
     ap.add_argument("--lora-rank", type=int, default=8, help="0: full fine-tuning")
     ap.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
     ap.add_argument("--threads", type=int, default=1, help="per process: the rank and the engine share the cores")
-    ap.add_argument("--window", type=int, default=10)
-    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "areno")
-    ap.add_argument("--model", type=Path, default=None, help="another HF model dir (tests: tiny chat)")
+    add_task_args(ap)
     ap.add_argument("--out", type=Path, default=Path("bench_results/partial_learning.json"))
     args = ap.parse_args()
 

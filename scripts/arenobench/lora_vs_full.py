@@ -14,6 +14,7 @@ the same --seed, hence the same prompts per step); the curve is its metrics.json
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -42,6 +43,17 @@ def write_task(path: Path) -> Path:
 
     path.write_text("".join(json.dumps(r) + "\n" for r in rows()))
     return path
+
+
+def add_task_args(ap: argparse.ArgumentParser) -> None:
+    """The options every comparison on this task shares: the batch, the answer's
+    tokens, the summary's window, where the model comes from."""
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--n-samples", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=4)
+    ap.add_argument("--window", type=int, default=10)
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "areno")
+    ap.add_argument("--model", type=Path, default=None, help="another HF model dir (tests: tiny chat)")
 
 
 SYSTEM_PROMPT = "Reply with the number only."  # without it the model answers in sentences: reward ~0
