@@ -7,6 +7,8 @@ In-process, split placement, a real engine process."""
 
 from __future__ import annotations
 
+import pytest
+
 ENV = '''
 def reset(state):
     state.data["moves"] = 0
@@ -52,6 +54,7 @@ def step(state, completion):
 '''
 
 
+@pytest.mark.slow  # a run with slow envs; test_env_driver holds the loop in the default tier
 def test_queued_multi_turn_rounds_start_while_the_running_ones_wait_on_their_envs(
         tmp_path, areno_cache, monkeypatch):
     """K = 2: the three start-up rounds queue on the one engine process; each

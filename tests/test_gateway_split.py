@@ -27,6 +27,7 @@ def agent(tmp_path) -> list[str]:
     return ["--agent-path", str(path), *OPTIONS]
 
 
+@pytest.mark.slow  # two runs; test_gateway_split's other tests hold split agents in the default tier
 def test_agents_under_split_placement_at_k0_are_the_colocated_run_bit_for_bit(tmp_path, areno_cache,
                                                                                monkeypatch, agent):
     """The batches (their prompts are the agents' conversations), rewards, agent/*

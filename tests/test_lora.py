@@ -138,6 +138,7 @@ def test_bfloat16_lora_step(tiny_chat_path, monkeypatch, strategy) -> None:
         assert b.abs().max() > 0
 
 
+@pytest.mark.slow  # a run, then peft and generate; test_lora_run_logs_its_parameters_and_saves_adapters is the default tier's
 def test_checkpoint_loads_with_peft_and_generates_as_the_policy(tiny_chat_path, monkeypatch, tmp_path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
