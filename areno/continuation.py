@@ -7,15 +7,17 @@ saves them with their behaviour log-probs and versions. The resumed run samples
 the rest of each one from its prompt followed by those tokens, with what is
 left of the token cap (`continuation_prompts`), and splices it on (`splice`):
 the trajectory trains whole, every token with the log-prob and the version that
-sampled it, none generated twice, none lost. A multi-turn round is never halted
-(its environment's state lives in the engine process's workers): it is waited
-for, as before.
+sampled it, none generated twice, none lost. A multi-turn trajectory is
+continued by its own driver (envs/resume.py), and spliced on here too.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from areno.rewards.plugin import RewardResult
 from areno.rollout.batch import (
     FINISH_ABORT, FINISH_LENGTH, RolloutBatch, csr_take, offsets_from_lengths, segment_gather,
 )
@@ -26,6 +28,16 @@ def halted(batch: RolloutBatch) -> np.ndarray:
     if batch.response_mask is not None:
         return np.zeros(batch.num_responses, bool)
     return batch.finish_reason == FINISH_ABORT
+
+
+def any_halted(batch: RolloutBatch, scored: RewardResult | None) -> bool:
+    """Whether a saved round holds samples a halt ended: single-turn ones (finish
+    "abort"), or multi-turn trajectories with their Halted records (its
+    rewards' payloads: envs/halted.py; an "abort" there may be an environment's
+    failure instead)."""
+    if batch.response_mask is not None:
+        return scored is not None and scored.payloads is not None and any(p is not None for p in scored.payloads)
+    return bool(halted(batch).any())
 
 
 def continuation_prompts(batch: RolloutBatch, which: np.ndarray, max_tokens: int,
@@ -71,6 +83,10 @@ def splice(batch: RolloutBatch, which: np.ndarray, cont: RolloutBatch, budget: n
     def pooled(a: np.ndarray, b: np.ndarray) -> np.ndarray:
         return np.concatenate([a, b])[gather]
 
+    mask = None if batch.response_mask is None else pooled(batch.response_mask, cont.response_mask)
+    turn_cut = None if batch.turn_cut is None else batch.turn_cut.copy()
+    if turn_cut is not None:
+        turn_cut[which] = cont.turn_cut
     own_v = batch.token_version if batch.token_version is not None else \
         np.full(t_old, version, np.int32)
     cont_v = cont.token_version if cont.token_version is not None else \
@@ -84,5 +100,19 @@ def splice(batch: RolloutBatch, which: np.ndarray, cont: RolloutBatch, budget: n
         response_logprobs=pooled(batch.response_logprobs, cont.response_logprobs),
         group_index=batch.group_index, finish_reason=finish,
         token_version=pooled(own_v, cont_v).astype(np.int32, copy=False),
+        response_mask=mask, turn_cut=turn_cut,
     )
+
+
+def tails(batch: RolloutBatch, skip: np.ndarray) -> RolloutBatch:
+    """`batch` with each response j without its first skip[j] tokens ([N] int64):
+    what a continuation added to the saved responses it started from."""
+    off = batch.response_offsets
+    gather, out_off = segment_gather(off[:-1] + skip, np.diff(off) - skip)
+
+    def cut(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else a[gather]
+    return replace(batch, response_ids=batch.response_ids[gather], response_offsets=out_off,
+                   response_logprobs=batch.response_logprobs[gather], response_mask=cut(batch.response_mask),
+                   token_version=cut(batch.token_version))
 

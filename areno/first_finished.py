@@ -184,5 +184,4 @@ def remaining(cur: Inflight, batch: RolloutBatch, scored: RewardResult | None,
         return cur.prompt_idx, batch, scored
     g = left_of(cur)
     sub, resp = batch.take_groups(g)
-    return cur.prompt_idx[g], sub, None if scored is None else \
-        replace(scored, rewards=scored.rewards[resp], valid=scored.valid[resp])
+    return cur.prompt_idx[g], sub, None if scored is None else scored.take(resp)

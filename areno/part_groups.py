@@ -46,4 +46,4 @@ def groups_of_parts(sink: Any, groups: np.ndarray, counted: set[int]) -> tuple[R
                for i, r in zip(need, results)]
     counted.update(need)
     merged = RewardResult.concat(results)
-    return sub, replace(merged, rewards=merged.rewards[perm][resp], valid=merged.valid[perm][resp])
+    return sub, merged.take(perm[resp])

@@ -30,12 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from areno.continuation import continuation_prompts, halted, splice
+from areno.continuation import any_halted, continuation_prompts, halted, splice
 from areno.data.prompts import PromptSet, select
 from areno.data.sampler import batches_drawn
 from areno.data.rows import RowSet
 from areno.dynsample import Round
 from areno.envs.driver import EpisodeSpec, env_states, observation_format, rollout_multiturn
+from areno.envs.resume import continue_episodes
 from areno.part_groups import arrival, groups_of_parts
 from areno.rewards import RewardCounts, RewardError, RewardResult
 from areno.rollout.batch import RolloutBatch
@@ -78,8 +79,8 @@ class Producer:
         self.run.engine.offer(region, version)
 
     def halt(self) -> None:
-        """--partial-rollouts, Ctrl-C: the single-turn rounds in flight end at their
-        engines' next decode step with the tokens they have (EngineView.halt)."""
+        """--partial-rollouts, Ctrl-C: the rounds in flight (an agent's excepted) end at
+        their engines' next decode step with the tokens they have (EngineView.halt)."""
         self.run.engine.halt()
 
     def continue_halted(self, saved: list[Any], now: int) -> None:
@@ -89,14 +90,19 @@ class Producer:
         prompt and tokens so far, up to the cap left to it, with a stream of its
         own (areno/continuation.py)."""
         for cur in saved:
-            if cur.saved is None or not (which := np.flatnonzero(halted(cur.saved[0]))).size:
+            if cur.saved is None or not any_halted(*cur.saved):
                 continue
             (batch, scored), sampling = cur.saved, self.run.sampling_for(1 + batches_drawn(cur.sampler_before))
+            if sampling.seed is not None:  # a stream of its own
+                sampling = replace(sampling, seed=int(np.random.SeedSequence([sampling.seed, 1]).generate_state(
+                    1, np.uint64)[0] >> np.uint64(1)))
+            if batch.response_mask is not None:  # multi-turn: each trajectory's driver goes on (envs/resume.py)
+                cur.saved = continue_episodes(self.run.engine, self.episodes, batch, scored, sampling, cur.version,
+                                              now)
+                continue
+            which = np.flatnonzero(halted(batch))
             ids, offsets, budget = continuation_prompts(batch, which, sampling.max_tokens)
-            seed = None if sampling.seed is None else \
-                int(np.random.SeedSequence([sampling.seed, 1]).generate_state(1, np.uint64)[0] >> np.uint64(1))
-            cont = self.run.engine.generate(ids, offsets, 1, replace(sampling, max_tokens=int(budget.max()),
-                                                                     seed=seed))
+            cont = self.run.engine.generate(ids, offsets, 1, replace(sampling, max_tokens=int(budget.max())))
             cur.saved = (splice(batch, which, cont, budget, cur.version, now), scored)
 
     def start(self, data: Data, prompt_idx: np.ndarray, n: int, sampling: SamplingConfig,
@@ -305,7 +311,8 @@ class EpisodeParts:
         self.parts.append(part)
         self.positions.append(pos)
         self.arrived.append(time.monotonic())
-        self.results.append(RewardResult(meta["rewards"], meta["valid"], meta["counts"], meta["messages"]))
+        self.results.append(RewardResult(meta["rewards"], meta["valid"], meta["counts"], meta["messages"],
+                                         meta.get("halted")))  # envs/halted.py: a Ctrl-C's
         self.metrics.append((meta["env"], meta["turns"], meta["engine"]))
 
     def score(self, pos: np.ndarray, part: RolloutBatch) -> None:
@@ -318,8 +325,7 @@ class EpisodeParts:
         batch, perm = RolloutBatch.merge_parts(self.parts, self.positions)
         merged = RewardResult.concat(self.results) if self.results else \
             RewardResult(np.zeros(0, np.float32), np.zeros(0, bool), RewardCounts(), ())
-        return batch, RewardResult(merged.rewards[perm], merged.valid[perm], merged.counts,
-                                   merged.messages), env_totals(self.metrics)
+        return batch, merged.take(perm), env_totals(self.metrics)
 
 
 def env_totals(parts: list[tuple[dict[str, float], np.ndarray, int]]) -> dict[str, float]:

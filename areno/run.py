@@ -22,7 +22,8 @@ from areno.envs.pool import EnvPool
 from areno.gateway.host import AgentHost
 from areno import evaluate as evaluation
 from areno.producers import Data
-from areno.scheduler import Rollouts, load_inflight, rollouts_for
+from areno.inflight_file import load_inflight
+from areno.scheduler import Rollouts, rollouts_for
 from areno import settings
 from areno.backend.launch import EarlyPeers
 from areno.backend.rank_engines import RankEngines

@@ -57,10 +57,8 @@ from the checkpoint's weights (deterministic, with a smaller lag).
 
 from __future__ import annotations
 
-import json
 import time
-import zipfile
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -69,23 +67,19 @@ import numpy as np
 from areno.procs.errors import BackendError
 from areno.config.offpolicy import partial_on, weight_slots
 from areno.config.env import multi_turn
-from areno.continuation import halted
+from areno.continuation import any_halted
 from areno.envs.driver import episode_spec
 from areno.dynsample import Filled, Round, fill_batch, informative_groups
-from areno.errors import UserError, one_line
 from areno import first_finished
 from areno.inflight import Inflight, admitted, check_oldest, lag_metrics
+from areno.inflight_file import save_inflight
 from areno.metrics import wait_metrics
 from areno.producers import Data, Producer
-from areno.rewards import RewardCounts, RewardResult
-from areno.rollout.batch import RolloutBatch, with_version
-from areno.rundir.checkpoint import STATE_FILE
+from areno.rollout.batch import with_version
 from areno.data.sampler import batches_drawn
 from areno.scoring import score
 from areno.timing import PhaseTimer
 
-INFLIGHT_FILE = "inflight.npz"  # each round's RolloutBatch and prompt indices (and env rewards)
-INFLIGHT_META = "inflight.json"  # each one's tag, weight version, the sampler before its prompts
 INTERRUPT_WAIT_S = 5.0  # how long a Ctrl-C waits for the rounds in flight before dropping them
 
 
@@ -107,7 +101,7 @@ class Rollouts:
         # a step trains the groups that finish first, from any round, the filter's
         # too (first_finished.py).
         self.partial = partial_on(run.cfg)
-        self.halted = any(c.saved is not None and halted(c.saved[0]).any() for c in self.inflight)
+        self.halted = any(c.saved is not None and any_halted(*c.saved) for c in self.inflight)
 
     # -- the step ------------------------------------------------------------------
     def next_batch(self, step: int, timer: PhaseTimer) -> tuple[Filled, dict[str, float]]:
@@ -270,8 +264,9 @@ class Rollouts:
         wait_s None: INTERRUPT_WAIT_S, and under --partial-rollouts no limit: every
         round is waited for and saved, so no generated token is lost (a dropped
         one could not be sampled again as it was: which tokens a version sampled
-        there depended on timing); single-turn ones are halted first, so the
-        wait is one decode step (areno/continuation.py)."""
+        there depended on timing); all but an agent's are halted first, so the
+        wait is one decode step, or an environment call (areno/continuation.py,
+        envs/resume.py)."""
         self.taken = []
         if wait_s is None:
             wait_s = float("inf") if self.partial else INTERRUPT_WAIT_S
@@ -294,42 +289,26 @@ class Rollouts:
         return dropped[0].sampler_before if dropped else None
 
     def _halt_or_wait(self) -> None:
-        """Single-turn rounds generating now are halted (their tokens saved, continued
-        on resume); multi-turn ones are waited for. One line on stdout says which
-        (stderr keeps the run's one closing line)."""
+        """The rounds generating now are halted (their tokens saved, and an
+        environment's states: continued on resume); an agent's are waited for. One
+        line on stdout says which (stderr keeps the run's one closing line)."""
         busy = sum(cur.pending is not None and cur.round is None and cur.pending.generating for cur in self.inflight)
         if not busy:
             return
-        if self.producer.episodes is None:
+        if self.producer.episodes is None or not self.producer.episodes.agent:
             self.producer.halt()
             what = (f"halting the {busy} rollout(s) in flight at their next decode step: the checkpoint keeps "
-                    "their tokens and a resume continues them")
+                    "their tokens" + ("" if self.producer.episodes is None else
+                                      " and their environments' states (their calls out answer first)")
+                    + " and a resume continues them")
         else:
-            what = f"waiting for the {busy} multi-turn rollout(s) in flight to finish, so that no sampled token is lost"
+            what = f"waiting for the {busy} agent rollout(s) in flight to finish, so that no sampled token is lost"
         print(f"areno: {what} (--partial-rollouts); Ctrl-C again drops them", flush=True)  # stderr: the end's
 
     def checkpoint_state(self, path: Path) -> dict:
         """Save every round in flight into checkpoint dir `path`, waiting for each
         -> the sampler state to save (after the prompts of the last one)."""
-        arrays = {}
-        for i, cur in enumerate(self.inflight):
-            if cur.round is not None:
-                batch, scored = cur.round.batch, cur.round.scored
-            elif cur.saved is not None:
-                batch, scored = cur.saved
-            else:
-                batch, scored = cur.pending.batch()
-            prompt_idx, batch, scored = first_finished.remaining(cur, batch, scored)  # its untrained groups
-            arrays |= {f"{i}/{f.name}": getattr(batch, f.name) for f in fields(RolloutBatch)
-                       if getattr(batch, f.name) is not None}  # response_mask: multi-turn only
-            arrays[f"{i}/prompt_idx"] = prompt_idx
-            if scored is not None and batch.response_mask is not None:  # an environment's rewards
-                arrays[f"{i}/rewards"], arrays[f"{i}/valid"] = scored.rewards, scored.valid
-        if self.inflight:
-            np.savez(path / INFLIGHT_FILE, **arrays)
-            (path / INFLIGHT_META).write_text(json.dumps({"rollouts": [
-                {"step": c.step, "version": c.version, "sampler_before": c.sampler_before}
-                for c in self.inflight]}))
+        save_inflight(path, self.inflight)
         return self.run.sampler.state_dict()
 
 
@@ -344,57 +323,3 @@ def rollouts_for(run: Any, updates: int, saved: list[Inflight], tokenizer_path: 
         run.sampler.load_state_dict(saved[0].sampler_before)
         saved = []
     return Rollouts(run, producer, updates, saved)
-
-
-def load_inflight(ckpt: Path | None, expected: int | None = None, instead: str = "") -> list[Inflight]:
-    """The rollouts a checkpoint saved in flight (checkpoint_state), oldest first,
-    read whole before anything starts: without them the resumed run would train on
-    other prompts than the saved one (the sampler's cursor is past theirs), so a
-    missing, truncated or short file is a UserError naming it (instead: what to
-    pass then). expected: the count the trainer state records (None: a checkpoint
-    from before it did; then the files are read when there). A checkpoint of the
-    one-rollout loop (one unprefixed rollout) reads too."""
-    if ckpt is None:
-        return []
-    npz, meta_path = ckpt / INFLIGHT_FILE, ckpt / INFLIGHT_META
-    if not expected and not npz.exists() and not meta_path.exists():
-        return []
-    try:
-        return _read_inflight(npz, meta_path, expected)
-    except _Damaged as e:
-        name, problem = e.args
-        raise UserError(f"--resume {ckpt}: {name} (the rollouts in flight when it was saved) {problem}; "
-                        f"{instead or 'resume from another checkpoint'}") from None
-
-
-class _Damaged(Exception):
-    """An in-flight file's name and what is wrong with it."""
-
-
-def _read_inflight(npz: Path, meta_path: Path, expected: int | None) -> list[Inflight]:
-    for f in (meta_path, npz):
-        if not f.is_file():
-            raise _Damaged(f.name, "is missing")
-    try:
-        meta = json.loads(meta_path.read_text())
-        rollouts, prefix = (meta["rollouts"], "{}/") if "rollouts" in meta else ([meta], "")
-        for m in rollouts:
-            m["step"], m["version"], m["sampler_before"]  # noqa: B018  (each one whole)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise _Damaged(meta_path.name, f"is truncated or unreadable ({one_line(e)})") from None
-    if expected is not None and len(rollouts) != expected:
-        raise _Damaged(meta_path.name, f"lists {len(rollouts)} rollouts, {STATE_FILE} {expected}")
-    out = []
-    try:
-        with np.load(npz) as z:
-            for i, m in enumerate(rollouts):
-                p = prefix.format(i)
-                # Indexing reads and CRC-checks each array: a cut file fails here.
-                batch = RolloutBatch(**{f.name: z[p + f.name] for f in fields(RolloutBatch) if p + f.name in z})
-                scored = RewardResult(z[p + "rewards"], z[p + "valid"], RewardCounts()) \
-                    if p + "rewards" in z else None  # an environment's: they cannot be computed again
-                out.append(Inflight(m["step"], z[p + "prompt_idx"], m["sampler_before"], m["version"],
-                                    saved=(batch, scored)))
-    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
-        raise _Damaged(npz.name, f"is truncated or unreadable ({one_line(e)})") from None
-    return out

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from areno.scheduler import INFLIGHT_FILE, INFLIGHT_META, admitted, load_inflight
+from areno.inflight_file import INFLIGHT_FILE, INFLIGHT_META, load_inflight
+from areno.scheduler import admitted
 from areno.errors import UserError
 from areno.fleet.rollouts import Parts
 from areno.rundir.checkpoint import latest_checkpoint, read_state

@@ -23,7 +23,7 @@ def rows(ids: np.ndarray, off: np.ndarray) -> list[np.ndarray]:
 
 def saved_responses(ckpt) -> dict[int, list[tuple]]:
     """prompt index -> its saved samples (tokens, log-probs, versions, finish)."""
-    from areno.scheduler import INFLIGHT_FILE
+    from areno.inflight_file import INFLIGHT_FILE
 
     out: dict[int, list[tuple]] = {}
     with np.load(ckpt / INFLIGHT_FILE) as z:

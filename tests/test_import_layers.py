@@ -36,15 +36,17 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rollout/",),                                 # engines, RolloutBatch
     ("data/",),
     ("rundir/", "rewards/"),                       # what a run writes; reward plugins and workers
+    ("continuation.py",),                          # halted samples spliced on resume, pure
     ("envs/",),
     ("gateway/",),                                 # agents over HTTP: an env whose observations are requests
     ("config/",),                                  # TrainConfig and its rules
-    ("advantages.py", "losses.py", "pack.py", "split.py", "continuation.py"),
+    ("advantages.py", "losses.py", "pack.py", "split.py"),
     ("fleet/",),                                   # the engines: in a peer, engine processes, sync
     ("backend/",),                                 # the ranks and TorchBackend (never engine processes)
     ("settings.py", "runtime/", "scoring.py", "dynsample.py", "partial.py", "part_groups.py", "evaluate.py"),
     ("producers.py",),                             # where a round comes from, every placement
-    ("inflight.py", "first_finished.py"),          # a round in flight, the K bound; batches by group
+    ("inflight.py", "first_finished.py", "inflight_file.py"),  # a round in flight, the K bound; batches
+                                                   # by group; the checkpoint's file of them
     ("scheduler.py",),                             # the rollout scheduler every run has
     ("run.py",),
     ("trainer.py",),

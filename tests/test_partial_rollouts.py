@@ -129,7 +129,7 @@ def test_a_k1_run_trains_rounds_that_span_a_publish_and_saves_one_with_its_token
     (its tokens' lags those of the uninterrupted run's step 3)."""
     import numpy as np
 
-    from areno.scheduler import INFLIGHT_FILE
+    from areno.inflight_file import INFLIGHT_FILE
     from inprocess import run_here
     from test_resume import HF1, ok, train_steps
 
@@ -185,15 +185,16 @@ class _SlowRound:
         self.dropped = True
 
 
-@pytest.mark.parametrize("partial,episodes", [(False, None), (True, None), (True, "env")],
-                         ids=["default", "partial", "partial-multi-turn"])
-def test_ctrl_c_under_partial_rollouts_halts_single_turn_rounds_and_waits_for_every_round(
+@pytest.mark.parametrize("partial,episodes", [(False, None), (True, None), (True, "env"), (True, "agent")],
+                         ids=["default", "partial", "partial-multi-turn", "partial-agent"])
+def test_ctrl_c_under_partial_rollouts_halts_the_rounds_but_an_agents_and_waits_for_every_round(
         partial, episodes, capsys):
     """settle_interrupt: by default a round not whole within INTERRUPT_WAIT_S is
     dropped (its prompts sampled again, exactly, from the checkpoint's weights);
-    under --partial-rollouts a single-turn one is halted at its engines' next
-    decode step, a multi-turn one is not, and either is waited for and kept (no
-    generated token lost: which version sampled which token cannot be repeated)."""
+    under --partial-rollouts a round is halted at its engines' next decode step
+    (an environment's with its trajectories' states), an agent's is not, and
+    either is waited for and kept (no generated token lost: which version
+    sampled which token cannot be repeated)."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -203,19 +204,22 @@ def test_ctrl_c_under_partial_rollouts_halts_single_turn_rounds_and_waits_for_ev
     run = SimpleNamespace(cfg=SimpleNamespace(off_policy_steps=1, partial_rollouts=partial), rows=None,
                           prompts=None)
     halts = []
-    sched = Rollouts(run, SimpleNamespace(background=True, episodes=episodes, halt=lambda: halts.append(1)),
+    spec = None if episodes is None else SimpleNamespace(agent=episodes == "agent")
+    sched = Rollouts(run, SimpleNamespace(background=True, episodes=spec, halt=lambda: halts.append(1)),
                      updates=3)
     slow = _SlowRound()
     sched.inflight = [Inflight(4, np.arange(2), {"pos": 7}, 3, pending=slow)]
     before = sched.settle_interrupt(3)
     assert (before, len(sched.inflight), slow.dropped) == ((None, 1, False) if partial else ({"pos": 7}, 0, True))
-    assert len(halts) == (partial and episodes is None)
+    assert len(halts) == (partial and episodes != "agent")
     said = capsys.readouterr().out  # the wait without limit says why, and how to cut it short
+    halting = "areno: halting the 1 rollout(s) in flight at their next decode step: the checkpoint keeps their tokens"
     assert said == {
         None: "" if not partial else
-        "areno: halting the 1 rollout(s) in flight at their next decode step: the checkpoint keeps their tokens "
-        "and a resume continues them (--partial-rollouts); Ctrl-C again drops them\n",
-        "env": "areno: waiting for the 1 multi-turn rollout(s) in flight to finish, so that no sampled token is "
+        f"{halting} and a resume continues them (--partial-rollouts); Ctrl-C again drops them\n",
+        "env": f"{halting} and their environments' states (their calls out answer first) and a resume continues "
+        "them (--partial-rollouts); Ctrl-C again drops them\n",
+        "agent": "areno: waiting for the 1 agent rollout(s) in flight to finish, so that no sampled token is "
         "lost (--partial-rollouts); Ctrl-C again drops them\n"}[episodes]
 
 
@@ -310,7 +314,7 @@ def test_a_checkpoint_between_partly_trained_rounds_saves_their_untrained_groups
     1 update, whole); the run resumed there trains exactly those four at step 2
     (their tokens too), none twice, none lost, then round 3 at step 3 as the
     uninterrupted run did."""
-    from areno.scheduler import INFLIGHT_FILE
+    from areno.inflight_file import INFLIGHT_FILE
     from inprocess import run_here
     from slow_group import SlowGroup, Steps
     from test_resume import HF1, ok
@@ -355,7 +359,8 @@ def test_an_undone_step_puts_its_groups_back_and_a_save_holds_only_the_untrained
     from types import SimpleNamespace
 
     from areno.rewards import RewardCounts, RewardResult
-    from areno.scheduler import Inflight, Rollouts, load_inflight
+    from areno.inflight_file import load_inflight
+    from areno.scheduler import Inflight, Rollouts
     from areno.timing import PhaseTimer
     from helpers import random_batch
 

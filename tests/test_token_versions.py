@@ -14,7 +14,8 @@ import pytest
 from areno.data.sampler import PromptSampler
 from areno.rewards import RewardCounts, RewardResult
 from areno.rollout.batch import RolloutBatch, oldest_version, with_version
-from areno.scheduler import Inflight, Rollouts, load_inflight
+from areno.inflight_file import load_inflight
+from areno.scheduler import Inflight, Rollouts
 from areno.timing import PhaseTimer
 from tests.helpers import random_batch
 

@@ -18,13 +18,14 @@ import numpy as np
 
 from areno.data.tasks import resolve_plugin_path
 from areno.data.tokenizer import load_tokenizer
+from areno.envs.halted import MID_TURN, NEXT_TURN, Halted
 from areno.envs.plugin import EnvState
 from areno.envs.pool import EnvPool, Outcome
 from areno.envs.trajectory import ObservationFormat, Trajectories
 from areno.metrics import env_metrics
 from areno.rewards.plugin import RewardCounts, RewardResult
 from areno.rollout.batch import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutBatch, csr_take,
-                                 decode_completions)
+                                 decode_completions, decode_one)
 from areno.rollout.engine import SamplingConfig, prompt_seeds
 
 EnvReward = Literal["sum", "last"]
@@ -85,12 +86,18 @@ class _Driver:
         self.counts, self.messages = RewardCounts(), []
         self.pending: dict[int, tuple[int, bool]] = {}  # ticket -> (trajectory, is a step)
         self.last_token = np.zeros(n, np.int64)
+        self.halted = np.zeros(n, np.uint8)  # a Ctrl-C's halt ended it: MID_TURN / NEXT_TURN (envs/halted.py)
+        self.turn_tokens = np.zeros(n, np.int64)  # tokens its turn in progress has (a continued one: resume)
         self.ready: list[int] = []
         self.out = EnvRollout(batch=None, scored=None, turns=traj.turns,  # type: ignore[arg-type]
                               completions=[[] for _ in range(n)], observations=[[] for _ in range(n)])
 
     def run(self) -> EnvRollout:
         self.start()
+        return self.loop()
+
+    def loop(self) -> EnvRollout:
+        """Until every trajectory has ended -> the rollout."""
         # turns: wait for every env call out, then generate every ready trajectory in
         # index order, so which requests share a generate call (and their seeds) never
         # depends on when calls return. eager: generate whatever is ready as soon as
@@ -122,7 +129,7 @@ class _Driver:
         self.stream()
         self.out.batch = self.traj.to_batch(self.finish, self.cut)
         self.out.scored = RewardResult(self.reward.astype(np.float32), self.valid, self.counts,
-                                       tuple(self.messages[:5]))
+                                       tuple(self.messages[:5]), self.halt_records(np.arange(self.valid.size)))
         return self.out
 
     def stream(self) -> None:
@@ -142,14 +149,22 @@ class _Driver:
                  ("turn_limit", "token_limit", "long_observations", "engine_idle_s", "generate_s", "rounds")}
         self.reported = (self.counts, len(self.messages), replace(self.out))
         self.emit(EnvRollout(sub, RewardResult(self.reward[resp].astype(np.float32), self.valid[resp],
-                                               self.counts - counts, tuple(self.messages[n_msg:][:5])),
+                                               self.counts - counts, tuple(self.messages[n_msg:][:5]),
+                                               self.halt_records(resp)),
                              self.traj.turns[resp].copy(), positions=groups, **delta))
+
+    def halt_records(self, resp: np.ndarray) -> list | None:
+        """Trajectories resp's Halted records ([m], None where not halted), None when none was."""
+        if not self.halted[resp].any():
+            return None
+        return [Halted(int(self.halted[i]), int(self.traj.turns[i]), int(self.turn_tokens[i]), self.states[i])
+                if self.halted[i] else None for i in resp.tolist()]
 
     def generate(self, idx: np.ndarray) -> None:
         """One turn of trajectories idx; each finished one goes to its env at once."""
         ids, offsets = self.traj.context(idx)
         room = np.minimum(self.budget[idx] - self.traj.length[idx], self.engine.max_model_len - np.diff(offsets))
-        cap = np.minimum(self.sampling.max_tokens, room)
+        cap = np.minimum(np.maximum(self.sampling.max_tokens - self.turn_tokens[idx], 1), room)
         t0 = time.perf_counter()
         for c in np.unique(cap).tolist():  # one request set per token cap (one but near the budget)
             sub = np.flatnonzero(cap == c)
@@ -168,9 +183,23 @@ class _Driver:
         texts = decode_completions(self.tokenizer, part)
         for j, i in enumerate(who.tolist()):
             a, b = part.response_offsets[j], part.response_offsets[j + 1]
-            self.traj.add_turn(i, part.response_ids[a:b], part.response_logprobs[a:b],
-                               None if part.token_version is None else part.token_version[a:b])
-            self.last_token[i] = part.response_ids[b - 1] if b > a else -1
+            piece = (part.response_ids[a:b], part.response_logprobs[a:b],
+                     None if part.token_version is None else part.token_version[a:b])
+            halted = part.finish_reason[j] == FINISH_ABORT  # the engine halted it (Ctrl-C)
+            if self.turn_tokens[i]:  # the rest of a turn a halt cut (envs/resume.py)
+                self.traj.extend_turn(i, *piece)
+            elif b > a or not halted:
+                self.traj.add_turn(i, *piece)
+            if b > a or not self.turn_tokens[i]:
+                self.last_token[i] = part.response_ids[b - 1] if b > a else -1
+            if halted:  # saved with its state; a resumed run continues it
+                self.turn_tokens[i] += b - a
+                self.halted[i] = MID_TURN if self.turn_tokens[i] else NEXT_TURN
+                self._end(i, FINISH_ABORT)
+                continue
+            if self.turn_tokens[i]:  # the whole turn's text goes to the environment
+                texts[j] = decode_one(self.tokenizer, self.traj.tail(i, int(self.turn_tokens[i]) + b - a))
+                self.turn_tokens[i] = 0
             self.cut[i] = part.finish_reason[j] == FINISH_LENGTH
             self.out.completions[i].append(texts[j])
             st = self.states[i]

@@ -107,6 +107,28 @@ class Trajectories:
         self._append(i, ids, np.asarray(logprobs, np.float32), 1)
         self.turns[i] += 1
 
+    def extend_turn(self, i: int, ids: np.ndarray, logprobs: np.ndarray, versions: np.ndarray | None = None) -> None:
+        """Append tokens to trajectory i's last turn (a turn halted mid-generation,
+        continued on resume: envs/resume.py), as add_turn without counting a turn."""
+        self.add_turn(i, ids, logprobs, versions)
+        self.turns[i] -= 1
+
+    def restore(self, i: int, ids: np.ndarray, logprobs: np.ndarray, mask: np.ndarray,
+                versions: np.ndarray | None, turns: int) -> None:
+        """Trajectory i (empty) as saved: [k] int32 tokens, [k] float32 log-probs,
+        [k] uint8 mask, [k] int32 versions (None: none recorded), its turns."""
+        if versions is None:
+            self._vers = None
+        elif self._vers is not None:
+            self._vers[i].append(np.asarray(versions, np.int32))
+        self._append(i, np.asarray(ids, np.int32), np.asarray(logprobs, np.float32), 0)
+        self._masks[i][-1] = np.asarray(mask, np.uint8)
+        self.turns[i] = turns
+
+    def tail(self, i: int, k: int) -> np.ndarray:
+        """[k] int32: trajectory i's last k tokens."""
+        return np.concatenate(self._ids[i])[self.length[i] - k:] if k else np.zeros(0, np.int32)
+
     def add_observation(self, i: int, ids: np.ndarray) -> None:
         """Append observation tokens [k] int32 (log-prob 0, mask 0: not trained; their
         version, which no lag counts, the last sampled token's)."""

@@ -168,7 +168,7 @@ class EngineWorker:
     def _load_first(self, region: WeightRegion | None, version: int | None, haltable: bool = False) -> dict:
         """A round's weights before it samples: `region` when given (under
         --partial-rollouts, `version`, only when newer than those held), then the
-        in-flight loads begin (haltable: a single-turn round, which a halt ends)."""
+        in-flight loads begin (haltable: a round a halt ends: all but an agent's)."""
         if version is None:
             return self.cmd_load_region(region) if region is not None else {}
         loaded = self.cmd_load_region(region) if region is not None and self.inflight.newer(version) else {}
@@ -198,7 +198,9 @@ class EngineWorker:
         from areno.rewards.plugin import RewardError
 
         idle_s = 0.0 if self._idle_since is None else max(0.0, time.monotonic() - self._idle_since)
-        loaded = self._load_first(region, version)
+        # an environment's round is halted too (envs/halted.py: its trajectories' states go back
+        # in its parts); an agent's conversations live in its own program, so it runs to its end
+        loaded = self._load_first(region, version, haltable=not spec.agent)
         t1 = time.perf_counter()
         kind = AgentEpisodes if spec.agent else EpisodeHost
         if not isinstance(self._episodes, kind):

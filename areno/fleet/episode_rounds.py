@@ -32,7 +32,8 @@ def episode_part(done: Any, engine: int) -> dict:
     of cmd_episodes: its groups' positions (a streamed part's, else all), its
     arrays inline (whole buffers), its prompts (an agent's conversation chose
     them), turn_cut and the tokens' versions, the rewards and counts, the env/* (and
-    agent/*) metrics, the trajectories' turns."""
+    agent/*) metrics, the trajectories' turns, and the books of those a halt
+    ended (envs/halted.py)."""
     b, sc = done.batch, done.scored
     pos = getattr(done, "positions", None)
     return dict(positions=np.arange(b.num_prompts, dtype=np.int64) if pos is None else pos, engine=engine,
@@ -41,7 +42,8 @@ def episode_part(done: Any, engine: int) -> dict:
                 mask=b.response_mask, prompt_ids=b.prompt_ids, prompt_offsets=b.prompt_offsets,
                 turn_cut=b.turn_cut, rewards=sc.rewards, valid=sc.valid, counts=sc.counts,
                 messages=sc.messages, env=done.metrics(), turns=done.turns,
-                **({} if b.token_version is None else {"versions": b.token_version}))
+                **({} if b.token_version is None else {"versions": b.token_version}),
+                **({} if sc.payloads is None else {"halted": sc.payloads}))
 
 
 class SeedShare:

@@ -42,7 +42,7 @@ class InflightLoads:
         self._offer: tuple[int, WeightRegion] | None = None
         self._lock = threading.Lock()  # the reader thread offers while the hook takes
         self._halt = False  # the run is saving (halt), never cleared: it exits after the save
-        self._haltable = False  # the round generating may be halted (single-turn: cmd_rollout)
+        self._haltable = False  # the round generating may be halted (all but an agent's)
         self._reset()
 
     def _reset(self) -> None:
@@ -58,7 +58,8 @@ class InflightLoads:
     def halt(self) -> None:
         """The command reader thread: the run is saving (Ctrl-C). Every haltable round,
         running or queued, ends at its next step boundary with the tokens it
-        sampled (finish "abort"); the resumed run continues them (areno/continuation.py)."""
+        sampled (finish "abort"); the resumed run continues them (areno/continuation.py,
+        envs/resume.py)."""
         self._halt = True
 
     def newer(self, version: int) -> bool:
@@ -68,8 +69,9 @@ class InflightLoads:
     def begin(self, version: int, haltable: bool = False) -> None:
         """A round starts, the engine holding `version` at least (loaded just now, or
         newer ones loaded in flight before): tag its tokens, drop stale offers.
-        haltable: a halt ends it (single-turn; an episode's environment state
-        stays in its workers, so a multi-turn round runs to its end)."""
+        haltable: a halt ends it (single-turn, or an environment's round, whose
+        trajectories go back with their states: envs/halted.py; an agent's
+        conversations live in its program, so it runs to its end)."""
         self._haltable = haltable
         self.version = version if self.newer(version) else self.version
         self.engine.weight_version = self.version

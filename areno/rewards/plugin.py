@@ -121,12 +121,22 @@ class RewardResult:
         counts = RewardCounts()
         for r in results:
             counts = counts + r.counts
+        payloads = None
+        if any(r.payloads is not None for r in results):
+            payloads = [p for r in results for p in (r.payloads or [None] * r.rewards.size)]
         return RewardResult(
             rewards=np.concatenate([r.rewards for r in results] or [np.zeros(0, np.float32)]),
             valid=np.concatenate([r.valid for r in results] or [np.zeros(0, bool)]),
             counts=counts,
             messages=tuple(m for r in results for m in r.messages)[:MAX_MESSAGES],
+            payloads=payloads,
         )
+
+    def take(self, idx: np.ndarray) -> "RewardResult":
+        """Samples idx ([m] int64) of it, in that order (counts and messages kept)."""
+        idx = np.asarray(idx, dtype=np.int64)
+        payloads = None if self.payloads is None else [self.payloads[i] for i in idx.tolist()]
+        return RewardResult(self.rewards[idx], self.valid[idx], self.counts, self.messages, payloads)
 
 
 # -- calling the plugin (shared by the workers and workers=0) ----------------

@@ -357,6 +357,11 @@ def turn_segments(batch: RolloutBatch, i: int) -> list[tuple[int, np.ndarray]]:
     return [(int(mm[0]), a) for a, mm in zip(np.split(ids, cut), np.split(m, cut)) if a.size]
 
 
+def decode_one(tokenizer: Any, ids: np.ndarray) -> str:
+    """[k] token ids -> their text, decoded as decode_completions decodes a response."""
+    return _batch_decode(tokenizer, np.asarray(ids), np.array([0, len(ids)]), True)[0]
+
+
 def _batch_decode(tokenizer: Any, ids: np.ndarray, offsets: np.ndarray, skip_special_tokens: bool) -> list[str]:
     """One batched decode of the CSR sequences ids[offsets[i]:offsets[i+1]].
 
