@@ -102,6 +102,9 @@ def _read_inflight(npz: Path, meta_path: Path, expected: int | None) -> list[Inf
                     if p + "rewards" in z else None  # an environment's: they cannot be computed again
                 out.append(Inflight(m["step"], z[p + "prompt_idx"], m["sampler_before"], m["version"],
                                     saved=(batch, scored)))
-    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
+    # the halted trajectories' states unpickle too: a class the environment's file
+    # defined must import by the same name (ImportError, AttributeError otherwise)
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError,
+            ImportError, AttributeError) as e:
         raise _Damaged(npz.name, f"is truncated or unreadable ({one_line(e)})") from None
     return out

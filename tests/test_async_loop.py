@@ -73,13 +73,19 @@ def write_inflight(ckpt: Path, steps: list[int]) -> None:
 @pytest.mark.parametrize("damage,why", [
     ("no npz", "inflight.npz is missing"), ("no json", "inflight.json is missing"),
     ("cut npz", "inflight.npz is truncated or unreadable ("), ("cut json", "inflight.json is truncated or unreadable ("),
-    ("short", "inflight.json lists 1 rollouts, trainer_state.json 2"), ("none", "inflight.json is missing")])
+    ("short", "inflight.json lists 1 rollouts, trainer_state.json 2"), ("none", "inflight.json is missing"),
+    ("state", "inflight.npz is truncated or unreadable (ModuleNotFoundError: No module named 'gone_env_module')")])
 def test_a_checkpoints_damaged_in_flight_files_are_refused_in_one_line_naming_the_file(tmp_path, damage, why):
     write_inflight(tmp_path, [4, 5])
     assert [r.step for r in load_inflight(tmp_path, 2)] == [4, 5]  # whole: read back
     npz, meta = tmp_path / INFLIGHT_FILE, tmp_path / INFLIGHT_META
     if damage == "short":
         write_inflight(tmp_path, [4])
+    if damage == "state":  # a halted env trajectory's state of a class its file no longer defines
+        with np.load(npz) as z:
+            arrays = dict(z)
+        np.savez(npz, **arrays, **{"0/rewards": np.zeros(2, np.float32), "0/valid": np.ones(2, bool),
+                                   "0/halted": np.frombuffer(b"cgone_env_module\nState\n.", np.uint8)})
     for f, cut in ((npz, "npz"), (meta, "json")):
         if damage in (f"no {cut}", "none"):
             f.unlink()
