@@ -89,6 +89,7 @@ class Producer:
         samples continued now, by the engines holding version `now`: each from its
         prompt and tokens so far, up to the cap left to it, with a stream of its
         own (areno/continuation.py)."""
+        episodes = []  # multi-turn: their drivers go on, all in one loop (envs/resume.py)
         for cur in saved:
             if cur.saved is None or not any_halted(*cur.saved):
                 continue
@@ -96,14 +97,17 @@ class Producer:
             if sampling.seed is not None:  # a stream of its own
                 sampling = replace(sampling, seed=int(np.random.SeedSequence([sampling.seed, 1]).generate_state(
                     1, np.uint64)[0] >> np.uint64(1)))
-            if batch.response_mask is not None:  # multi-turn: each trajectory's driver goes on (envs/resume.py)
-                cur.saved = continue_episodes(self.run.engine, self.episodes, batch, scored, sampling, cur.version,
-                                              now)
+            if batch.response_mask is not None:
+                episodes.append((cur, (batch, scored, sampling, cur.version)))
                 continue
             which = np.flatnonzero(halted(batch))
             ids, offsets, budget = continuation_prompts(batch, which, sampling.max_tokens)
             cont = self.run.engine.generate(ids, offsets, 1, replace(sampling, max_tokens=int(budget.max())))
             cur.saved = (splice(batch, which, cont, budget, cur.version, now), scored)
+        if episodes:
+            done = continue_episodes(self.run.engine, self.episodes, [r for _, r in episodes], now)
+            for (cur, _), whole in zip(episodes, done):
+                cur.saved = whole
 
     def start(self, data: Data, prompt_idx: np.ndarray, n: int, sampling: SamplingConfig,
               region: Any = None, overlap: bool = True, version: int | None = None) -> "Pending":

@@ -102,7 +102,7 @@ def test_a_halted_rollout_continues_to_the_end_it_would_have_had(engine, tok, tm
             assert 1 <= r.turn_tokens <= halt_step and turns_of(saved, i)[-1][1].size == r.turn_tokens
 
     spec = EpisodeSpec(str(env), 2, 30.0, "fail", str(tiny_chat_path), True, bounds)
-    whole, rewards = continue_episodes(engine, spec, saved, scored, sampling, 0, 1)
+    ((whole, rewards),) = continue_episodes(engine, spec, [(saved, scored, sampling, 0)], 1)
     assert (whole.finish_reason == FINISH_STOP).all() and rewards.rewards.tolist() == [1.5] * 4
     for i in range(4):
         a, b = saved.response_offsets[i], saved.response_offsets[i + 1]

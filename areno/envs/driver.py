@@ -88,6 +88,7 @@ class _Driver:
         self.last_token = np.zeros(n, np.int64)
         self.halted = np.zeros(n, np.uint8)  # a Ctrl-C's halt ended it: MID_TURN / NEXT_TURN (envs/halted.py)
         self.turn_tokens = np.zeros(n, np.int64)  # tokens its turn in progress has (a continued one: resume)
+        self.restored = np.zeros(n, bool)  # halted, restored as saved: it goes on where it stopped (resume)
         self.ready: list[int] = []
         self.out = EnvRollout(batch=None, scored=None, turns=traj.turns,  # type: ignore[arg-type]
                               completions=[[] for _ in range(n)], observations=[[] for _ in range(n)])
@@ -109,9 +110,12 @@ class _Driver:
         return self.result()
 
     def start(self) -> None:
-        """Every trajectory's env reset goes out."""
+        """Every trajectory's env reset goes out; a restored one (envs/resume.py) is ready."""
         for i, s in enumerate(self.states):
-            self.pending[self.pool.submit(s, None)] = (i, False)
+            if self.restored[i]:
+                self.ready.append(i)
+            else:
+                self.pending[self.pool.submit(s, None)] = (i, False)
 
     @property
     def active(self) -> bool:
