@@ -115,4 +115,3 @@ def tails(batch: RolloutBatch, skip: np.ndarray) -> RolloutBatch:
     return replace(batch, response_ids=batch.response_ids[gather], response_offsets=out_off,
                    response_logprobs=batch.response_logprobs[gather], response_mask=cut(batch.response_mask),
                    token_version=cut(batch.token_version))
-

@@ -88,7 +88,8 @@ class Producer:
         tokens of `version` where the batch records none) with their halted
         samples continued now, by the engines holding version `now`: each from its
         prompt and tokens so far, up to the cap left to it, with a stream of its
-        own (areno/continuation.py)."""
+        own (areno/continuation.py); a multi-turn round's halted trajectories by
+        drivers of their own, every such round in one loop (envs/resume.py)."""
         episodes = []  # multi-turn: their drivers go on, all in one loop (envs/resume.py)
         for cur in saved:
             if cur.saved is None or not any_halted(*cur.saved):

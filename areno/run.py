@@ -384,4 +384,3 @@ def model_for(cfg: TrainConfig, resume: Resume) -> tuple[str, str, Weights | Non
         trainable, total = lora_plan(model_path, lora)
         params = {"trainable": trainable, "total": total}
     return model_path, base_model, weights, lora, params
-
