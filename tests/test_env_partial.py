@@ -30,9 +30,12 @@ def test_a_multi_turn_rounds_groups_reach_the_controller_as_each_one_ends(tmp_pa
     env = tmp_path / "env.py"
     env.write_text(ENV)
     parts: dict[int, list[list[int]]] = {}
+    sinks: list = []  # held, so that no round's sink is freed and its id given to the next one's
     keep = EpisodeParts.keep
 
     def spied(sink, pos, part, meta=None):
+        if not any(s is sink for s in sinks):
+            sinks.append(sink)
         parts.setdefault(id(sink), []).append(sorted(pos.tolist()))
         return keep(sink, pos, part, meta)
     monkeypatch.setattr(EpisodeParts, "keep", spied)
