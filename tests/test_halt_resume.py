@@ -36,21 +36,11 @@ def saved_responses(ckpt) -> dict[int, list[tuple]]:
     return out
 
 
-def test_a_ctrl_c_halts_the_rounds_in_flight_and_the_resumed_run_continues_every_token(
-        tmp_path, areno_cache, monkeypatch):
-    """Split placement, K = 1, partial rollouts, the engine gated (halt_gate_hooks.py)
-    so that round 2 is still generating, at decode step HALT_STEP, when a SIGINT
-    comes right after step 1's update. The run halts it (and round 3, queued)
-    instead of waiting, saves step 1 with their samples cut short (finish
-    "abort"; versions 0 and 1), exits 130. Resumed, steps 2 and 3 train every saved
-    sample with its saved tokens, log-probs and versions first, each halted one
-    continued by version 1 to a finish of its own: the tokens counted across the
-    interruption are all there."""
+def halted_run(tmp_path, areno_cache, monkeypatch, args: list[str]):
+    """`areno train args` in process, the engine gated (halt_gate_hooks.py), a
+    SIGINT right after step 1's update -> (its result, the step-1 checkpoint)."""
     from areno.scheduler import Rollouts
-    from areno import first_finished
-    from halt_gate_hooks import HALT_STEP
     from inprocess import run_here
-    from test_resume import ok
 
     publish = Rollouts.publish
 
@@ -61,18 +51,20 @@ def test_a_ctrl_c_halts_the_rounds_in_flight_and_the_resumed_run_continues_every
         return out
     monkeypatch.setattr(Rollouts, "publish", publish_then_ctrl_c)
     out = tmp_path / "run"
-    res = run_here(["train", *ARGS, "--output-dir", str(out)], areno_cache,
-                   env={"ARENO_RANK_HOOKS": "halt_gate_hooks:HaltGate"})
-    assert res.returncode == 130, res.stderr[-3000:]
-    assert "halting the 2 rollout(s) in flight at their next decode step" in res.stdout, res.stdout[-3000:]
-    ckpt = out / "checkpoints" / "step_000001"
-    saved = saved_responses(ckpt)
-    samples = [s for group in saved.values() for s in group]
-    assert len(saved) == 8 and len(samples) == 32  # rounds 2 and 3, whole
-    halted = [s for s in samples if s[3] == FINISH_ABORT]
-    assert halted and all(1 <= s[0].size <= HALT_STEP for s in halted)
-    assert set(np.concatenate([s[2] for s in samples]).tolist()) == {0, 1}  # round 2's version, round 3's
-    monkeypatch.setattr(Rollouts, "publish", publish)
+    try:
+        res = run_here(["train", *args, "--output-dir", str(out)], areno_cache,
+                       env={"ARENO_RANK_HOOKS": "halt_gate_hooks:HaltGate"})
+    finally:
+        monkeypatch.setattr(Rollouts, "publish", publish)
+    return res, out / "checkpoints" / "step_000001"
+
+
+def trained_on_resume(tmp_path, areno_cache, monkeypatch, args: list[str], ckpt) -> tuple[int, dict[int, list[tuple]]]:
+    """Resume `args` from ckpt -> (rounds trained, prompt index -> its trained
+    samples (tokens, log-probs, versions, finish, reward) in group order)."""
+    from areno import first_finished
+    from inprocess import run_here
+    from test_resume import ok
 
     trained: list = []
     take = first_finished.next_groups
@@ -82,19 +74,46 @@ def test_a_ctrl_c_halts_the_rounds_in_flight_and_the_resumed_run_continues_every
         trained.append(got[0].round)
         return got
     monkeypatch.setattr(first_finished, "next_groups", spied)
-    ok(run_here(["train", *ARGS, "--no-save", "--output-dir", str(tmp_path / "resumed"), "--resume", str(ckpt)],
+    ok(run_here(["train", *args, "--no-save", "--output-dir", str(tmp_path / "resumed"), "--resume", str(ckpt)],
                 areno_cache))
-    assert len(trained) == 2
     got: dict[int, list[tuple]] = {}
     for r in trained:
         b = r.batch
         cols = [rows(a, b.response_offsets) for a in (b.response_ids, b.response_logprobs, b.token_version)]
         for i, g in enumerate(b.group_index.tolist()):
-            got.setdefault(int(r.prompt_idx[g]), []).append((*(c[i] for c in cols), int(b.finish_reason[i])))
+            got.setdefault(int(r.prompt_idx[g]), []).append((*(c[i] for c in cols), int(b.finish_reason[i]),
+                                                             float(r.scored.rewards[i])))
+    return len(trained), got
+
+
+def test_a_ctrl_c_halts_the_rounds_in_flight_and_the_resumed_run_continues_every_token(
+        tmp_path, areno_cache, monkeypatch):
+    """Split placement, K = 1, partial rollouts, the engine gated (halt_gate_hooks.py)
+    so that round 2 is still generating, at decode step HALT_STEP, when a SIGINT
+    comes right after step 1's update. The run halts it (and round 3, queued or
+    started inside its loop by tail fill) instead of waiting, saves step 1 with their samples cut short (finish
+    "abort"; versions 0 and 1), exits 130. Resumed, steps 2 and 3 train every saved
+    sample with its saved tokens, log-probs and versions first, each halted one
+    continued by version 1 to a finish of its own: the tokens counted across the
+    interruption are all there."""
+    from halt_gate_hooks import HALT_STEP
+
+    res, ckpt = halted_run(tmp_path, areno_cache, monkeypatch, ARGS)
+    assert res.returncode == 130, res.stderr[-3000:]
+    assert "rollout(s) in flight at their next decode step" in res.stdout, res.stdout[-3000:]
+    saved = saved_responses(ckpt)
+    samples = [s for group in saved.values() for s in group]
+    assert len(saved) == 8 and len(samples) == 32  # rounds 2 and 3, whole
+    halted = [s for s in samples if s[3] == FINISH_ABORT]
+    assert halted and all(1 <= s[0].size <= HALT_STEP for s in halted)
+    assert set(np.concatenate([s[2] for s in samples]).tolist()) == {0, 1}  # round 2's version, round 3's
+
+    rounds, got = trained_on_resume(tmp_path, areno_cache, monkeypatch, ARGS, ckpt)
+    assert rounds == 2
     assert sorted(got) == sorted(saved)  # every saved group trained, once
     kept = continued = 0
     for prompt, group in saved.items():
-        for (ids, lp, ver, finish), (ids2, lp2, ver2, finish2) in zip(group, got[prompt], strict=True):
+        for (ids, lp, ver, finish), (ids2, lp2, ver2, finish2, _) in zip(group, got[prompt], strict=True):
             n = ids.size
             np.testing.assert_array_equal(ids2[:n], ids)
             np.testing.assert_array_equal(lp2[:n], lp)

@@ -1,7 +1,8 @@
 """Tail fill (issue 39, fleet/tail_fill.py): under --partial-rollouts an engine
 process starts the rollout queued behind the one it runs inside the same
 generation loop as the running one's tail drains; each round keeps its own
-parts, reply and weights bound. The real tiny engine, in an engine process."""
+parts, reply and weights bound. The real tiny engines (vLLM, transformers), in
+an engine process."""
 
 from __future__ import annotations
 
@@ -26,13 +27,14 @@ def test_the_rule_fills_once_the_engine_holds_less_than_the_next_round():
     assert not fillable("rollout", {"version": 1, "offsets": np.array([0])})
 
 
-@pytest.mark.slow
-def test_a_queued_round_starts_inside_the_long_tail_of_the_running_one(tiny_chat_path):
+@pytest.mark.parametrize("kind", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
+def test_a_queued_round_starts_inside_the_long_tail_of_the_running_one(tiny_chat_path, kind):
     """Round 1 (version 0) has a long tail: its long prompt's samples stop at 8
     tokens, its short one's run to 12. Round 2 (version 1, published meanwhile)
     is queued behind it (the engine holds round 1 until both are there); it joins
     round 1's loop at the first step boundary, after loading version 1 in flight,
-    so round 2's 4-token samples finish and stream before round 1 replies. Both
+    so round 2's 4-token samples finish and stream before round 1 replies (vLLM:
+    requests added between steps; transformers: a chain of generates, hf_rounds). Both
     batches come back whole, each token tagged with a version >= its round's."""
     from areno.rollout.engine import SamplingConfig
     from test_async_loop import collected
@@ -40,10 +42,11 @@ def test_a_queued_round_starts_inside_the_long_tail_of_the_running_one(tiny_chat
     from test_partial_rollouts import engine_config
     from test_split_placement import PROMPTS, split_placement
 
-    pytest.importorskip("vllm")
+    if kind == "vllm":
+        pytest.importorskip("vllm")
     s1 = SamplingConfig(max_tokens=12, seed=3, ignore_eos=True)
     s2 = SamplingConfig(max_tokens=4, seed=4, ignore_eos=True)
-    with split_placement(engine_config(tiny_chat_path, "vllm")) as (be, fleet, engines):
+    with split_placement(engine_config(tiny_chat_path, kind)) as (be, fleet, engines):
         be.train(make_split(1))
         region = be.publish_weights(slot=1)  # version 1: round 2's
         hold = fleet.open_stream("hold", lane="hold", detach=True, background=True)

@@ -48,7 +48,7 @@ from areno.rundir.log import move_child_output, redirect_child_output
 from areno.timing import startup_mark
 from areno.fleet.weight_sync import SyncCheck, WeightRegion, load_region, reports_fingerprint
 from areno.rollout.factory import make_engine
-from areno.rollout.vllm_rounds import RoundRequest
+from areno.rollout.engine import RoundRequest
 
 if TYPE_CHECKING:
     from areno.fleet.engine_procs import EngineProcsConfig

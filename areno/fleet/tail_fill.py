@@ -25,11 +25,13 @@ What holds, round by round:
             the loads, tail_filled: its sequences started inside another
             round's loop), in command order, when its own samples are done.
 
-Only the vLLM engine can take requests between steps (VLLMEngine.generate_rounds);
-the transformers engine runs one `generate` call per bucket, fixed at its start
-(rollout/hf.py), and runs its rounds one after another as before. Multi-turn
-`episodes` commands have their own (fleet/episode_rounds.py: their turns come
-from the episode driver, not from one generation loop).
+Both engines have the loop (`generate_rounds`): vLLM adds requests between
+`step()` calls (rollout/vllm_rounds.py); the transformers engine, whose
+`generate` fixes its rows at its start, chains generates and carries the
+running samples into the next one with the round that joins
+(rollout/hf_rounds.py). Multi-turn `episodes` commands have their own
+(fleet/episode_rounds.py: their turns come from the episode driver, not from
+one generation loop).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def run_rounds(worker: Any, first: Any, out: OutRegion, reply: dict) -> dict:
     """Generate `first` (a RoundRequest; its weights loaded, `reply` holding its
     loads and idle_s) and the rounds that join it; send every round's reply but
     the last (worker.reply), in order -> the last one's (serve_worker sends it)."""
-    from areno.rollout.vllm_rounds import RoundRequest
+    from areno.rollout.engine import RoundRequest
 
     rounds = [_Round(PartWriter(out), first.offsets.size - 1, reply | {"tail_filled": 0})]
     replied = 0

@@ -206,3 +206,14 @@ def prompt_seeds(seed: int, num_prompts: int) -> np.ndarray:
     prompts (nor two steps seeded step and step+1) share a random stream."""
     ss = np.random.SeedSequence(seed)
     return (ss.generate_state(num_prompts, dtype=np.uint64) >> np.uint64(1)).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class RoundRequest:
+    """One round of a tail-filled generation loop (fleet/tail_fill.py): its prompts
+    (CSR: int32 ids, int64 offsets [P+1]), samples per prompt and sampling."""
+
+    ids: np.ndarray
+    offsets: np.ndarray
+    n: int
+    sampling: SamplingConfig

@@ -17,12 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 from transformers.cache_utils import DynamicCache
-from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from areno.rollout.batch import (
     FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutBatch, csr_take, offsets_from_lengths, segment_gather,
 )
 from areno.rollout.engine import (
+    RoundRequest,
     SamplingConfig,
     prompt_seeds,
     validate_prompts,
@@ -120,6 +121,14 @@ class HFEngine:
             yield members, _assemble(sub_ids, sub_off, n, [tok], [lp], [length], [finish], [local], [ver],
                                      versioned=self.weight_version is not None)
 
+    def generate_rounds(self, first: RoundRequest, admit: Callable[[int], RoundRequest | None],
+                        ) -> Iterator[tuple[int, np.ndarray, RolloutBatch]]:
+        """Tail fill: `first`, then the rounds `admit` adds at step boundaries, in one
+        chain of generates (rollout.hf_rounds.stream_rounds): (round, positions, part)."""
+        from areno.rollout.hf_rounds import stream_rounds
+
+        return stream_rounds(self, first, admit)
+
     def _validate(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int):
         self._check_awake()
         return validate_prompts(
@@ -150,11 +159,12 @@ class HFEngine:
 
     def _sample(
         self, rows: np.ndarray, mask: np.ndarray, n: int, s: SamplingConfig, max_new: int,
-        stop_ids: tuple[int, ...], seed: int,
+        stop_ids: tuple[int, ...], seed: int, extra: tuple[StoppingCriteria, ...] = (),
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """[G, L] left-padded prompts and their [G, L] attention mask ->
         ([G*n, S] int32 tokens, [G*n, S] float32 log-probs, [S] int32 version of
-        each column: weights loaded at a step boundary count from their step)."""
+        each column: weights loaded at a step boundary count from their step).
+        extra: stopping criteria after the step boundary's (tail fill: hf_rounds)."""
         from transformers import GenerationConfig
 
         greedy = s.temperature == 0
@@ -177,14 +187,14 @@ class HFEngine:
             torch.manual_seed(seed)
             cache, x, m = self._shared_prefix(x, m, n)
             # The cache starts from the weights held now: a load before this generate needs no recompute.
-            start, boundary, criteria, self.kv_stale = self.weight_version, None, None, False
+            start, boundary, self.kv_stale = self.weight_version, None, False
             if self.step_hook is not None:  # the boundary needs the cache generate fills
                 cache = cache if cache is not None else DynamicCache(config=self.model.config)
                 boundary = StepBoundary(self, cache, m)
-                criteria = StoppingCriteriaList([boundary])
+            criteria = [c for c in (boundary, *extra) if c is not None]
             out = self.model.generate(input_ids=x, attention_mask=m, past_key_values=cache,
                                       generation_config=gc, logits_processor=sampling_processors(s, recorder),
-                                      stopping_criteria=criteria)
+                                      stopping_criteria=StoppingCriteriaList(criteria) if criteria else None)
             new = out.sequences[:, x.shape[1]:]  # [G*n, S]
             lp = recorder.finish(new)
         width = new.shape[1]

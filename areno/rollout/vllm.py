@@ -33,12 +33,14 @@ from vllm import LLM, SamplingParams  # noqa: E402
 
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths, with_version  # noqa: E402
 from areno.rollout.factory import check_vllm_version, select_vllm_runner  # noqa: E402
-from areno.rollout.engine import SamplingConfig, prompt_seeds, validate_prompts, validate_sequence  # noqa: E402
+from areno.rollout.engine import (  # noqa: E402
+    RoundRequest, SamplingConfig, prompt_seeds, validate_prompts, validate_sequence,
+)
 from areno.rollout.probe import Fingerprint, WeightSyncError  # noqa: E402
 from areno.rollout.vllm_fingerprint import checkpoint_names, held_fingerprint  # noqa: E402
 from areno.rollout.vllm_inflight import SwapLog, halt_requests  # noqa: E402
 from areno.rollout.vllm_lora import VLLMAdapters, lora_llm_kwargs  # noqa: E402
-from areno.rollout.vllm_rounds import RoundRequest, stream_rounds  # noqa: E402
+from areno.rollout.vllm_rounds import stream_rounds  # noqa: E402
 from areno.rollout.vllm_outputs import FlatLogprobs, batch_from_request_outputs  # noqa: E402
 
 HAS_FLAT_LOGPROBS = FlatLogprobs is not None and hasattr(SamplingParams(), "flat_logprobs")

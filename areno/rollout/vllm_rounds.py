@@ -23,18 +23,9 @@ from typing import Any
 import numpy as np
 
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths
-from areno.rollout.engine import SamplingConfig
+from areno.rollout.engine import RoundRequest
 from areno.rollout.vllm_inflight import SwapLog, halt_requests
-
-
-@dataclass(frozen=True)
-class RoundRequest:
-    """One round's prompts (CSR), samples per prompt and sampling."""
-
-    ids: np.ndarray
-    offsets: np.ndarray
-    n: int
-    sampling: SamplingConfig
+from areno.rollout.vllm_outputs import batch_from_request_outputs
 
 
 @dataclass
@@ -117,9 +108,6 @@ def stream_rounds(engine: Any, first: RoundRequest, admit: Callable[[int], Round
 
 def _part(r: _Round, positions: list[int]) -> tuple[np.ndarray, RolloutBatch]:
     """The finished outputs of round r (its positions) -> (positions, the stamped batch)."""
-    from areno.rollout.vllm_outputs import batch_from_request_outputs  # imports vLLM: an engine process
-    # of the transformers engine imports this module (RoundRequest) and never vLLM
-
     pos = np.asarray(positions, dtype=np.int64)
     lengths = np.diff(r.offsets)[pos]
     sub_ids = np.concatenate([r.pieces[i] for i in pos.tolist()])
