@@ -127,58 +127,23 @@ def test_a_ctrl_c_halts_multi_turn_rounds_and_the_resumed_run_continues_every_tr
     its trajectories with their books, exits 130. Resumed, every saved token,
     log-prob and version trains first in its trajectory, each halted one run on
     by version 1 to the end of its three moves."""
-    import os
-    import signal
-
-    from areno import first_finished
     from areno.inflight_file import load_inflight
-    from areno.scheduler import Rollouts
     from halt_gate_hooks import HALT_STEP
-    from inprocess import run_here
-    from test_halt_resume import ARGS, rows, saved_responses
-    from test_resume import ok
+    from test_halt_resume import ARGS, halted_run, saved_responses, trained_on_resume
 
     env = tmp_path / "env.py"
     env.write_text(ENV)
     args = [*ARGS, "--env-path", str(env), "--max-turns", "4", "--reward-workers", "0"]
-    publish = Rollouts.publish
-
-    def publish_then_ctrl_c(sched, step, updated):
-        out = publish(sched, step, updated)
-        if step == 1:
-            os.kill(os.getpid(), signal.SIGINT)
-        return out
-    monkeypatch.setattr(Rollouts, "publish", publish_then_ctrl_c)
-    out = tmp_path / "run"
-    res = run_here(["train", *args, "--output-dir", str(out)], areno_cache,
-                   env={"ARENO_RANK_HOOKS": "halt_gate_hooks:HaltGate"})
+    res, ckpt = halted_run(tmp_path, areno_cache, monkeypatch, args)
     assert res.returncode == 130, res.stderr[-3000:]
     assert "their environments' states" in res.stdout, res.stdout[-3000:]
-    ckpt = out / "checkpoints" / "step_000001"
     saved = saved_responses(ckpt)
     records = [p for cur in load_inflight(ckpt) for p in (cur.saved[1].payloads or []) if p is not None]
     assert any(r.kind == MID_TURN and 1 <= r.turn_tokens <= HALT_STEP for r in records)
     halted = [s for group in saved.values() for s in group if s[3] == FINISH_ABORT]
     assert len(halted) == len(records) > 0
-    monkeypatch.setattr(Rollouts, "publish", publish)
 
-    trained: list = []
-    take = first_finished.next_groups
-
-    def spied(sched, step, timer, informative=None):
-        got = take(sched, step, timer, informative)
-        trained.append(got[0].round)
-        return got
-    monkeypatch.setattr(first_finished, "next_groups", spied)
-    ok(run_here(["train", *args, "--no-save", "--output-dir", str(tmp_path / "resumed"), "--resume", str(ckpt)],
-                areno_cache))
-    got: dict[int, list[tuple]] = {}
-    for r in trained:
-        b = r.batch
-        cols = [rows(a, b.response_offsets) for a in (b.response_ids, b.response_logprobs, b.token_version)]
-        for i, g in enumerate(b.group_index.tolist()):
-            got.setdefault(int(r.prompt_idx[g]), []).append((*(c[i] for c in cols), int(b.finish_reason[i]),
-                                                             float(r.scored.rewards[i])))
+    _, got = trained_on_resume(tmp_path, areno_cache, monkeypatch, args, ckpt)
     assert set(saved) <= set(got)  # every saved group trained
     continued = 0
     for prompt, group in saved.items():
