@@ -126,9 +126,7 @@ def filled_from(kept: list[Round], seen: list[Round], want: int, rounds: int) ->
 def take_groups(r: Round, groups: np.ndarray) -> Round:
     """The groups `groups` of a round, with their prompts and rewards."""
     batch, resp = r.batch.take_groups(groups)
-    return Round(r.prompt_idx[groups], batch,
-                 RewardResult(rewards=r.scored.rewards[resp], valid=r.scored.valid[resp],
-                              counts=r.scored.counts, messages=r.scored.messages))
+    return Round(r.prompt_idx[groups], batch, r.scored.take(resp))
 
 
 def concat_rounds(parts: list[Round]) -> Round:

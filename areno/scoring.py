@@ -6,7 +6,6 @@ prompts come from (producers.Data: the training set or the eval set)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -62,4 +61,4 @@ class PartScorer(Parts):
         with timer.span("merge"):
             batch, perm = self.merge()  # one copy of the token arrays
             merged = RewardResult.concat(results)
-        return batch, replace(merged, rewards=merged.rewards[perm], valid=merged.valid[perm])
+        return batch, merged.take(perm)
