@@ -1,11 +1,12 @@
-"""Tail fill on the real engine (issue 39): one vLLM engine process (CPU, the tiny
-chat model), `rounds` rollouts queued at once, each with a long tail (7 of 8
-prompts long enough to be cut at max_model_len after `short` tokens, one short
-prompt running to max_tokens). Without a version (the default mode) the engine
+"""Tail fill on the real engine (issue 39): one engine process (vLLM, or the
+transformers one with --engine hf; CPU, the tiny chat model), `rounds` rollouts
+queued at once, each with a long tail (7 of 8 prompts long enough to be cut at
+max_model_len after `short` tokens, one short prompt running to max_tokens).
+Without a version (the default mode) the engine
 runs them one after another; with one (--partial-rollouts) the queued round
 joins the running one's step loop as its tail drains (fleet/tail_fill.py).
 
-    PYTHONPATH=.:scripts python -m arenobench.tail_fill [--rounds 6]
+    PYTHONPATH=.:scripts python -m arenobench.tail_fill [--rounds 6] [--engine hf]
 
 Prints generated tokens/s of both (alternated on one engine process, medians) and
 their ratio (no trainer: the engine alone).
@@ -30,7 +31,7 @@ def prompts() -> tuple[np.ndarray, np.ndarray]:
     return ids, np.concatenate([[0], np.cumsum(lengths)])
 
 
-def measure(model: Path, rounds: int, n: int, repeats: int) -> dict[str, list[dict]]:
+def measure(model: Path, rounds: int, n: int, repeats: int, kind: str = "vllm") -> dict[str, list[dict]]:
     """Both modes, alternated `repeats` times on one engine process (the host's
     other load hits both alike) -> per mode, one record per repeat."""
     from areno.backend.config import BackendConfig
@@ -41,7 +42,7 @@ def measure(model: Path, rounds: int, n: int, repeats: int) -> dict[str, list[di
     from areno.rollout.factory import EngineSpec
 
     cfg = BackendConfig(model_path=str(model), world_size=1, rollout_world_size=1,
-                        engine=EngineSpec(kind="vllm", fallback=False, max_model_len=MAX_LEN,
+                        engine=EngineSpec(kind=kind, fallback=False, max_model_len=MAX_LEN,
                                           kv_cache_bytes=64 << 20))
     # No seed: vLLM on CPU cannot rewind a seeded request's generator when a chunked
     # prefill discards its token (gpu_model_runner: "CPU Generator does not use offset").
@@ -67,11 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--repeats", type=int, default=3, help="alternations of the two modes")
+    ap.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
     args = ap.parse_args(argv)
     from areno.models.tiny import tiny_model_path
 
     with tempfile.TemporaryDirectory(prefix="areno-tailfill-") as d:
-        runs = measure(tiny_model_path("chat", cache_dir=Path(d)), args.rounds, args.n, args.repeats)
+        runs = measure(tiny_model_path("chat", cache_dir=Path(d)), args.rounds, args.n, args.repeats, args.engine)
     med = {m: float(np.median([r["tokens_per_s"] for r in rs])) for m, rs in runs.items()}
     for mode, rs in runs.items():
         walls = ", ".join(f"{r['wall_s']:.2f}" for r in rs)
