@@ -45,6 +45,7 @@ def assert_same(a: dict[int, dict], b: dict[int, dict], steps) -> None:
             assert a[s][k] == b[s][k], (s, k, a[s][k], b[s][k])
 
 
+@pytest.mark.slow  # full tier: test_dynsample's and test_lora_split's K = 0 twins hold split = colocated by default
 def test_env_under_split_placement_at_k0_is_the_colocated_run_bit_for_bit(tmp_path, areno_cache, monkeypatch):
     """The engine process runs the episode driver beside its engine; with the turns
     schedule the trajectories, rewards and updates are the colocated run's."""

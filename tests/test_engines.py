@@ -43,8 +43,9 @@ def _scenarios(model: Path, kind: str, dtype: str, *which: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kind", ["hf", "vllm"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# The full tier adds vLLM in fp32; by default each engine runs bf16, the GPU's dtype.
+@pytest.mark.parametrize("dtype,kind", [("float32", "hf"), ("bfloat16", "hf"), ("bfloat16", "vllm"),
+                                        pytest.param("float32", "vllm", marks=pytest.mark.slow)])
 def test_a_correct_sync_passes_and_corrupted_stale_or_partial_ones_fail(tiny_scaled_path, kind, dtype):
     """On a model with real-model logit scale (25), where a fixed bf16 tolerance
     of 1e-2 failed correct syncs: the probe's derived bound passes them, and the

@@ -100,7 +100,7 @@ def lora_backend_config(path, kind: str = "hf", **kw):
                          lora=LoraSpec(rank=8, alpha=16.0), **kw)
 
 
-@pytest.mark.parametrize("kind", ["hf", "vllm"])
+@pytest.mark.parametrize("kind", ["hf", pytest.param("vllm", marks=pytest.mark.slow)])
 def test_under_lora_engine_processes_load_each_trained_adapter_checked(tiny_chat_path, kind):
     """Only the adapter travels: the region holds peft's A/B tensors, and the engine
     process serves each trained version, its adapter fingerprint equal to rank 0's
