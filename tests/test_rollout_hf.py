@@ -68,7 +68,7 @@ def test_a_groups_samples_share_its_prompt_prefill(tiny_chat_path, make_prompts,
     engine = HFEngine(tiny_chat_path, dtype="float32", seed=0, max_model_len=MAX_MODEL_LEN)
     s = SamplingConfig(max_tokens=6, ignore_eos=True, seed=11)
     shared = engine.generate(ids, off, 4, s)
-    monkeypatch.setattr(engine, "_shared_prefix", lambda x, m, n: (None, x.repeat_interleave(n, dim=0),
+    monkeypatch.setattr(engine, "_shared_prefix", lambda x, m, n, carried=0: (None, x.repeat_interleave(n, dim=0),
                                                                m.repeat_interleave(n, dim=0)))
     rows = engine.generate(ids, off, 4, s)
     np.testing.assert_array_equal(shared.response_ids, rows.response_ids)

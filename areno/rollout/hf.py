@@ -29,7 +29,7 @@ from areno.rollout.engine import (
     validate_prompts,
     validate_sequence,
 )
-from areno.rollout.hf_inflight import StepBoundary
+from areno.rollout.hf_inflight import StepBoundary, prefill, stack_rows
 from areno.rollout.hf_logprobs import StepLogprobs, sampling_processors
 from areno.rollout.hf_lora import HFAdapters, base_named
 from areno.rollout.probe import Fingerprint, WeightSyncError, probe_logprobs, sum_squares
@@ -159,12 +159,13 @@ class HFEngine:
 
     def _sample(
         self, rows: np.ndarray, mask: np.ndarray, n: int, s: SamplingConfig, max_new: int,
-        stop_ids: tuple[int, ...], seed: int, extra: tuple[StoppingCriteria, ...] = (),
+        stop_ids: tuple[int, ...], seed: int, extra: tuple[StoppingCriteria, ...] = (), carried: int = 0,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """[G, L] left-padded prompts and their [G, L] attention mask ->
         ([G*n, S] int32 tokens, [G*n, S] float32 log-probs, [S] int32 version of
         each column: weights loaded at a step boundary count from their step).
-        extra: stopping criteria after the step boundary's (tail fill: hf_rounds)."""
+        Tail fill (hf_rounds): `carried` rows sampled once each come first; extra:
+        stopping criteria after the step boundary's."""
         from transformers import GenerationConfig
 
         greedy = s.temperature == 0
@@ -185,7 +186,7 @@ class HFEngine:
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
-            cache, x, m = self._shared_prefix(x, m, n)
+            cache, x, m = self._shared_prefix(x, m, n, carried)
             # The cache starts from the weights held now: a load before this generate needs no recompute.
             start, boundary, self.kv_stale = self.weight_version, None, False
             if self.step_hook is not None:  # the boundary needs the cache generate fills
@@ -202,24 +203,26 @@ class HFEngine:
             np.full(width, -1 if start is None else start, dtype=np.int32)
         return new.to(torch.int32).cpu().numpy(), lp.cpu().numpy().astype(np.float32, copy=False), ver
 
-    def _shared_prefix(self, x: torch.Tensor, mask: torch.Tensor, n: int,
+    def _shared_prefix(self, x: torch.Tensor, mask: torch.Tensor, n: int, carried: int = 0,
                        ) -> tuple[DynamicCache | None, torch.Tensor, torch.Tensor]:
-        """[G, L] prompts and mask -> (KV cache of each prompt but its last token,
-        computed once and repeated n times; [G*n, L] rows; [G*n, L] mask).
-        generate() then runs only the last prompt token and the new ones: the n
-        samples of a group share their prompt's prefill instead of computing it n
-        times (the same tokens and scores as n-fold rows, to float rounding; 30%
-        of the demo's rollout). The prefill asks for no logits (logits_to_keep=1:
-        one position, not [G, L, vocab])."""
-        rows, rows_mask = x.repeat_interleave(n, dim=0), mask.repeat_interleave(n, dim=0)
+        """[C + G, L] rows and mask (C carried samples, then G prompts) -> (KV cache
+        of each row but its last token, a prompt's computed once and repeated n
+        times; [C + G*n, L] rows; [C + G*n, L] mask). generate() then runs only the
+        last token and the new ones: the n samples of a group share their
+        prompt's prefill instead of computing it n times (the same tokens and
+        scores as n-fold rows, to float rounding; 30% of the demo's rollout).
+        carried: tail fill's samples carried into the next generate (hf_rounds)."""
+        rows = torch.cat([x[:carried], x[carried:].repeat_interleave(n, dim=0)])
+        rows_mask = torch.cat([mask[:carried], mask[carried:].repeat_interleave(n, dim=0)])
         if x.shape[1] < 2:
             return None, rows, rows_mask
-        cache = DynamicCache(config=self.model.config)
-        pm = mask[:, :-1]
-        pos = (pm.cumsum(-1) - 1).clamp(min=0)  # generate's own rule for left padding
-        self.model(input_ids=x[:, :-1], attention_mask=pm, position_ids=pos, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1)
-        cache.batch_repeat_interleave(n)
+        cache = None
+        if carried < x.shape[0]:
+            cache = prefill(self.model, x[carried:, :-1], mask[carried:, :-1])
+            cache.batch_repeat_interleave(n)
+        if carried:
+            head = prefill(self.model, x[:carried, :-1], mask[:carried, :-1])
+            cache = head if cache is None else stack_rows(head, cache)
         return cache, rows, rows_mask
 
     def prompt_logprobs(self, ids: np.ndarray) -> np.ndarray:

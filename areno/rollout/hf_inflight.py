@@ -71,11 +71,24 @@ def recompute_cache(model: Any, cache: DynamicCache, input_ids: torch.Tensor, ma
     for left padding (the prompt's mask, then one per sampled token)."""
     seq = input_ids[:, :-1]
     ones = torch.ones(seq.shape[0], seq.shape[1] - mask.shape[1], dtype=mask.dtype, device=mask.device)
-    full = torch.cat([mask, ones], dim=1)
-    pos = (full.cumsum(-1) - 1).clamp(min=0)
-    fresh = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(input_ids=seq, attention_mask=full, position_ids=pos, past_key_values=fresh,
-              use_cache=True, logits_to_keep=1)
+    fresh = prefill(model, seq, torch.cat([mask, ones], dim=1))
     for live, new in zip(cache.layers, fresh.layers, strict=True):
         live.keys, live.values = new.keys, new.values
+
+
+def prefill(model: Any, x: torch.Tensor, mask: torch.Tensor) -> DynamicCache:
+    """The KV cache of [B, L] rows x under their [B, L] attention mask, positions
+    by generate's rule for left padding; no logits asked for (logits_to_keep=1:
+    one position, not [B, L, vocab])."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=x, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+              past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+def stack_rows(top: DynamicCache, bottom: DynamicCache) -> DynamicCache:
+    """`top` with `bottom`'s rows after its own (both of one width) -> top."""
+    for a, b in zip(top.layers, bottom.layers, strict=True):
+        a.keys, a.values = torch.cat([a.keys, b.keys]), torch.cat([a.values, b.values])
+    return top

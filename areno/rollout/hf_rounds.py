@@ -128,7 +128,7 @@ def stream_rounds(engine: Any, first: RoundRequest, admit: Callable[[int], Round
     while live:
         cut = _Cut(engine, np.array([s.left for s in live], dtype=np.int64),
                    np.array([s.round for s in live], dtype=np.int64), stop_ids, admit)
-        _segment(engine, live, first.sampling, stop_ids, int(segment_seeds.integers(1 << 62)), cut)
+        _segment(engine, live, rounds[-1].n, first.sampling, stop_ids, int(segment_seeds.integers(1 << 62)), cut)
         live[:] = [s for s in live if s.finish is None]
         for k, r in enumerate(rounds):
             ended = np.array([s.finish is not None for s in r.samples]).reshape(-1, r.n).all(axis=1)
@@ -140,18 +140,22 @@ def stream_rounds(engine: Any, first: RoundRequest, admit: Callable[[int], Round
             add(cut.joiner)
 
 
-def _segment(engine: Any, samples: list[_Sample], s: SamplingConfig, stop_ids: tuple[int, ...], seed: int,
-             cut: _Cut) -> None:
+def _segment(engine: Any, samples: list[_Sample], n: int, s: SamplingConfig, stop_ids: tuple[int, ...],
+             seed: int, cut: _Cut) -> None:
     """One `generate` over `samples` (each its prompt + tokens so far, left-padded);
     appends what each sampled and ends those that stopped, ran out of budget,
-    or were halted."""
+    or were halted. The samples not started yet (the first or the joining
+    round's: the last ones, n per prompt) share their prompt's prefill."""
     from areno.rollout.hf import _left_pad
 
-    seqs = [np.concatenate([x.prompt, *x.tok]) for x in samples]
+    carried = sum(1 for x in samples if x.tok)
+    seqs = [np.concatenate([x.prompt, *x.tok]) for x in samples[:carried]] + \
+        [x.prompt for x in samples[carried::n]]
     offsets = offsets_from_lengths(np.array([q.size for q in seqs], dtype=np.int64))
     rows, mask = _left_pad(np.concatenate(seqs), offsets, np.arange(len(seqs)), engine.pad_token_id)
     limits = cut.limits.numpy()
-    tok, lp, ver = engine._sample(rows, mask, 1, s, int(limits.max()), stop_ids, seed, extra=(cut,))
+    tok, lp, ver = engine._sample(rows, mask, n, s, int(limits.max()), stop_ids, seed, extra=(cut,),
+                                  carried=carried)
     col = np.arange(tok.shape[1])
     span = np.minimum(limits, tok.shape[1])
     hit = np.isin(tok, np.asarray(stop_ids, dtype=tok.dtype)) & (col < span[:, None]) if stop_ids else \

@@ -14,9 +14,9 @@ round here comes back as one part, and in steady state deadline_first must
 take the oldest round whole anyway (docs/DESIGN.md, "Batches from what
 finishes"); arenobench/partial_sim.py simulates what group-by-group admission
 would add. Tail fill (fleet/tail_fill.py) does not
-show here: these runs use the transformers engine, and a stand-in holds each
-round a fixed time before it decodes; arenobench/tail_fill.py measures it on
-the vLLM engine alone.
+show here: a stand-in holds each round a fixed time before it decodes, so a
+round has no decoding tail for the next to fill; arenobench/tail_fill.py
+measures it on an engine alone (vLLM, or --engine hf).
 """
 
 from __future__ import annotations
