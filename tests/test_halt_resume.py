@@ -90,8 +90,8 @@ def test_a_ctrl_c_halts_the_rounds_in_flight_and_the_resumed_run_continues_every
         tmp_path, areno_cache, monkeypatch):
     """Split placement, K = 1, partial rollouts, the engine gated (halt_gate_hooks.py)
     so that round 2 is still generating, at decode step HALT_STEP, when a SIGINT
-    comes right after step 1's update. The run halts it (and round 3, queued or
-    started inside its loop by tail fill) instead of waiting, saves step 1 with their samples cut short (finish
+    comes right after step 1's update. The run halts it (and round 3, queued)
+    instead of waiting, saves step 1 with their samples cut short (finish
     "abort"; versions 0 and 1), exits 130. Resumed, steps 2 and 3 train every saved
     sample with its saved tokens, log-probs and versions first, each halted one
     continued by version 1 to a finish of its own: the tokens counted across the
@@ -100,7 +100,7 @@ def test_a_ctrl_c_halts_the_rounds_in_flight_and_the_resumed_run_continues_every
 
     res, ckpt = halted_run(tmp_path, areno_cache, monkeypatch, ARGS)
     assert res.returncode == 130, res.stderr[-3000:]
-    assert "rollout(s) in flight at their next decode step" in res.stdout, res.stdout[-3000:]
+    assert "halting the 2 rollout(s) in flight at their next decode step" in res.stdout, res.stdout[-3000:]
     saved = saved_responses(ckpt)
     samples = [s for group in saved.values() for s in group]
     assert len(saved) == 8 and len(samples) == 32  # rounds 2 and 3, whole

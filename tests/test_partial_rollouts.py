@@ -121,10 +121,9 @@ def test_a_k1_run_trains_rounds_that_span_a_publish_and_saves_one_with_its_token
         tmp_path, areno_cache):
     """The whole loop, in-process, split placement at K = 1 with --partial-rollouts:
     the gated engine (offer_gate_hooks.py) holds each round after the first at
-    decode step 2 until newer weights are offered, so round 3 (sampled from
-    version 1) takes 2 mid-generation, and so does round 2 (from 0, taking 1)
-    unless tail fill started it inside round 1. The step that trains a gated
-    round trains tokens of both versions, counts the in-flight load and its
+    decode step 2 until newer weights are offered, so round 2 (sampled from
+    version 0) takes version 1 mid-generation, and round 3 (from 1) takes 2. Step
+    2 trains tokens of both versions, counts the in-flight load and its
     fingerprint check; the checkpoint at step 2 saves round 3 whole, responses
     holding two versions each, and a run resumed there trains it as it was saved
     (its tokens' lags those of the uninterrupted run's step 3)."""
@@ -141,15 +140,11 @@ def test_a_k1_run_trains_rounds_that_span_a_publish_and_saves_one_with_its_token
                 env={"ARENO_RANK_HOOKS": "offer_gate_hooks:OfferGate"}))
     steps = train_steps(out)
     assert sorted(steps) == [1, 2, 3]
-    # Rounds 1 and 2 are both sent at step 1 (first_finished.py admits before the
-    # first take), so tail fill may start round 2 inside round 1's loop, ungated;
-    # then round 3 is the gated one (from version 1, taking 2).
-    loads = [steps[s]["rollout/inflight_loads"] for s in (1, 2, 3)]
-    assert [steps[s]["rollout/inflight_checks"] for s in (1, 2, 3)] == loads
-    assert loads[0] == 0 and loads[2] == 1 and loads[1] in (0, 1)
-    one = steps[2 if loads[1] else 3]  # a round's first tokens by the older version (lag 1), the rest lag 0
-    assert one["rollout/policy_lag_max"] == 1 and one["rollout/token_lag_0"] > 0 < one["rollout/token_lag_1"]
-    assert 0 < one["rollout/token_lag_mean"] < 1
+    assert [steps[s]["rollout/inflight_loads"] for s in (1, 2, 3)] == [0, 1, 1]
+    assert [steps[s]["rollout/inflight_checks"] for s in (1, 2, 3)] == [0, 1, 1]
+    two = steps[2]  # round 2: its first tokens by version 0 (lag 1), the rest by 1 (lag 0)
+    assert two["rollout/policy_lag_max"] == 1 and two["rollout/token_lag_0"] > 0 < two["rollout/token_lag_1"]
+    assert 0 < two["rollout/token_lag_mean"] < 1
 
     with np.load(out / "checkpoints" / "step_000002" / INFLIGHT_FILE) as z:
         versions, offsets = z["0/token_version"], z["0/response_offsets"]
@@ -244,14 +239,13 @@ def test_lora_rounds_take_each_new_adapter_mid_generation_checked(tmp_path, aren
                  "--max-steps", "3", "--seed", "0", "--no-save", "--output-dir", str(out)], areno_cache,
                 env={"ARENO_RANK_HOOKS": "offer_gate_hooks:OfferGate"}))
     steps = train_steps(out)
-    # Rounds 1 and 2 are both sent at step 1 (first_finished.py admits before the
-    # first take), so tail fill may start round 2 inside round 1's loop, ungated;
-    # then round 3 is, and takes version 2 at step 3.
+    # The gated engine runs the rounds one after another (gated_engine.py: no tail
+    # fill): round 2 is the first gated one.
     loads = [steps[s]["rollout/inflight_loads"] for s in (1, 2, 3)]
     assert [steps[s]["rollout/inflight_checks"] for s in (1, 2, 3)] == loads
-    assert loads[0] == 0 and sorted(loads[1:]) == [0, 1]
-    one = steps[2 if loads[1] else 3]
-    assert one["rollout/policy_lag_max"] == 1 and one["rollout/token_lag_0"] > 0 < one["rollout/token_lag_1"]
+    assert loads[:2] == [0, 1]
+    two = steps[2]
+    assert two["rollout/policy_lag_max"] == 1 and two["rollout/token_lag_0"] > 0 < two["rollout/token_lag_1"]
 
 
 @pytest.mark.learning
