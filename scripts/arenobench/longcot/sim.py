@@ -323,7 +323,10 @@ class ProcEngine(SyntheticEngine):
         return self.inner.prompt_logprobs(ids)
 
     def __getattr__(self, name: str) -> Any:  # weights_fingerprint, _weight_names, ... when inner has them
-        if name == "inner":
+        # generate_rounds: the real engine's tail-fill loop would sample with its
+        # own weights, not this engine's precomputed responses; each round runs
+        # as its own command.
+        if name in ("inner", "generate_rounds"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
