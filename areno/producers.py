@@ -154,8 +154,10 @@ class Pending:
         """Leave it (Ctrl-C): its engines take no more commands."""
 
     def settle_whole(self) -> None:
-        """Every group arrived: read the engines' final reply now if not read yet
-        (engine processes under --partial-rollouts, first_finished.py)."""
+        """Every group arrived, or the engines replied without some (an environment
+        failed under `fail`: its error is raised here): read the engines' final
+        reply now if not read yet (engine processes under --partial-rollouts,
+        first_finished.py)."""
 
 
 class NowPending(Pending):
@@ -254,7 +256,8 @@ class SentPending(Pending):
 
     # -- its groups one by one (--partial-rollouts: first_finished.py) ----------------
     def settle_whole(self) -> None:
-        if self.pending is not None and np.isfinite(self.arrived()).all():
+        # Whole with groups missing: an environment failed (fail), its error in the reply.
+        if self.pending is not None and (self.pending.whole or np.isfinite(self.arrived()).all()):
             self.engines_done()
 
     @property

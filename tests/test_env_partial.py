@@ -76,3 +76,24 @@ def test_queued_multi_turn_rounds_start_while_the_running_ones_wait_on_their_env
     assert sum(steps[s]["rollout/tail_filled"] for s in steps) > 0
     assert all(steps[s]["env/turns_mean"] == 2.0 for s in steps)
     assert max(steps[s]["rollout/token_lag_max"] for s in steps) <= 2
+
+
+def test_an_environment_failing_on_the_engine_process_ends_the_run_in_one_line(tmp_path, areno_cache):
+    """--on-reward-error fail, K = 1, --partial-rollouts: every trajectory's first
+    step raises in the engine process's workers, so no group of either round in
+    flight ever arrives. The rounds' replies carry the error, and the run ends
+    with it, exit 2, one line naming the environment, not a traceback (the
+    scheduler read the replies only once every group had arrived, and
+    called the wait a scheduler bug)."""
+    from inprocess import run_here
+    from test_compose import HF1, SPLIT
+
+    env = tmp_path / "env.py"
+    env.write_text("def step(state, completion):\n    raise ValueError('no such move')\n")
+    res = run_here(["train", *HF1, "--max-steps", "2", "--seed", "0", "--output-dir", str(tmp_path / "run"),
+                    "--env-path", str(env), "--max-turns", "3", "--reward-workers", "1", *SPLIT,
+                    "--off-policy-steps", "1", "--partial-rollouts"], areno_cache)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("areno: error: environment ") and "no such move" in last, last
