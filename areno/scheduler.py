@@ -299,7 +299,7 @@ class Rollouts:
             self.producer.halt()
             what = (f"halting the {busy} rollout(s) in flight at their next decode step: the checkpoint keeps "
                     "their tokens" + ("" if self.producer.episodes is None else
-                                      " and their environments' states (their calls out answer first)")
+                                      " and their environments' states (a call out is asked again)")
                     + " and a resume continues them")
         else:
             what = f"waiting for the {busy} agent rollout(s) in flight to finish, so that no sampled token is lost"

@@ -102,6 +102,14 @@ def test_a_halted_rollout_continues_to_the_end_it_would_have_had(engine, tok, tm
             assert 1 <= r.turn_tokens <= halt_step and turns_of(saved, i)[-1][1].size == r.turn_tokens
 
     spec = EpisodeSpec(str(env), 2, 30.0, "fail", str(tiny_chat_path), True, bounds)
+    assert_continued(engine, spec, saved, scored, sampling, tok)
+
+
+def assert_continued(engine, spec, saved, scored, sampling, tokenizer) -> None:
+    """The four halted trajectories of `saved` (their tokens of version 0), continued
+    by `engine` at version 1, each end as an uninterrupted run would: three
+    moves, reward 1.5, every saved token, log-prob and version first, each new
+    sampled token of version 1, the environment given each turn's whole text."""
     ((whole, rewards),) = continue_episodes(engine, spec, [(saved, scored, sampling, 0)], 1)
     assert (whole.finish_reason == FINISH_STOP).all() and rewards.rewards.tolist() == [1.5] * 4
     for i in range(4):
@@ -109,12 +117,75 @@ def test_a_halted_rollout_continues_to_the_end_it_would_have_had(engine, tok, tm
         c = whole.response_offsets[i]
         np.testing.assert_array_equal(whole.response_ids[c:c + b - a], saved.response_ids[a:b])
         np.testing.assert_array_equal(whole.response_logprobs[c:c + b - a], saved.response_logprobs[a:b])
-        assert set(whole.token_version[c:c + b - a].tolist()) == {0}
-        assert set(whole.token_version[c + b - a:whole.response_offsets[i + 1]].tolist()) == {1}
+        assert set(whole.token_version[c:c + b - a].tolist()) == ({0} if b > a else set())
+        new = slice(c + b - a, whole.response_offsets[i + 1])  # an observation: its turn's version
+        assert set(whole.token_version[new][whole.response_mask[new] == 1].tolist()) == {1}
         pieces = turns_of(whole, i)
         assert [m for m, _ in pieces] == [1, 0, 1, 0, 1]  # three turns, the cut one whole again
         for (_, turn), (_, obs) in zip(pieces[0::2], pieces[1::2]):  # the env saw each whole turn
-            assert f"len {len(decode_one(tok, turn))}" in decode_one(tok, obs)
+            assert f"len {len(decode_one(tokenizer, turn))}" in decode_one(tokenizer, obs)
+
+
+# ENV with a gate: the call that makes move AT (0: the reset) waits while the file HOLD exists.
+HELD_ENV = """
+import os, time
+HOLD, AT = {hold!r}, {at}
+def _held():
+    t_end = time.monotonic() + 60.0
+    while os.path.exists(HOLD) and time.monotonic() < t_end:
+        time.sleep(0.02)
+def reset(state):
+    if AT == 0:
+        _held()
+    state.data["moves"] = 0
+def step(state, completion):
+    if state.data["moves"] + 1 == AT:
+        _held()
+    state.data["moves"] += 1
+    done = state.data["moves"] >= 3
+    return f"len {{len(completion)}}", 1.0 if done else 0.25, done
+"""
+
+
+@pytest.mark.parametrize("at", [2, 0], ids=["step", "reset"])
+def test_a_halt_does_not_wait_for_the_environment_and_resume_asks_its_call_again(
+        engine, tok, tmp_path, tiny_chat_path, at):  # noqa: F811
+    """The rounds' loop of an engine process (envs/rounds.py), its four trajectories
+    all waiting on held environment calls (their second step, or their reset)
+    when the run starts saving: the loop ends them there, the calls still out
+    (the hold is lifted only after), each with its books: the step due with the
+    turn's text, or the reset due. Continued, each runs to the end an
+    uninterrupted run has, its due call asked again."""
+    from areno.envs.driver import driver
+    from areno.envs.halted import RESET_DUE, STEP_DUE
+    from areno.envs.rounds import run_rounds
+
+    hold = tmp_path / "hold"
+    hold.touch()
+    env, ids, off, states = _setup(tok, tmp_path, [{}, {}], n=2)
+    env.write_text(HELD_ENV.format(hold=str(hold), at=at))
+    sampling, bounds = SamplingConfig(max_tokens=6, seed=1), EnvBounds(max_turns=4)
+    engine.weight_version = 0
+    outs = []
+    with EnvPool(str(env), workers=4) as pool:
+        d = driver(engine, pool, tok, observation_format(tok, True), ids, off, states, 2, sampling, bounds)
+        run_rounds(d, lambda: None, lambda k, out: outs.append(out),
+                   halting=lambda: len(d.pending) == 4 and (d.traj.turns == at).all())
+        assert hold.exists()  # every call still held: none was waited for
+        hold.unlink()
+    ((saved, scored),) = [(o.batch, o.scored) for o in outs]
+    assert halted_episodes(scored).tolist() == [0, 1, 2, 3] and (saved.finish_reason == FINISH_ABORT).all()
+    for i, r in enumerate(scored.payloads):
+        a, b = saved.response_offsets[i], saved.response_offsets[i + 1]
+        assert (r.kind, r.turns, r.turn_tokens) == ((STEP_DUE, 2, 0) if at else (RESET_DUE, 0, 0))
+        assert r.state.data == ({"moves": 1} if at else {}) and scored.rewards[i] == (0.25 if at else 0.0)
+        if at:  # the text of its second turn, the last tokens it sampled
+            assert r.completion == decode_one(tok, turns_of(saved, i)[-1][1])
+        else:
+            assert r.completion is None and b == a
+
+    spec = EpisodeSpec(str(env), 2, 30.0, "fail", str(tiny_chat_path), True, bounds)
+    assert_continued(engine, spec, saved, scored, sampling, tok)
 
 
 def test_a_ctrl_c_halts_multi_turn_rounds_and_the_resumed_run_continues_every_trajectory(
@@ -158,3 +229,62 @@ def test_a_ctrl_c_halts_multi_turn_rounds_and_the_resumed_run_continues_every_tr
             else:
                 assert ids2.size == n and finish2 == finish
     assert continued > 0
+
+
+# ENV whose last trajectory of a round (ARGS: 4 prompts x 4: index 15) holds
+# its second move while the file HOLD exists (30 s at most).
+LAST_HELD_ENV = """
+import os, time
+HOLD = {hold!r}
+def reset(state):
+    state.data["moves"] = 0
+def step(state, completion):
+    if state.index == 15 and state.data["moves"] == 1:
+        t_end = time.monotonic() + 30.0
+        while os.path.exists(HOLD) and time.monotonic() < t_end:
+            time.sleep(0.02)
+    state.data["moves"] += 1
+    done = state.data["moves"] >= 3
+    return f"len {{len(completion)}}", 1.0 if done else 0.25, done
+"""
+
+
+@pytest.mark.faults
+def test_a_ctrl_c_does_not_wait_for_environment_calls_out_and_the_resume_asks_them_again(
+        tmp_path, areno_cache, monkeypatch):
+    """Split placement, K = 1, an environment on 4 workers of the engine process
+    whose last trajectory of every round holds its second move (until the test
+    lifts the hold, after the run): step 1 trains the first 4 groups to finish,
+    and a SIGINT comes right after its update. Waiting for the held calls would
+    take 30 s, and they would answer; the run halts the waiting trajectories
+    instead (the held ones, and any whose call is out), saves them with their
+    steps due and exits 130. Resumed, the due steps are asked again and every
+    halted trajectory runs to the end of its three moves, its saved tokens
+    first."""
+    from areno.envs.halted import STEP_DUE
+    from areno.inflight_file import load_inflight
+    from test_halt_resume import ARGS, halted_run, saved_responses, trained_on_resume
+
+    env, hold = tmp_path / "env.py", tmp_path / "hold"
+    env.write_text(LAST_HELD_ENV.format(hold=str(hold)))
+    hold.touch()
+    args = [*ARGS, "--env-path", str(env), "--max-turns", "4", "--reward-workers", "4", "--reward-timeout", "60"]
+    try:
+        res, ckpt = halted_run(tmp_path, areno_cache, monkeypatch, args, gated=False)
+    finally:
+        hold.unlink()
+    assert res.returncode == 130, res.stderr[-3000:]
+    records = [p for cur in load_inflight(ckpt) for p in (cur.saved[1].payloads or []) if p is not None]
+    due = [r for r in records if r.kind == STEP_DUE]
+    assert all(r.completion is not None and r.state.data["moves"] == r.turns - 1 for r in due)
+    assert any(r.state.index == 15 and r.state.data["moves"] == 1 for r in due)  # a held call, not waited for
+
+    saved = saved_responses(ckpt)
+    _, got = trained_on_resume(tmp_path, areno_cache, monkeypatch, args, ckpt)
+    assert set(saved) <= set(got)
+    for prompt, group in saved.items():
+        for (ids, lp, ver, finish), (ids2, lp2, ver2, finish2, reward) in zip(group, got[prompt], strict=True):
+            np.testing.assert_array_equal(ids2[:ids.size], ids)
+            np.testing.assert_array_equal(lp2[:ids.size], lp)
+            if finish == FINISH_ABORT:  # continued by version 1 (an observation: its turn's version)
+                assert finish2 == FINISH_STOP and reward == 1.5 and 1 in set(ver2[ids.size:].tolist())

@@ -36,9 +36,10 @@ def saved_responses(ckpt) -> dict[int, list[tuple]]:
     return out
 
 
-def halted_run(tmp_path, areno_cache, monkeypatch, args: list[str]):
-    """`areno train args` in process, the engine gated (halt_gate_hooks.py), a
-    SIGINT right after step 1's update -> (its result, the step-1 checkpoint)."""
+def halted_run(tmp_path, areno_cache, monkeypatch, args: list[str], gated: bool = True):
+    """`areno train args` in process, the engine gated (halt_gate_hooks.py; not
+    unless `gated`), a SIGINT right after step 1's update -> (its result, the
+    step-1 checkpoint)."""
     from areno.scheduler import Rollouts
     from inprocess import run_here
 
@@ -53,7 +54,7 @@ def halted_run(tmp_path, areno_cache, monkeypatch, args: list[str]):
     out = tmp_path / "run"
     try:
         res = run_here(["train", *args, "--output-dir", str(out)], areno_cache,
-                       env={"ARENO_RANK_HOOKS": "halt_gate_hooks:HaltGate"})
+                       env={"ARENO_RANK_HOOKS": "halt_gate_hooks:HaltGate"} if gated else None)
     finally:
         monkeypatch.setattr(Rollouts, "publish", publish)
     return res, out / "checkpoints" / "step_000001"

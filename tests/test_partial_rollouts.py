@@ -217,7 +217,7 @@ def test_ctrl_c_under_partial_rollouts_halts_the_rounds_but_an_agents_and_waits_
     assert said == {
         None: "" if not partial else
         f"{halting} and a resume continues them (--partial-rollouts); Ctrl-C again drops them\n",
-        "env": f"{halting} and their environments' states (their calls out answer first) and a resume continues "
+        "env": f"{halting} and their environments' states (a call out is asked again) and a resume continues "
         "them (--partial-rollouts); Ctrl-C again drops them\n",
         "agent": "areno: waiting for the 1 agent rollout(s) in flight to finish, so that no sampled token is "
         "lost (--partial-rollouts); Ctrl-C again drops them\n"}[episodes]

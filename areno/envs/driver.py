@@ -18,7 +18,7 @@ import numpy as np
 
 from areno.data.tasks import resolve_plugin_path
 from areno.data.tokenizer import load_tokenizer
-from areno.envs.halted import MID_TURN, NEXT_TURN, Halted
+from areno.envs.halted import MID_TURN, NEXT_TURN, RESET_DUE, STEP_DUE, Halted
 from areno.envs.plugin import EnvState
 from areno.envs.pool import EnvPool, Outcome
 from areno.envs.trajectory import ObservationFormat, Trajectories
@@ -88,7 +88,7 @@ class _Driver:
         self.last_token = np.zeros(n, np.int64)
         self.halted = np.zeros(n, np.uint8)  # a Ctrl-C's halt ended it: MID_TURN / NEXT_TURN (envs/halted.py)
         self.turn_tokens = np.zeros(n, np.int64)  # tokens its turn in progress has (a continued one: resume)
-        self.restored = np.zeros(n, bool)  # halted, restored as saved: it goes on where it stopped (resume)
+        self.restored: list[Halted | None] = [None] * n  # its books as saved: it goes on where it stopped (resume)
         self.ready: list[int] = []
         self.out = EnvRollout(batch=None, scored=None, turns=traj.turns,  # type: ignore[arg-type]
                               completions=[[] for _ in range(n)], observations=[[] for _ in range(n)])
@@ -110,9 +110,14 @@ class _Driver:
         return self.result()
 
     def start(self) -> None:
-        """Every trajectory's env reset goes out; a restored one (envs/resume.py) is ready."""
+        """Every trajectory's env reset goes out; a restored one (envs/resume.py) is
+        ready for its turn, or has its due step (or reset) asked again."""
         for i, s in enumerate(self.states):
-            if self.restored[i]:
+            r = self.restored[i]
+            if r is not None and r.kind == STEP_DUE:
+                self.out.completions[i].append(r.completion)
+                self.pending[self.pool.submit(s, r.completion)] = (i, True)
+            elif r is not None and r.kind != RESET_DUE:
                 self.ready.append(i)
             else:
                 self.pending[self.pool.submit(s, None)] = (i, False)
@@ -161,7 +166,8 @@ class _Driver:
         """Trajectories resp's Halted records ([m], None where not halted), None when none was."""
         if not self.halted[resp].any():
             return None
-        return [Halted(int(self.halted[i]), int(self.traj.turns[i]), int(self.turn_tokens[i]), self.states[i])
+        return [Halted(int(self.halted[i]), int(self.traj.turns[i]), int(self.turn_tokens[i]), self.states[i],
+                       self.out.completions[i][-1] if self.halted[i] == STEP_DUE else None)
                 if self.halted[i] else None for i in resp.tolist()]
 
     def generate(self, idx: np.ndarray) -> None:
@@ -199,7 +205,7 @@ class _Driver:
             if halted:  # saved with its state; a resumed run continues it
                 self.turn_tokens[i] += b - a
                 self.halted[i] = MID_TURN if self.turn_tokens[i] else NEXT_TURN
-                self._end(i, FINISH_ABORT)
+                self.end(i, FINISH_ABORT)
                 continue
             if self.turn_tokens[i]:  # the whole turn's text goes to the environment
                 texts[j] = decode_one(self.tokenizer, self.traj.tail(i, int(self.turn_tokens[i]) + b - a))
@@ -236,14 +242,14 @@ class _Driver:
             self.valid[i] &= o.valid
             if not o.valid:
                 self.reward[i] = np.nan
-            self._end(i, FINISH_ABORT)
+            self.end(i, FINISH_ABORT)
             return
         self.states[i].data = o.reply.data
         if o.reply.done:
-            self._end(i, FINISH_STOP)
+            self.end(i, FINISH_STOP)
             return
         if is_step and self.traj.turns[i] >= self.bounds.max_turns:
-            self._end(i, FINISH_LENGTH)
+            self.end(i, FINISH_LENGTH)
             self.out.turn_limit += 1
             return
         if is_step:
@@ -264,10 +270,10 @@ class _Driver:
 
     def _too_long(self, i: int) -> None:
         """The observation does not fit: the trajectory ends `length`, its env reward counted."""
-        self._end(i, FINISH_LENGTH)
+        self.end(i, FINISH_LENGTH)
         self.out.token_limit += 1
 
-    def _end(self, i: int, finish: int) -> None:
+    def end(self, i: int, finish: int) -> None:
         self.finish[i], self.ended[i] = finish, True
 
 

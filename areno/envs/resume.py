@@ -5,14 +5,14 @@ Under --partial-rollouts a Ctrl-C ends every request the engines hold at their
 next decode step (fleet/inflight_loads.py's halt); the episode driver ends each
 trajectory so stopped with finish "abort" and its books (envs/halted.py:
 whether a turn was cut, its turns, its environment's state after the last step
-that answered; the environment calls out when the halt came are waited for,
-within --reward-timeout). The checkpoint saves them with the round. Resumed,
+that answered; a trajectory whose environment call was out is not waited
+for, its call due). The checkpoint saves them with the round. Resumed,
 each round's driver (the rounds in one loop: envs/rounds.py) starts each
 trajectory where it stopped: its tokens, log-probs, versions and
 mask as saved, its reward so far, its state; a cut turn is sampled on from its
 prompt, trajectory and tokens so far with what is left of --max-new-tokens,
 and the whole turn's text goes to the environment; a trajectory halted
-between turns takes its next turn. The new tokens are spliced onto the saved
+between turns takes its next turn; a due step (or reset) is asked again. The new tokens are spliced onto the saved
 ones (areno/continuation.py), stamped with the resumed engines' version.
 """
 
@@ -88,7 +88,7 @@ def _restored(host: EpisodeHost, engine: Any, spec: EpisodeSpec, batch: RolloutB
                        None if batch.token_version is None else batch.token_version[a:b], r.turns)
         d.reward[j], d.turn_tokens[j] = scored.rewards[i], r.turn_tokens
         d.last_token[j] = batch.response_ids[b - 1] if b > a else -1
-    d.restored[:] = True
+        d.restored[j] = r
     return d
 
 

@@ -9,7 +9,9 @@ schedule, which runs its rounds one after another).
 Each round keeps its own driver (envs/driver.py's _Driver: its trajectories,
 rewards, seeds and streamed parts); they share the engine and the environment
 pool. A round ends when its every trajectory has; `done` hears of each, in
-the order they end.
+the order they end. When the run is saving (`halting`: a Ctrl-C under
+--partial-rollouts), a wait on environments ends every waiting trajectory
+where it is (envs/halted.py, halt_waiting) instead of waiting for the calls.
 """
 
 from __future__ import annotations
@@ -19,13 +21,18 @@ from collections.abc import Callable
 from typing import Any
 
 from areno.envs.driver import EnvRollout
+from areno.envs.halted import halt_waiting
+
+HALT_POLL_S = 0.05  # how often a wait on environments looks for a halt: the save waits at most this
 
 
-def run_rounds(first: Any, admit: Callable[[], Any | None], done: Callable[[int, EnvRollout], None]) -> None:
+def run_rounds(first: Any, admit: Callable[[], Any | None], done: Callable[[int, EnvRollout], None],
+               halting: Callable[[], bool] | None = None) -> None:
     """Drive `first` (a _Driver, not started) and every driver `admit()` returns
     (None: none now), asked whenever no trajectory is ready for a turn; done(k,
     rollout) as round k (0: first, then in admission order) ends. The engine's
-    waits on environments count as the oldest running round's engine_idle_s."""
+    waits on environments count as the oldest running round's engine_idle_s.
+    halting: whether the run is saving (None: it never halts here)."""
     drivers = [first]
     first.start()
     ended: set[int] = set()
@@ -48,8 +55,23 @@ def run_rounds(first: Any, admit: Callable[[], Any | None], done: Callable[[int,
                 drivers.append(new)
                 continue
             t0 = time.perf_counter()
-            live[0].pool.wait_any([t for d in live for t in d.pending], timeout=None)
+            if _wait(live, halting):
+                for d in live:
+                    halt_waiting(d)
             live[0].out.engine_idle_s += time.perf_counter() - t0
             continue
         for d in live:
             d.generate_ready()
+
+
+def _wait(live: list[Any], halting: Callable[[], bool] | None) -> bool:
+    """Wait until an environment call of the `live` drivers answers -> False, or
+    until `halting()` -> True."""
+    tickets = [t for d in live for t in d.pending]
+    if halting is None:
+        live[0].pool.wait_any(tickets, timeout=None)
+        return False
+    while not halting():
+        if live[0].pool.wait_any(tickets, timeout=HALT_POLL_S):
+            return False
+    return True

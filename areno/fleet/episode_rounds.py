@@ -112,7 +112,7 @@ def run_episode_rounds(worker: Any, first: dict, reply: dict) -> dict:
             replied += 1
 
     try:
-        run_rounds(driver(first, 0), admit, done)
+        run_rounds(driver(first, 0), admit, done, halting=worker.inflight.halting)
     except RewardError as e:
         for r in rounds[replied:-1]:
             worker.reply(r.reply | {"reward_error": str(e), "tokens": 0})

@@ -62,6 +62,12 @@ class InflightLoads:
         envs/resume.py)."""
         self._halt = True
 
+    def halting(self) -> bool:
+        """Whether the run is saving and the round generating may be halted: at a
+        step boundary (`step`), and while a multi-turn round's trajectories wait
+        on their environments (envs/rounds.py polls it; envs/halted.py)."""
+        return self._halt and self._haltable
+
     def newer(self, version: int) -> bool:
         """Whether weights of `version` are newer than those the engine holds."""
         return self.version is None or version > self.version
@@ -84,7 +90,7 @@ class InflightLoads:
     def step(self, steps: int) -> None:
         """Step boundary (the engine's step_hook): load the newest offer, if newer;
         once the run is saving, end a haltable round here instead (engine.halt)."""
-        if self._halt and self._haltable:
+        if self.halting():
             self.engine.halt = True
             return
         with self._lock:
