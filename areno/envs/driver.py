@@ -86,7 +86,7 @@ class _Driver:
         self.counts, self.messages = RewardCounts(), []
         self.pending: dict[int, tuple[int, bool]] = {}  # ticket -> (trajectory, is a step)
         self.last_token = np.zeros(n, np.int64)
-        self.halted = np.zeros(n, np.uint8)  # a Ctrl-C's halt ended it: MID_TURN / NEXT_TURN (envs/halted.py)
+        self.halted = np.zeros(n, np.uint8)  # a Ctrl-C's halt ended it: how (envs/halted.py), 0: not
         self.turn_tokens = np.zeros(n, np.int64)  # tokens its turn in progress has (a continued one: resume)
         self.restored: list[Halted | None] = [None] * n  # its books as saved: it goes on where it stopped (resume)
         self.ready: list[int] = []

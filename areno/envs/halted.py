@@ -41,13 +41,10 @@ class Halted:
 
 def halt_waiting(d: Any) -> None:
     """The run is saving: every trajectory of driver `d` (envs/driver.py's _Driver)
-    that waits on its environment or for its next turn ends now, finish
-    "abort", with its books; its environment calls out are left to the workers
-    (their answers are never read)."""
+    that waits on its environment ends now, finish "abort", with its books; its
+    calls out are left to the workers (their answers are never read). The
+    rounds' loop calls it when no trajectory is ready for a turn."""
     for i, is_step in d.pending.values():
         d.halted[i] = STEP_DUE if is_step else RESET_DUE
         d.end(i, FINISH_ABORT)
-    for i in d.ready:
-        d.halted[i] = MID_TURN if d.turn_tokens[i] else NEXT_TURN
-        d.end(i, FINISH_ABORT)
-    d.pending, d.ready = {}, []
+    d.pending = {}

@@ -12,8 +12,9 @@ trajectory where it stopped: its tokens, log-probs, versions and
 mask as saved, its reward so far, its state; a cut turn is sampled on from its
 prompt, trajectory and tokens so far with what is left of --max-new-tokens,
 and the whole turn's text goes to the environment; a trajectory halted
-between turns takes its next turn; a due step (or reset) is asked again. The new tokens are spliced onto the saved
-ones (areno/continuation.py), stamped with the resumed engines' version.
+between turns takes its next turn; a due step (or reset) is asked again. The
+new tokens are spliced onto the saved ones (areno/continuation.py), stamped
+with the resumed engines' version.
 """
 
 from __future__ import annotations
