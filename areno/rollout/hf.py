@@ -135,17 +135,21 @@ class HFEngine:
             prompt_ids, prompt_offsets, n, max_model_len=self.max_model_len, vocab_size=self.vocab_size
         )
 
+    def _stops_and_seed(self, sampling: SamplingConfig) -> tuple[tuple[int, ...], int]:
+        """The token ids that end a response, and the seed of one call: the
+        request's, else the next draw of the engine's own stream (seeded at init)."""
+        stop_ids = tuple(sampling.stop_token_ids) + (() if sampling.ignore_eos else self.eos_token_ids)
+        if sampling.seed is not None:
+            return stop_ids, sampling.seed
+        return stop_ids, int(torch.randint(0, 1 << 62, (1,), generator=self._generator))
+
     def _buckets(self, ids: np.ndarray, offsets: np.ndarray, n: int, sampling: SamplingConfig):
         """Per distinct step limit (one unless the context cuts some prompts'
         responses): (tokens, log-probs, lengths, finish, prompt of each response,
         version of each token: int32, -1 where the engine was not told one).
         Prompts of every length share one left-padded `generate`."""
         lengths = np.diff(offsets)
-        stop_ids = tuple(sampling.stop_token_ids) + (() if sampling.ignore_eos else self.eos_token_ids)
-        if sampling.seed is None:  # next draw of the engine's own stream (seeded at init)
-            seed = int(torch.randint(0, 1 << 62, (1,), generator=self._generator))
-        else:
-            seed = sampling.seed
+        stop_ids, seed = self._stops_and_seed(sampling)
         max_new = np.minimum(sampling.max_tokens, self.max_model_len - lengths)
         limits = np.unique(max_new)
         for limit, bucket_seed in zip(limits.tolist(), prompt_seeds(seed, limits.size).tolist()):

@@ -106,10 +106,7 @@ def stream_rounds(engine: Any, first: RoundRequest, admit: Callable[[int], Round
     request admit(samples running) returned. engine: an HFEngine. Ends when
     every admitted round is done, or at a halt (engine.halt: every running
     sample ends "abort" with its tokens)."""
-    stop_ids = tuple(first.sampling.stop_token_ids) + (() if first.sampling.ignore_eos else engine.eos_token_ids)
-    seed = first.sampling.seed
-    if seed is None:  # next draw of the engine's own stream, as HFEngine.generate
-        seed = int(torch.randint(0, 1 << 62, (1,), generator=engine._generator))
+    stop_ids, seed = engine._stops_and_seed(first.sampling)
     segment_seeds = np.random.default_rng(seed)
     rounds: list[_Round] = []
     live: list[_Sample] = []
