@@ -51,7 +51,7 @@ def test_bench_async_partial_mode_reports_the_three_modes_side_by_side(tmp_path:
     workloads (simulated: arenobench/partial_sim.py), in one run; partial keeps
     the engines busier and trains more tokens per tick, every token within K;
     the run's own scheme (whole rounds with tail fill, batches by deadline_first)
-    beside its whole-round variant."""
+    beside its whole-round variant and --cut-at-deadline."""
     out = tmp_path / "partial.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--partial", "--partial-steps", "6", "--out", str(out)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300, env=child_env())
@@ -59,9 +59,12 @@ def test_bench_async_partial_mode_reports_the_three_modes_side_by_side(tmp_path:
     assert "| mode | K | trained tokens/tick | x sync | x K-ahead | engine idle |" in proc.stdout
     rows = json.loads(out.read_text())["partial"]
     assert len(rows) == 2 and any("env" in name for name in rows)
-    for name, (sync, ahead, part, whole, first) in rows.items():
-        assert [r["mode"] for r in (sync, ahead, part, whole, first)] == \
-            ["sync", "K-ahead", "partial", "tail fill, whole rounds", "first-finished"]
+    for name, (sync, ahead, part, whole, first, cut) in rows.items():
+        assert [r["mode"] for r in (sync, ahead, part, whole, first, cut)] == \
+            ["sync", "K-ahead", "partial", "tail fill, whole rounds", "first-finished",
+             "first-finished, cut at deadline"]
+        # --cut-at-deadline: nothing retired, no token past K, the engines no idler
+        assert cut["retired"] == 0.0 and len(cut["lag_hist"]) == 3 and cut["idle"] <= first["idle"], name
         # what --partial-rollouts runs: rounds admitted whole, nothing retired, no token past K
         assert first["trained_tokens_per_tick"] >= whole["trained_tokens_per_tick"], name
         assert whole["retired"] == first["retired"] == 0.0 and len(first["lag_hist"]) == 3, name

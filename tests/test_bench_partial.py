@@ -49,3 +49,18 @@ def test_first_finished_trains_no_slower_than_whole_rounds_within_the_lag_bound(
     assert first.tokens_per_tick >= whole.tokens_per_tick
     assert first.trained_tokens == whole.trained_tokens and first.retired_tokens == 0
     assert 0 <= first.lags.min() and first.lags.max() <= 2
+
+
+def test_the_cut_at_deadline_keeps_the_engines_busy_where_a_capped_sample_outlives_k_steps() -> None:
+    """--cut-at-deadline simulated: a capped sample decodes longer than K steps of
+    training, so first-finished waits for it and the engines idle; cutting the
+    groups due keeps every token generated (none retired), trains more per tick,
+    idles less, and cuts some samples, every token within K."""
+    from arenobench.partial_sim import run_first_finished
+
+    w = Workload(batch_size=8, n=4, sigma=1.5, median=L, max_tokens=20 * L, slots=32, train_s=4 * L,
+                 sync_s=SYNC, steps=8)
+    first, cut = run_first_finished(w, 2), run_first_finished(w, 2, cut=True)
+    assert first.cut == 0 < cut.cut < 0.5 and cut.retired_tokens == 0
+    assert cut.tokens_per_tick > first.tokens_per_tick and cut.idle < first.idle
+    assert 0 <= cut.lags.min() and cut.lags.max() <= 2
