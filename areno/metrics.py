@@ -181,6 +181,9 @@ LOOP_METRICS: tuple[LoopMetric, ...] = (
     LoopMetric("rollout/tail_filled", "sum",
                "--partial-rollouts: sequences of the step's rounds that an engine started inside "
                "the previous round's generation loop, as its tail drained (tail fill, vLLM)"),
+    LoopMetric("rollout/cut_samples", "sum",
+               "--cut-at-deadline: samples the engines ended at their group's deadline (finish length), "
+               "so that the trainer did not wait for them"),
     LoopMetric("rollout/groups_ahead", "sum",
                "--partial-rollouts: groups the step trained from rounds other than the oldest in flight "
                "(their groups finished first: first_finished.py)"),
@@ -205,11 +208,15 @@ def policy_lag_metrics(lags: Sequence[int] | np.ndarray, k: int = 0, unit: str =
             **{lag_count_key(lag, unit): float(c) for lag, c in enumerate(counts)}}
 
 
+# What an engine's rollout reply counts under --partial-rollouts, summed over the
+# engines (PendingRollout.collect) and over a step's rounds (inflight_metrics).
+INFLIGHT_COUNTS = ("inflight_loads", "inflight_checks", "tail_filled", "cut_samples")
+
+
 def inflight_metrics(infos: Sequence[dict]) -> dict[str, float]:
-    """rollout/inflight_loads, _checks and tail_filled of one step (--partial-rollouts):
-    summed over its rounds' engine replies (PendingRollout.collect's info)."""
-    return {f"rollout/{k}": float(sum(i.get(k, 0) for i in infos))
-            for k in ("inflight_loads", "inflight_checks", "tail_filled")}
+    """rollout/inflight_loads, _checks, tail_filled and cut_samples of one step
+    (--partial-rollouts): summed over its rounds' engine replies (PendingRollout.collect's info)."""
+    return {f"rollout/{k}": float(sum(i.get(k, 0) for i in infos)) for k in INFLIGHT_COUNTS}
 
 
 def groups_ahead_metrics(ahead: int) -> dict[str, float]:

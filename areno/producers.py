@@ -73,10 +73,11 @@ class Producer:
         """Engine processes load a published region now, checked (before an eval)."""
         self.run.engine.load(region)
 
-    def offer(self, region: Any, version: int) -> None:
+    def offer(self, region: Any, version: int, cut: int | None = None) -> None:
         """--partial-rollouts: engine processes may load a published region between
-        two decode steps of the rounds they generate (EngineView.offer)."""
-        self.run.engine.offer(region, version)
+        two decode steps of the rounds they generate, and cut the due ones
+        (--cut-at-deadline; EngineView.offer)."""
+        self.run.engine.offer(region, version, cut)
 
     def halt(self) -> None:
         """--partial-rollouts, Ctrl-C: the rounds in flight (an agent's excepted) end at

@@ -160,8 +160,9 @@ class Rollouts:
             region, synced = self.producer.publish(self.updates, self.updates % weight_slots(self.k))
             if region is not None:
                 self.published = (self.updates, region)
-                if self.partial:
-                    self.producer.offer(region, self.updates)
+                if self.partial:  # --cut-at-deadline: rounds of version updates - K are due now
+                    self.producer.offer(region, self.updates,
+                                        self.updates - self.k if self.run.cfg.cut_at_deadline else None)
             else:
                 self.engine_version = self.updates
         self.taken = []

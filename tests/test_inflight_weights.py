@@ -143,3 +143,43 @@ def test_a_halt_ends_every_request_at_the_step_boundary_with_the_tokens_it_sampl
     assert got.token_version.tolist() == [3] * got.num_response_tokens
     again = engine.generate(ids, off, 2, s)
     assert np.all(again.response_lengths == MAX_TOKENS)
+
+
+def test_a_due_rounds_running_samples_end_at_the_cut_with_their_tokens_the_next_round_runs_on(
+        engine, make_prompts):
+    """--cut-at-deadline at the engine (rollout.engine.due): in a tail-filled loop
+    (generate_rounds), round 1 (admitted with version 0) and round 2 (version 1,
+    joined at the first step boundary) run until the step hook, at its SWAP_AT-th
+    call, says rounds of version 0 are due (engine.cut_version, as
+    InflightLoads.step does after an offer). Round 1's samples end there, each
+    with exactly the SWAP_AT tokens it sampled, finish "length", counted in
+    engine.cut_samples; round 2's run on to their cap."""
+    from dataclasses import replace
+
+    from areno.rollout.batch import FINISH_LENGTH, RolloutBatch
+    from areno.rollout.engine import RoundRequest
+
+    ids, off = make_prompts(PROMPTS)
+    s = SamplingConfig(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True, seed=7)
+    later = RoundRequest(*make_prompts(PROMPTS[:2]), 2, replace(s, seed=8), version=1)
+    queue, calls = [later], []
+
+    def hook(done: int) -> None:
+        calls.append(done)
+        engine.cut_version = 0 if len(calls) >= SWAP_AT else None
+
+    engine.weight_version, engine.step_hook = 1, hook
+    try:
+        parts = list(engine.generate_rounds(RoundRequest(ids, off, 2, s, version=0),
+                                            lambda running: queue.pop() if queue else None))
+        cut = engine.cut_samples
+    finally:
+        engine.step_hook, engine.cut_version, engine.cut_samples, engine.weight_version = None, None, 0, None
+    rounds = {k: RolloutBatch.merge_parts([p for j, _, p in parts if j == k],
+                                          [pos for j, pos, _ in parts if j == k])[0] for k in (0, 1)}
+    assert {k: sum(pos.size for j, pos, _ in parts if j == k) for k in (0, 1)} == {0: 3, 1: 2}
+    assert cut == 6 and np.all(rounds[0].response_lengths == SWAP_AT)
+    assert np.all(rounds[0].finish_reason == FINISH_LENGTH)
+    assert np.all(rounds[1].response_lengths == MAX_TOKENS) and np.all(rounds[1].finish_reason == FINISH_LENGTH)
+    for b in rounds.values():
+        assert np.isfinite(b.response_logprobs).all() and (b.response_logprobs <= 0).all()

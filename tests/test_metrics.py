@@ -135,7 +135,7 @@ def test_loop_metrics_are_declared_once_with_their_reductions() -> None:
     assert keys == ["rollout/policy_lag_mean", "rollout/policy_lag_max", "rollout/policy_lag_<l>",
                     "rollout/token_lag_mean", "rollout/token_lag_max", "rollout/token_lag_<l>",
                     "time/wait_batch", "time/wait_weights", "rollout/inflight_loads",
-                    "rollout/inflight_checks", "rollout/tail_filled", "rollout/groups_ahead"]
+                    "rollout/inflight_checks", "rollout/tail_filled", "rollout/cut_samples", "rollout/groups_ahead"]
     assert set(keys).isdisjoint(METRICS[k].key for k in TRAIN_METRICS)
     assert all(m.help for m in LOOP_METRICS)
     assert [f"time/{p}" for p in WAIT_PHASES] == keys[6:8]
@@ -148,8 +148,9 @@ def test_loop_metrics_are_declared_once_with_their_reductions() -> None:
     assert wait_metrics([0.5, 0.25], []) == {"time/wait_batch": 0.75, "time/wait_weights": 0.0}
     fixed = set(policy_lag_metrics([1])) | set(policy_lag_metrics([1], unit="token")) | \
         set(wait_metrics([], [])) | set(inflight_metrics([])) | set(groups_ahead_metrics(0))
-    assert inflight_metrics([{"inflight_loads": 2, "inflight_checks": 2}, {"tail_filled": 8}]) == {
-        "rollout/inflight_loads": 2.0, "rollout/inflight_checks": 2.0, "rollout/tail_filled": 8.0}
+    assert inflight_metrics([{"inflight_loads": 2, "inflight_checks": 2}, {"tail_filled": 8, "cut_samples": 3}]) == {
+        "rollout/inflight_loads": 2.0, "rollout/inflight_checks": 2.0, "rollout/tail_filled": 8.0,
+        "rollout/cut_samples": 3.0}
     counts = {lag_count_key(lag, u) for lag in (0, 1) for u in ("policy", "token")}
     assert fixed - counts | {"rollout/policy_lag_<l>", "rollout/token_lag_<l>"} == set(LOOP)
     from areno.rundir.reporting import PHASES

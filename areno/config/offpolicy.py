@@ -85,6 +85,13 @@ def check_off_policy(cfg: Any) -> None:
     """--off-policy-steps and --rollout-world-size of a TrainConfig against the
     options they need: UserError (one line) for the first that is missing."""
     k, m, tp = cfg.off_policy_steps, cfg.rollout_world_size, cfg.tensor_parallel_size
+    if getattr(cfg, "cut_at_deadline", False) and not partial_on(cfg):
+        raise UserError("--cut-at-deadline needs --partial-rollouts (on with --rollout-world-size and "
+                        "--off-policy-steps >= 1): a sample is cut where its engine takes the trainer's "
+                        "new weights, between two decode steps, and only partial rollouts' engines do")
+    if getattr(cfg, "cut_at_deadline", False) and getattr(cfg, "agent_path", None) is not None:
+        raise UserError("--cut-at-deadline with --agent-path: an agent's conversation lives in its own "
+                        "program, which the engines cannot end at a deadline (they wait for it)")
     if m and tp > 1:
         raise UserError(f"--rollout-world-size {m} with --tensor-parallel-size {tp}: an engine "
                         "process holds one device, and vLLM's tensor-parallel workers need a device each "

@@ -12,6 +12,7 @@ then the rules between options (rules.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -71,8 +72,7 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
                               "Data", ge=1)
     batch_size: int = opt(16, "Prompts per step.", "Data", ge=1)
     skip_bad_rows: bool = opt(False, "Skip (and count) malformed dataset rows and unparsable JSON "
-                              "lines instead of failing.",
-                              "Data")
+                              "lines instead of failing.", "Data")
     # -- Rollout ---------------------------------------------------------------
     rollout_engine: EngineKind | None = opt(
         None, "vllm or hf (transformers generate). Given, it must run: --rollout-engine vllm "
@@ -260,6 +260,12 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
         "bit-exact; --whole-rounds: each rollout loads weights once, at its start, and both are "
         "exact.", "Parallelism",
         shown="on with --rollout-world-size and --off-policy-steps >= 1, else off", off_flag="--whole-rounds")
+    cut_at_deadline: bool = opt(
+        False, "With --partial-rollouts: a sample still generating when its group must train (its "
+        "rollout's weights K updates behind the trainer's) ends at its engine's next decode step "
+        "(a multi-turn trajectory between turns), finish length, its tokens kept, instead of the "
+        "trainer waiting for it. Keeps the engines busy at a small K on a long tail; the longest "
+        "answers are cut, as --max-tokens cuts them.", "Parallelism")
     cpu_threads: int | None = opt(None, "torch threads of each CPU rank. The ranks' OpenMP threads wait "
                                   "passively (OMP_WAIT_POLICY=PASSIVE unless set; a ~0.3 ms spin first "
                                   "when no other task is runnable at start-up), so a busy neighbour "
@@ -344,13 +350,11 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
         return self.ckpt is None and self.dataset_path is None
 
     def loss_eps(self) -> tuple[float, float]:
-        low_default, high_default = (0.2, 0.2) if self.algo == "grpo" else (3e-4, 4e-4)
-        low = self.clip_eps_low if self.clip_eps_low is not None else low_default
-        high = self.clip_eps_high if self.clip_eps_high is not None else high_default
-        return low, high
+        low, high = (0.2, 0.2) if self.algo == "grpo" else (3e-4, 4e-4)
+        return (low if self.clip_eps_low is None else self.clip_eps_low,
+                high if self.clip_eps_high is None else self.clip_eps_high)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    to_dict = dataclasses.asdict
 
     @classmethod
     def fields(cls) -> list[dataclasses.Field]:
@@ -387,13 +391,9 @@ class TrainConfig(EnvOptions):  # --env-path and its options: config/env.py
         check_rules(self)
 
 
-_HINTS: dict[str, Any] = {}
-
-
+@functools.cache
 def _type_hints() -> dict[str, Any]:
-    if not _HINTS:
-        _HINTS.update(typing.get_type_hints(TrainConfig))
-    return _HINTS
+    return typing.get_type_hints(TrainConfig)
 
 
 def field_type(name: str) -> Any:

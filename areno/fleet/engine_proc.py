@@ -103,7 +103,7 @@ class EngineWorker:
         # "offer" runs on the command reader thread (procs.serve.queued_commands), not
         # behind the rounds queued here, and has no reply.
         self.inflight = InflightLoads(self.engine, self.sync_check)
-        self.immediate = {"offer": self.inflight.offer, "halt": self.inflight.halt}
+        self.immediate = {"offer": self.inflight.offer, "halt": self.inflight.halt}  # offer: its cut too
         self.emit = None  # set by serve(): sends one ("part", ...) message mid-command
         # Set by serve_worker (queued commands): the queued commands, and a reply sent
         # before the command ends (tail fill: a rollout replies for those it took).
@@ -152,7 +152,7 @@ class EngineWorker:
         if version is not None and self.inbox is not None and offsets.size > 1 and \
                 hasattr(self.engine, "generate_rounds"):  # tail fill (fleet/tail_fill.py)
             try:
-                return run_rounds(self, RoundRequest(ids, offsets, n, sampling), out, loaded | {"idle_s": idle_s})
+                return run_rounds(self, RoundRequest(ids, offsets, n, sampling, version), out, loaded | {"idle_s": idle_s})
             finally:
                 self._idle_since = time.monotonic()
         t1 = time.perf_counter()
@@ -208,7 +208,8 @@ class EngineWorker:
                 self._episodes.close()
             self._episodes = kind()
         if offsets.size > 1 and version is not None and not spec.agent and self.inbox is not None:
-            kw = dict(ids=ids, offsets=offsets, n=n, sampling=sampling, spec=spec, states=states, share=share)
+            kw = dict(ids=ids, offsets=offsets, n=n, sampling=sampling, spec=spec, states=states, share=share,
+                      version=version)
             return run_episode_rounds(self, kw, loaded | {"idle_s": idle_s})  # the rounds queued behind may join
         engine = SeedShare(self.engine, *share)
         try:

@@ -222,14 +222,15 @@ class EngineProcs:
                            probe_tolerance=min(r["probe_tolerance"] for r in probed))
         return timings
 
-    def offer(self, region: WeightRegion, version: int) -> None:
+    def offer(self, region: WeightRegion, version: int, cut: int | None = None) -> None:
         """--partial-rollouts: every engine process may load `region` (weight
         `version`) between two decode steps of the round it generates
-        (fleet/inflight_loads.py). A message with no reply, taken by each one's
-        command reader at once, not behind its queued rounds."""
+        (fleet/inflight_loads.py), and ends the samples still running of rounds
+        admitted with `cut` or older (--cut-at-deadline). A message with no reply,
+        taken by each one's command reader at once, not behind its queued rounds."""
         self._check_open()
         for i in range(self.count):
-            self.peers.post(i, "offer", {"region": region, "version": version})
+            self.peers.post(i, "offer", {"region": region, "version": version, "cut": cut})
 
     def halt(self) -> None:
         """--partial-rollouts, the run saving after Ctrl-C: every engine process ends

@@ -85,10 +85,11 @@ class EngineView(Protocol):
         """Load a published region now, checked (engine processes, before an eval)."""
         ...
 
-    def offer(self, region: WeightRegion, version: int) -> None:
+    def offer(self, region: WeightRegion, version: int, cut: int | None = None) -> None:
         """--partial-rollouts: a published region of weight `version` for the engines
-        to load between two decode steps of the rounds they generate now
-        (fleet/inflight_loads.py); engines that cannot: nothing."""
+        to load between two decode steps of the rounds they generate now, and
+        (cut, --cut-at-deadline) the rounds now due (fleet/inflight_loads.py);
+        engines that cannot: nothing."""
         ...
 
     def halt(self) -> None:
@@ -245,7 +246,7 @@ class PeerEngines:
     def load(self, region: WeightRegion) -> dict[str, float]:
         raise RuntimeError(f"{type(self).__name__} loads the trainer's weights through sync_weights")
 
-    def offer(self, region: WeightRegion, version: int) -> None:
+    def offer(self, region: WeightRegion, version: int, cut: int | None = None) -> None:
         """Engines in the ranks sleep while the ranks train: no round runs to offer to."""
 
     def halt(self) -> None:
@@ -294,8 +295,8 @@ class ProcEngines(PeerEngines):
     def load(self, region: WeightRegion) -> dict[str, float]:
         return self.fleet.load(region)
 
-    def offer(self, region: WeightRegion, version: int) -> None:
-        self.fleet.offer(region, version)
+    def offer(self, region: WeightRegion, version: int, cut: int | None = None) -> None:
+        self.fleet.offer(region, version, cut)
 
     def halt(self) -> None:
         self.fleet.halt()

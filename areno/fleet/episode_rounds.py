@@ -70,6 +70,7 @@ def joinable(cmd: str, kwargs: dict, spec: Any) -> bool:
 class _Round:
     reply: dict
     t0: float
+    version: int | None  # admitted with (--cut-at-deadline: InflightLoads.due)
     tokens: int | None = None  # set when it ended
 
 
@@ -83,7 +84,7 @@ def run_episode_rounds(worker: Any, first: dict, reply: dict) -> dict:
     from areno.rewards.plugin import RewardError
 
     spec = first["spec"]
-    rounds = [_Round(reply | {"tail_filled": 0}, time.perf_counter())]
+    rounds = [_Round(reply | {"tail_filled": 0}, time.perf_counter(), first["version"])]
     replied = 0
 
     def driver(kw: dict, k: int) -> Any:
@@ -101,7 +102,7 @@ def run_episode_rounds(worker: Any, first: dict, reply: dict) -> dict:
             return None
         kw = taken[1]
         worker.inflight.adopt(kw.get("region"), kw["version"])
-        rounds.append(_Round({"idle_s": 0.0, "tail_filled": len(kw["states"])}, time.perf_counter()))
+        rounds.append(_Round({"idle_s": 0.0, "tail_filled": len(kw["states"])}, time.perf_counter(), kw["version"]))
         return driver(kw, len(rounds) - 1)
 
     def done(k: int, out: Any) -> None:
@@ -112,7 +113,8 @@ def run_episode_rounds(worker: Any, first: dict, reply: dict) -> dict:
             replied += 1
 
     try:
-        run_rounds(driver(first, 0), admit, done, halting=worker.inflight.halting)
+        worker.engine.cut_samples += run_rounds(driver(first, 0), admit, done, worker.inflight.halting,
+                                                lambda k: worker.inflight.due(rounds[k].version))
     except RewardError as e:
         for r in rounds[replied:-1]:
             worker.reply(r.reply | {"reward_error": str(e), "tokens": 0})

@@ -17,8 +17,14 @@ rewritten by v + K + 1, published only once the round carrying v was collected
 order), and `begin` drops every offer not newer than the version a round starts
 with.
 
+Under --cut-at-deadline an offer also carries the deadline it sets: the
+trainer holding version u, a round admitted with u - K or older is due, and
+`step` hands that to the engine (engine.cut_version): its loop ends the due
+rounds' samples still generating, finish "length" (rollout/vllm_rounds.py,
+rollout/hf_rounds.py), and counts them (engine.cut_samples).
+
 Per round: begin(version) -> step(...) at each step boundary -> finish() -> the
-reply's figures {inflight_loads, inflight_checks, inflight_load_s, + probe}.
+reply's figures {inflight_loads, inflight_checks, inflight_load_s, cut_samples, + probe}.
 Under tail fill (fleet/tail_fill.py) a queued round joins the generation
 (adopt: its region loaded here, when newer), and a round that ends while a
 later one still runs takes `figures()`; the last one's finish() probes.
@@ -31,6 +37,7 @@ import time
 from typing import Any
 
 from areno.fleet.weight_sync import SyncCheck, WeightRegion, load_region, region_held
+from areno.rollout.engine import due
 
 
 class InflightLoads:
@@ -40,6 +47,7 @@ class InflightLoads:
         self.engine, self.check = engine, check
         self.version: int | None = None  # the weights the engine holds (None: not told yet)
         self._offer: tuple[int, WeightRegion] | None = None
+        self._cut: int | None = None  # --cut-at-deadline: rounds of this version or older are due
         self._lock = threading.Lock()  # the reader thread offers while the hook takes
         self._halt = False  # the run is saving (halt), never cleared: it exits after the save
         self._haltable = False  # the round generating may be halted (all but an agent's)
@@ -49,11 +57,14 @@ class InflightLoads:
         self.loads, self.checks, self.load_s = 0, 0, 0.0
         self._probe: WeightRegion | None = None  # the newest region loaded in this round
 
-    def offer(self, region: WeightRegion, version: int) -> None:
-        """The command reader thread: weights of `version` were published (kept if newest)."""
+    def offer(self, region: WeightRegion, version: int, cut: int | None = None) -> None:
+        """The command reader thread: weights of `version` were published (kept if
+        newest); cut (--cut-at-deadline): the newest version whose rounds are due."""
         with self._lock:
             if self._offer is None or version > self._offer[0]:
                 self._offer = (int(version), region)
+            if cut is not None and (self._cut is None or cut > self._cut):
+                self._cut = int(cut)
 
     def halt(self) -> None:
         """The command reader thread: the run is saving (Ctrl-C). Every haltable round,
@@ -61,6 +72,12 @@ class InflightLoads:
         sampled (finish "abort"); the resumed run continues them (areno/continuation.py,
         envs/resume.py)."""
         self._halt = True
+
+    def due(self, version: int | None) -> bool:
+        """--cut-at-deadline: whether a round admitted with `version` is due now
+        (rollout.engine.due); the multi-turn loop asks between turns (envs/rounds.py)."""
+        with self._lock:
+            return due(version, self._cut)
 
     def halting(self) -> bool:
         """Whether the run is saving and the round generating may be halted: at a
@@ -95,6 +112,7 @@ class InflightLoads:
             return
         with self._lock:
             offer, self._offer = self._offer, None
+            self.engine.cut_version = self._cut
         if offer is not None and self.newer(offer[0]):
             self.load(offer[1], offer[0])
 
@@ -124,8 +142,8 @@ class InflightLoads:
         """The loads since the last figures (a round's, when a later round keeps the
         generation going: no probe while the engine holds requests)."""
         out: dict = {"inflight_loads": self.loads, "inflight_checks": self.checks,
-                     "inflight_load_s": self.load_s}
-        self.loads, self.checks, self.load_s = 0, 0, 0.0
+                     "inflight_load_s": self.load_s, "cut_samples": self.engine.cut_samples}
+        self.loads, self.checks, self.load_s, self.engine.cut_samples = 0, 0, 0.0, 0
         return out
 
     def finish(self) -> dict:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from areno.metrics import INFLIGHT_COUNTS
 from areno.procs.replies import ReplyStream
 from areno.procs.signals import signals_held
 from areno.rollout.batch import RolloutBatch
@@ -140,7 +141,7 @@ class PendingRollout:
         self.engines._free_segments.append(self.plan.segment)
         info = {"idle_s": max(r["idle_s"] for r in replies)}
         if any("inflight_loads" in r for r in replies):  # --partial-rollouts (fleet/inflight_loads.py)
-            info |= {k: sum(r.get(k, 0) for r in replies) for k in ("inflight_loads", "inflight_checks", "tail_filled")}
+            info |= {k: sum(r.get(k, 0) for r in replies) for k in INFLIGHT_COUNTS}
         if failed := [r["reward_error"] for r in replies if "reward_error" in r]:
             info["reward_error"] = failed[0]  # an environment's failure (episodes): the caller raises it
         loaded = [r["load_s"] for r in replies if "load_s" in r]

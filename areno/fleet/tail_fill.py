@@ -88,7 +88,7 @@ def run_rounds(worker: Any, first: Any, out: OutRegion, reply: dict) -> dict:
         sequences = (kw["offsets"].size - 1) * kw["n"]
         rounds.append(_Round(PartWriter(kw["out"]), kw["offsets"].size - 1,
                              {"idle_s": 0.0, "tail_filled": sequences}))
-        return RoundRequest(kw["ids"], kw["offsets"], kw["n"], kw["sampling"])
+        return RoundRequest(kw["ids"], kw["offsets"], kw["n"], kw["sampling"], kw["version"])
 
     try:
         for k, pos, part in worker.engine.generate_rounds(first, admit):

@@ -211,9 +211,20 @@ def prompt_seeds(seed: int, num_prompts: int) -> np.ndarray:
 @dataclass(frozen=True)
 class RoundRequest:
     """One round of a tail-filled generation loop (fleet/tail_fill.py): its prompts
-    (CSR: int32 ids, int64 offsets [P+1]), samples per prompt and sampling."""
+    (CSR: int32 ids, int64 offsets [P+1]), samples per prompt and sampling;
+    version: the weights the scheduler admitted it with (its deadline's: a
+    --cut-at-deadline cut ends it once the engine's cut_version reaches it)."""
 
     ids: np.ndarray
     offsets: np.ndarray
     n: int
     sampling: SamplingConfig
+    version: int | None = None
+
+
+def due(version: int | None, cut_version: int | None) -> bool:
+    """Whether a round admitted with weights `version` is due under
+    --cut-at-deadline: the trainer now holds version + K updates (the engine's
+    cut_version is that minus K, None: no cut), so its samples still generating
+    end at this step boundary, finish "length"."""
+    return cut_version is not None and version is not None and version <= cut_version

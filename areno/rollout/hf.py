@@ -96,8 +96,9 @@ class HFEngine:
         # between decode steps; weight_version (None: not told) tags every token sampled.
         self.step_hook: Callable[[int], None] | None = None
         self.weight_version: int | None = None
-        self.kv_stale = False  # weights changed inside a generate: its cache is recomputed
+        self.kv_stale, self.cut_samples = False, 0  # weights changed inside a generate; samples cut
         self.halt = False  # set by step_hook: every row ends at this step boundary (finish "abort")
+        self.cut_version: int | None = None  # set by step_hook: due rounds end (rollout.engine.due)
 
     # -- sampling ------------------------------------------------------------
     def generate(
@@ -131,9 +132,8 @@ class HFEngine:
 
     def _validate(self, prompt_ids: np.ndarray, prompt_offsets: np.ndarray, n: int):
         self._check_awake()
-        return validate_prompts(
-            prompt_ids, prompt_offsets, n, max_model_len=self.max_model_len, vocab_size=self.vocab_size
-        )
+        return validate_prompts(prompt_ids, prompt_offsets, n, max_model_len=self.max_model_len,
+                                vocab_size=self.vocab_size)
 
     def _stops_and_seed(self, sampling: SamplingConfig) -> tuple[tuple[int, ...], int]:
         """The token ids that end a response, and the seed of one call: the

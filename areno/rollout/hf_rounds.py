@@ -64,6 +64,7 @@ class _Round:
     n: int
     samples: list[_Sample]
     yielded: np.ndarray
+    version: int | None = None  # admitted with (rollout.engine.due)
 
 
 def _shared(s: SamplingConfig) -> tuple:
@@ -73,15 +74,22 @@ def _shared(s: SamplingConfig) -> tuple:
 
 class _Cut(StoppingCriteria):
     """Ends a segment for every row (see the module doc); otherwise marks a row
-    done once it sampled a stop token or its budget. limits: [B] int64 tokens
-    each row may take; rounds: [B] int64 the round of each row."""
+    done once it sampled a stop token or its budget, or its round is due
+    (--cut-at-deadline: rollout.engine.due; cut_at [B] int64 the tokens it
+    keeps). limits: [B] int64 tokens each row may take; rounds: [B] int64 the
+    round of each row; versions: [B] int64 its round's admission version
+    (NEVER: none given)."""
 
-    def __init__(self, engine: Any, limits: np.ndarray, rounds: np.ndarray, stop_ids: tuple[int, ...],
-                 admit: Callable[[int], RoundRequest | None]) -> None:
+    NEVER = np.iinfo(np.int64).max
+
+    def __init__(self, engine: Any, limits: np.ndarray, rounds: np.ndarray, versions: np.ndarray,
+                 stop_ids: tuple[int, ...], admit: Callable[[int], RoundRequest | None]) -> None:
         self.engine, self.admit = engine, admit
         self.limits, self.rounds = torch.from_numpy(limits), torch.from_numpy(rounds)
+        self.versions = torch.from_numpy(versions)
         self.stop = torch.tensor(stop_ids, dtype=torch.long)
         self.done = torch.zeros(limits.size, dtype=torch.bool)
+        self.cut_at = np.full(limits.size, self.NEVER, dtype=np.int64)
         self.present = int(np.unique(rounds).size)
         self.steps = 0
         self.joiner: RoundRequest | None = None
@@ -90,6 +98,11 @@ class _Cut(StoppingCriteria):
         self.steps += 1
         last = input_ids[:, -1].cpu()
         self.done |= torch.isin(last, self.stop) | (self.steps >= self.limits)
+        if self.engine.cut_version is not None:
+            cut = (self.versions <= self.engine.cut_version) & ~self.done
+            self.cut_at[cut.numpy()] = self.steps
+            self.done |= cut
+            self.engine.cut_samples += int(cut.sum())
         every = torch.ones_like(self.done, device=input_ids.device)
         if self.engine.halt or bool(self.done.all()):
             return every
@@ -118,13 +131,14 @@ def stream_rounds(engine: Any, first: RoundRequest, admit: Callable[[int], Round
         budget = np.minimum(req.sampling.max_tokens, engine.max_model_len - np.diff(offsets))
         samples = [_Sample(len(rounds), ids[offsets[p]:offsets[p + 1]], int(budget[p]))
                    for p in range(offsets.size - 1) for _ in range(req.n)]
-        rounds.append(_Round(ids, offsets, req.n, samples, np.zeros(offsets.size - 1, dtype=bool)))
+        rounds.append(_Round(ids, offsets, req.n, samples, np.zeros(offsets.size - 1, dtype=bool), req.version))
         live.extend(samples)
 
     add(first)
     while live:
-        cut = _Cut(engine, np.array([s.left for s in live], dtype=np.int64),
-                   np.array([s.round for s in live], dtype=np.int64), stop_ids, admit)
+        at = np.array([s.round for s in live], dtype=np.int64)
+        version = np.array([_Cut.NEVER if r.version is None else r.version for r in rounds], dtype=np.int64)
+        cut = _Cut(engine, np.array([s.left for s in live], dtype=np.int64), at, version[at], stop_ids, admit)
         _segment(engine, live, rounds[-1].n, first.sampling, stop_ids, int(segment_seeds.integers(1 << 62)), cut)
         live[:] = [s for s in live if s.finish is None]
         for k, r in enumerate(rounds):
@@ -154,7 +168,7 @@ def _segment(engine: Any, samples: list[_Sample], n: int, s: SamplingConfig, sto
     tok, lp, ver = engine._sample(rows, mask, n, s, int(limits.max()), stop_ids, seed, extra=(cut,),
                                   carried=carried)
     col = np.arange(tok.shape[1])
-    span = np.minimum(limits, tok.shape[1])
+    span = np.minimum(np.minimum(limits, tok.shape[1]), cut.cut_at)
     hit = np.isin(tok, np.asarray(stop_ids, dtype=tok.dtype)) & (col < span[:, None]) if stop_ids else \
         np.zeros(tok.shape, dtype=bool)
     stopped = hit.any(axis=1)
@@ -167,7 +181,7 @@ def _segment(engine: Any, samples: list[_Sample], n: int, s: SamplingConfig, sto
         x.left -= c
         if stopped[i]:
             x.finish = FINISH_STOP
-        elif x.left == 0:
+        elif x.left == 0 or c == cut.cut_at[i]:  # its budget, or its deadline's cut
             x.finish = FINISH_LENGTH
         elif engine.halt:
             x.finish = FINISH_ABORT

@@ -128,6 +128,8 @@ class VLLMEngine:
         # engine steps; weight_version (None: not told) tags every token sampled.
         self.step_hook: Callable[[int], None] | None = None
         self.halt = False  # set by step_hook: every request ends at this step boundary (finish "abort")
+        self.cut_version: int | None = None  # set by step_hook: due rounds end (rollout.engine.due)
+        self.cut_samples = 0
         self.weight_version: int | None = None
         self._swaps: SwapLog | None = None  # the generation in progress, while a hook may swap
 

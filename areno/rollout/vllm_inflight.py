@@ -65,17 +65,27 @@ def child_ids(enqueued: str, n: int) -> list[str]:
     return [enqueued] if n == 1 else [f"{j}_{enqueued}" for j in range(n)]
 
 
-def halt_requests(llm_engine: Any) -> list[Any]:
-    """End every request the engine holds now, with the tokens it sampled (the
-    run is saving: fleet/inflight_loads.py's halt) -> their final RequestOutputs
-    (finish "abort"; a prompt's n samples in one, as a finished request's).
+def halt_requests(llm_engine: Any, held: list[str] | None = None, finish: str = "abort") -> list[Any]:
+    """End the requests `held` (vLLM's ids; None: every one the engine holds) now,
+    with the tokens they sampled -> their final RequestOutputs (a prompt's n
+    samples in one, as a finished request's), finish "abort" (the run is saving:
+    fleet/inflight_loads.py's halt) or "length" (a --cut-at-deadline cut).
     vLLM's sync engine makes no output for an aborted request, so each one's is
     made from its output state (tokens and log-probs so far) before the abort."""
     from vllm.v1.engine import FinishReason
 
     states = llm_engine.output_processor.request_states
-    held = list(states)
-    outputs = [o for rid in held
-               if (o := states[rid].make_request_output([], None, FinishReason.ABORT, None)) is not None]
+    held = list(states) if held is None else held
+    reason = FinishReason.ABORT if finish == "abort" else FinishReason.LENGTH
+    outputs = [o for rid in held if (o := states[rid].make_request_output([], None, reason, None)) is not None]
     llm_engine.abort_request(held, internal=True)
     return outputs
+
+
+def cut_requests(llm_engine: Any, req_ids: list[str], n: int) -> tuple[list[Any], int]:
+    """--cut-at-deadline: a due round's samples still running (its enqueued ids,
+    n samples each) end now -> (their final RequestOutputs, finish "length";
+    how many samples were cut)."""
+    states = llm_engine.output_processor.request_states
+    held = [c for e in req_ids for c in child_ids(e, n) if c in states]
+    return (halt_requests(llm_engine, held, "length") if held else []), len(held)

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from areno.rollout.batch import RolloutBatch, offsets_from_lengths
-from areno.rollout.engine import RoundRequest
-from areno.rollout.vllm_inflight import SwapLog, halt_requests
+from areno.rollout.engine import RoundRequest, due
+from areno.rollout.vllm_inflight import SwapLog, cut_requests, halt_requests
 from areno.rollout.vllm_outputs import batch_from_request_outputs
 
 
@@ -37,6 +37,8 @@ class _Round:
     req_ids: list[str]
     n: int
     swaps: SwapLog
+    version: int | None = None  # admitted with (rollout.engine.due)
+    cut: bool = False  # its samples still running were cut at its deadline
     done: list[Any] = field(default_factory=list)  # finished outputs not yet yielded
 
 
@@ -73,7 +75,7 @@ def stream_rounds(engine: Any, first: RoundRequest, admit: Callable[[int], Round
         req_ids = engine.llm.enqueue(prompts, params, use_tqdm=False, lora_request=engine._lora())
         # enqueue returns "<counter>-<suffix>"; finished outputs carry "<counter>".
         where.update({rid.split("-", 1)[0]: (len(rounds), i) for i, rid in enumerate(req_ids)})
-        rounds.append(_Round(offsets, pieces, req_ids, req.n, SwapLog(engine.weight_version)))
+        rounds.append(_Round(offsets, pieces, req_ids, req.n, SwapLog(engine.weight_version), req.version))
         swaps.logs.append(rounds[-1].swaps)
 
     enqueue(first)
@@ -100,10 +102,22 @@ def stream_rounds(engine: Any, first: RoundRequest, admit: Callable[[int], Round
                         rounds[where[o.request_id][0]].done.append(o)
                     yield from finished()
                     return
+                _cut_due(engine, rounds)
+                yield from finished()
             if (req := admit(running_sequences(engine))) is not None:
                 enqueue(req)
     finally:
         engine._swaps = None
+
+
+def _cut_due(engine: Any, rounds: list[_Round]) -> None:
+    """--cut-at-deadline: the samples still running of every round now due end
+    with the tokens they have (finish "length"; their outputs join round.done)."""
+    for r in rounds:
+        if not r.cut and due(r.version, engine.cut_version):
+            outs, cut = cut_requests(engine.llm.llm_engine, r.req_ids, r.n)
+            r.done += outs
+            r.cut, engine.cut_samples = True, engine.cut_samples + cut
 
 
 def _part(r: _Round, positions: list[int]) -> tuple[np.ndarray, RolloutBatch]:
