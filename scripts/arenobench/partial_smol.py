@@ -1,9 +1,9 @@
 """`bench_async.py --partial-smol`: issue 39's comparison on the real model.
 
 SmolLM2-135M-Instruct (arenobench/smol.py), fp32, the vLLM CPU engine in one
-engine process beside one rank, run three ways on one long-tailed task, side
-by side in one invocation: synchronous (K = 0), K-ahead (K = --partial-k) and
---partial-rollouts at the same K. The task mixes short answers with long ones
+engine process beside one rank, run four ways on one long-tailed task, side
+by side in one invocation: synchronous (K = 0), K-ahead (K = --partial-k),
+--partial-rollouts at the same K, and the same with --cut-at-deadline. The task mixes short answers with long ones
 (`tail_task`: most prompts ask for a sum, one in --long-every asks to count up
 to a number drawn from a heavy tail), so a round's slowest group runs many
 times longer than its median one, as on long chain-of-thought work. The
@@ -55,15 +55,14 @@ def tail_task(d: Path, rows: int, long_every: int, sigma: float, seed: int = 0) 
     return data, reward
 
 
-def run_mode(model: Path, data: Path, reward: Path, k: int, partial: bool, args, out: Path) -> list[dict]:
+def run_mode(model: Path, data: Path, reward: Path, k: int, flags: list[str], args, out: Path) -> list[dict]:
     """One `areno train` run -> its step records (metrics.jsonl)."""
     cmd = [sys.executable, "-m", "areno.cli", "train", "--ckpt", str(model), "--dataset-path", str(data),
            "--reward-fn-path", str(reward), "--system-prompt", "Answer briefly.", "--dtype", "float32",
            "--rollout-engine", "vllm", "--world-size", "1", "--rollout-world-size", "1",
            "--off-policy-steps", str(k), "--batch-size", str(args.prompts), "--n-samples", str(args.samples),
            "--max-new-tokens", str(args.new_tokens), "--max-steps", str(args.smol_steps), "--seed", "0",
-           "--reward-workers", "0", "--log-completions", "0", "--no-save", "--output-dir", str(out),
-           "--partial-rollouts" if partial else "--whole-rounds"]
+           "--reward-workers", "0", "--log-completions", "0", "--no-save", "--output-dir", str(out), *flags]
     res = subprocess.run(cmd, env=child_env(), capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed (rc {res.returncode}):\n{res.stderr[-3000:]}")
@@ -82,11 +81,12 @@ def summary(name: str, steps: list[dict]) -> dict:
     return {"mode": name, "step_s": step, "trained_tokens_per_s": med("train/loss_tokens") / step,
             "engine_idle_frac": med("time/wait_weights") / step, "token_lag_mean": med("rollout/token_lag_mean"),
             "len_mean": med("response/len_mean"), "len_max": max(r.get("response/len_max", 0.0) for r in kept),
-            "inflight_loads": med("rollout/inflight_loads"), "measured_steps": len(kept)}
+            "inflight_loads": med("rollout/inflight_loads"),
+            "cut_samples": sum(r.get("rollout/cut_samples", 0.0) for r in steps), "measured_steps": len(kept)}
 
 
 def partial_smol(args, tmp: Path) -> tuple[str, list[dict]]:
-    """The three runs -> (a markdown table, its rows)."""
+    """The four runs -> (a markdown table, its rows)."""
     from arenobench.smol import smol_model_path
 
     model = smol_model_path(args.cache)
@@ -94,16 +94,18 @@ def partial_smol(args, tmp: Path) -> tuple[str, list[dict]]:
                              args.tail_sigma)
     k = args.partial_k
     rows = []
-    for name, kk, partial in [("sync (K=0)", 0, False), (f"K-ahead (K={k})", k, False),
-                              (f"partial (K={k})", k, True)]:
-        rows.append(summary(name, run_mode(model, data, reward, kk, partial, args, tmp / name.split()[0])))
+    for name, kk, flags in [("sync (K=0)", 0, ["--whole-rounds"]), (f"K-ahead (K={k})", k, ["--whole-rounds"]),
+                            (f"partial (K={k})", k, ["--partial-rollouts"]),
+                            (f"partial, cut at deadline (K={k})", k, ["--partial-rollouts", "--cut-at-deadline"])]:
+        where = tmp / name.split(" (")[0].replace(", ", "-").replace(" ", "-")
+        rows.append(summary(name, run_mode(model, data, reward, kk, flags, args, where)))
         print(f"  {name}: {rows[-1]['step_s']:.2f} s/step", flush=True)
     sync = rows[0]["trained_tokens_per_s"]
     out = ["| mode | step (median) | trained tok/s | vs sync | engine idle | token lag | len mean / max "
-           "| in-flight loads/step |", "| --- " * 8 + "|"]
+           "| in-flight loads/step | samples cut |", "| --- " * 9 + "|"]
     for r in rows:
         out.append(f"| {r['mode']} | {r['step_s']:.2f} s | {r['trained_tokens_per_s']:.0f} | "
                    f"{r['trained_tokens_per_s'] / sync:.2f}x | {100 * r['engine_idle_frac']:.0f}% | "
                    f"{r['token_lag_mean']:.2f} | {r['len_mean']:.0f} / {r['len_max']:.0f} | "
-                   f"{r['inflight_loads']:.1f} |")
+                   f"{r['inflight_loads']:.1f} | {r['cut_samples']:.0f} |")
     return "\n".join(out), rows
