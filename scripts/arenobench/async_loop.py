@@ -311,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=4, help="--n-samples of the --partial-smol runs")
     ap.add_argument("--new-tokens", type=int, default=160, help="--max-new-tokens of the --partial-smol runs")
     ap.add_argument("--long-every", type=int, default=4, help="--partial-smol: one prompt in this many is long")
+    ap.add_argument("--smol-engine", choices=("vllm", "hf"), default="vllm",
+                    help="--partial-smol's rollout engine (hf: transformers, where generation is the slower side)")
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "areno-bench-cache",
                     help="where --partial-smol builds the real model once")
     args = ap.parse_args(argv)

@@ -1,7 +1,7 @@
 """`bench_async.py --partial-smol`: issue 39's comparison on the real model.
 
-SmolLM2-135M-Instruct (arenobench/smol.py), fp32, the vLLM CPU engine in one
-engine process beside one rank, run four ways on one long-tailed task, side
+SmolLM2-135M-Instruct (arenobench/smol.py), fp32, the vLLM CPU engine
+(--smol-engine hf: transformers') in one engine process beside one rank, run four ways on one long-tailed task, side
 by side in one invocation: synchronous (K = 0), K-ahead (K = --partial-k),
 --partial-rollouts at the same K, and the same with --cut-at-deadline. The task mixes short answers with long ones
 (`tail_task`: most prompts ask for a sum, one in --long-every asks to count up
@@ -59,7 +59,7 @@ def run_mode(model: Path, data: Path, reward: Path, k: int, flags: list[str], ar
     """One `areno train` run -> its step records (metrics.jsonl)."""
     cmd = [sys.executable, "-m", "areno.cli", "train", "--ckpt", str(model), "--dataset-path", str(data),
            "--reward-fn-path", str(reward), "--system-prompt", "Answer briefly.", "--dtype", "float32",
-           "--rollout-engine", "vllm", "--world-size", "1", "--rollout-world-size", "1",
+           "--rollout-engine", args.smol_engine, "--world-size", "1", "--rollout-world-size", "1",
            "--off-policy-steps", str(k), "--batch-size", str(args.prompts), "--n-samples", str(args.samples),
            "--max-new-tokens", str(args.new_tokens), "--max-steps", str(args.smol_steps), "--seed", "0",
            "--reward-workers", "0", "--log-completions", "0", "--no-save", "--output-dir", str(out), *flags]
