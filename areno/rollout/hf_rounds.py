@@ -36,7 +36,7 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteria
 
 from areno.rollout.batch import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, RolloutBatch, csr_take, offsets_from_lengths
-from areno.rollout.engine import RoundRequest, SamplingConfig
+from areno.rollout.engine import RoundRequest, SamplingConfig, due
 
 
 @dataclass(eq=False)
@@ -76,20 +76,18 @@ class _Cut(StoppingCriteria):
     """Ends a segment for every row (see the module doc); otherwise marks a row
     done once it sampled a stop token or its budget, or its round is due
     (--cut-at-deadline: rollout.engine.due; cut_at [B] int64 the tokens it
-    keeps). limits: [B] int64 tokens each row may take; rounds: [B] int64 the
-    round of each row; versions: [B] int64 its round's admission version
-    (NEVER: none given)."""
+    keeps, max int64 where not cut). limits: [B] int64 tokens each row may
+    take; rounds: [B] int64 the round of each row; versions: each round's
+    admission version (None: none given)."""
 
-    NEVER = np.iinfo(np.int64).max
-
-    def __init__(self, engine: Any, limits: np.ndarray, rounds: np.ndarray, versions: np.ndarray,
+    def __init__(self, engine: Any, limits: np.ndarray, rounds: np.ndarray, versions: list[int | None],
                  stop_ids: tuple[int, ...], admit: Callable[[int], RoundRequest | None]) -> None:
         self.engine, self.admit = engine, admit
         self.limits, self.rounds = torch.from_numpy(limits), torch.from_numpy(rounds)
-        self.versions = torch.from_numpy(versions)
+        self.versions = versions
         self.stop = torch.tensor(stop_ids, dtype=torch.long)
         self.done = torch.zeros(limits.size, dtype=torch.bool)
-        self.cut_at = np.full(limits.size, self.NEVER, dtype=np.int64)
+        self.cut_at = np.full(limits.size, np.iinfo(np.int64).max, dtype=np.int64)
         self.present = int(np.unique(rounds).size)
         self.steps = 0
         self.joiner: RoundRequest | None = None
@@ -99,7 +97,7 @@ class _Cut(StoppingCriteria):
         last = input_ids[:, -1].cpu()
         self.done |= torch.isin(last, self.stop) | (self.steps >= self.limits)
         if self.engine.cut_version is not None:
-            cut = (self.versions <= self.engine.cut_version) & ~self.done
+            cut = torch.tensor([due(v, self.engine.cut_version) for v in self.versions])[self.rounds] & ~self.done
             self.cut_at[cut.numpy()] = self.steps
             self.done |= cut
             self.engine.cut_samples += int(cut.sum())
@@ -136,9 +134,8 @@ def stream_rounds(engine: Any, first: RoundRequest, admit: Callable[[int], Round
 
     add(first)
     while live:
-        at = np.array([s.round for s in live], dtype=np.int64)
-        version = np.array([_Cut.NEVER if r.version is None else r.version for r in rounds], dtype=np.int64)
-        cut = _Cut(engine, np.array([s.left for s in live], dtype=np.int64), at, version[at], stop_ids, admit)
+        cut = _Cut(engine, np.array([s.left for s in live], dtype=np.int64),
+                   np.array([s.round for s in live], dtype=np.int64), [r.version for r in rounds], stop_ids, admit)
         _segment(engine, live, rounds[-1].n, first.sampling, stop_ids, int(segment_seeds.integers(1 << 62)), cut)
         live[:] = [s for s in live if s.finish is None]
         for k, r in enumerate(rounds):
